@@ -1,0 +1,81 @@
+"""Atomic, hash-checked checkpoints: write a temp file, fsync, rename; keep the last two.
+
+A file is ``MAGIC || sha256(body) || body`` where the body is a ``torch.save`` of a plain dict.
+A truncated or corrupted file fails the hash check and the loader falls back to the previous one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"LOWCOMM-CKPT-1\n"
+KEEP = 2
+
+
+class CheckpointError(Exception):
+    """A checkpoint file that cannot be trusted."""
+
+
+def _path(directory: Path, step: int) -> Path:
+    return directory / f"step-{step:09d}.ckpt"
+
+
+def save(directory: Path, step: int, payload: dict[str, Any]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    body = buffer.getvalue()
+    final = _path(directory, step)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(MAGIC)
+        fh.write(hashlib.sha256(body).digest())
+        fh.write(body)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+    for old in list_checkpoints(directory)[:-KEEP]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Checkpoint files, oldest first."""
+    if not directory.is_dir():
+        return []
+    return sorted(directory.glob("step-*.ckpt"))
+
+
+def read(path: Path) -> dict[str, Any]:
+    data = path.read_bytes()
+    header = len(MAGIC) + 32
+    if len(data) < header or not data.startswith(MAGIC):
+        raise CheckpointError(f"{path} is not a lowcomm checkpoint or is truncated")
+    digest, body = data[len(MAGIC):header], data[header:]
+    if hashlib.sha256(body).digest() != digest:
+        raise CheckpointError(f"{path} is corrupted (its hash does not match its content)")
+    return torch.load(io.BytesIO(body), weights_only=True)
+
+
+def load_latest(directory: Path) -> tuple[dict[str, Any], Path] | None:
+    """The newest checkpoint that passes its hash check; logs every file it had to skip."""
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            return read(path), path
+        except (CheckpointError, OSError, RuntimeError, EOFError) as err:
+            log.warning("skipping checkpoint %s: %s; falling back to an older one or to peer state", path.name, err)
+    return None

@@ -1,0 +1,283 @@
+"""``lowcomm-node join | status | healthcheck | init-config``.
+
+User mistakes (bad config, unreachable peers, busy ports) end with one ``lowcomm-node: error:``
+line on stderr and a non-zero exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from lowcomm import __version__
+
+from .config import NODE_KEYS, Config, ConfigError, NodeSection, load_config
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+
+def _fail(message: str, code: int = EXIT_FAILURE) -> int:
+    print(f"lowcomm-node: error: {message}", file=sys.stderr)
+    return code
+
+
+# -- join ----------------------------------------------------------------------------------------
+
+
+def _add_join_flags(parser: argparse.ArgumentParser) -> None:
+    # Every flag defaults to None so that only flags actually given override the TOML and env.
+    add = parser.add_argument
+    add("--peers", "--initial-peers", dest="peers", nargs="+", action="extend", metavar="MADDR",
+        help="multiaddr(s) of peers already in the swarm; none: start a new swarm")
+    add("--config", type=Path, help="run config TOML (see `lowcomm-node init-config`)")
+    add("--host", help="interface to listen on (default 0.0.0.0)")
+    add("--announce-host", help="host other peers use to reach this node's gRPC server")
+    add("--grpc-port", type=int, metavar="P", help="gRPC port (default 7701; 0: any free port)")
+    add("--dht-port", type=int, metavar="P", help="DHT (libp2p) port (default 7700; 0: any free port)")
+    add("--metrics-port", type=int, metavar="P", help="Prometheus /metrics port (default 7702; 0: any free port)")
+    add("--identity", type=Path, metavar="PATH", help="libp2p key file (default <checkpoint-dir>/identity.key)")
+    add("--checkpoint-dir", type=Path, metavar="DIR", help="checkpoint directory (default ./lowcomm-checkpoints)")
+    add("--run-secret-file", type=Path, metavar="F", help="run secret for authenticated swarms (not implemented yet)")
+    add("--client-mode", action="store_const", const=True, default=None,
+        help="no inbound connections: own no shard, serve no state (behind NAT)")
+    add("--max-rounds", type=int, metavar="N", help="exit 0 after N completed outer rounds")
+    add("--data", metavar="GLOB", help="train on these text files instead of the default corpus")
+    add("--device", choices=["auto", "cpu", "cuda"], help="where inner steps run (default auto)")
+    add("--torch-threads", type=int, metavar="N", help="torch threads of the training thread")
+    add("--log-format", choices=["auto", "text", "json"], help="auto: text on a terminal, JSON otherwise")
+    add("--log-level", choices=["debug", "info", "warning", "error"])
+    add("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override one run-config key, e.g. --set train.inner_steps=20 (repeatable)")
+
+
+def _join_flags(args: argparse.Namespace) -> dict[str, Any]:
+    keys = set(NODE_KEYS) | {"data"}
+    return {key: getattr(args, key) for key in keys if getattr(args, key, None) is not None}
+
+
+def _start_dht(config: Config):
+    """Create the hivemind DHT before any event loop or gRPC object exists (it forks)."""
+    import hivemind
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+    node = config.node
+    host = node.host
+    proto = "ip6" if ":" in host else "ip4"
+    config.identity_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return hivemind.DHT(
+            initial_peers=node.peers,
+            host_maddrs=[f"/{proto}/{host}/tcp/{node.dht_port}"],
+            identity_path=str(config.identity_path),
+            start=True,
+        )
+    except P2PDaemonError as err:
+        text = str(err)
+        if "bootstrap" in text:
+            raise RuntimeError(
+                f"none of the peers answered: {' '.join(node.peers)}; check the multiaddr "
+                f"(it must end in /p2p/<peer id>) and that the peer is running and reachable"
+            ) from None
+        if "address already in use" in text:
+            raise RuntimeError(f"DHT port {node.dht_port} on {host} is already in use; "
+                               f"choose another with --dht-port (or LOWCOMM_DHT_PORT)") from None
+        raise RuntimeError(f"the DHT daemon failed to start: {text.splitlines()[0] if text else err}") from None
+    except ValueError as err:  # malformed multiaddrs
+        raise RuntimeError(f"invalid --peers multiaddr: {err}") from None
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config, _join_flags(args), args.overrides)
+    except ConfigError as err:
+        return _fail(str(err), EXIT_USAGE)
+    if config.node.run_secret_file is not None:
+        return _fail("--run-secret-file is not implemented yet: authenticated swarms are planned "
+                     "(issue #7); run without it for an open swarm", EXIT_USAGE)
+
+    from .logs import setup_logging
+
+    human = setup_logging(config.node.log_format, config.node.log_level)
+    from .data import DataError
+
+    try:
+        dht = _start_dht(config)
+    except RuntimeError as err:
+        return _fail(str(err))
+    try:
+        import uvloop
+
+        from .daemon import FatalError, Node
+
+        try:
+            return uvloop.run(Node(config, dht, human).run())
+        except (FatalError, DataError) as err:
+            return _fail(str(err))
+    finally:
+        dht.shutdown()
+
+
+# -- status and healthcheck ------------------------------------------------------------------------
+
+
+def _status_dict(status) -> dict[str, Any]:
+    def number(value: float) -> float | None:
+        return None if math.isnan(value) else value
+
+    return {
+        "peer_id": status.peer_id,
+        "outer_step": status.outer_step,
+        "params_sha256": status.params_sha256,
+        "swarm_peers": status.swarm_peers,
+        "swarm_outer_step_max": status.swarm_outer_step_max,
+        "phase": status.phase,
+        "loss": number(status.loss),
+        "eval_loss": number(status.eval_loss),
+        "tokens_total": status.tokens_total,
+        "tokens_per_second": status.tokens_per_second,
+        "rounds_completed": status.rounds_completed,
+        "codec": status.codec,
+        "mode": status.mode,
+        "version": status.version,
+        "multiaddrs": list(status.multiaddrs),
+        "swarm": [
+            {"peer_id": p.peer_id, "address": p.address, "outer_step": p.outer_step,
+             "params_sha256": p.params_sha256, "tokens_per_second": p.tokens_per_second,
+             "client_mode": p.client_mode, "bandwidth_bps": p.bandwidth_bps}
+            for p in status.swarm
+        ],
+    }
+
+
+def _print_status(info: dict[str, Any]) -> None:
+    def fmt(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    print(f"node      {info['peer_id']}  ({info['phase']}, lowcomm {info['version']}, {info['mode']}/{info['codec']})")
+    print(f"step      {info['outer_step']}  (swarm max {info['swarm_outer_step_max']})  params {info['params_sha256'][:16]}")
+    print(f"loss      train {fmt(info['loss'])}  eval {fmt(info['eval_loss'])}  "
+          f"tokens {info['tokens_total']:,}  {info['tokens_per_second']:,.0f} tok/s")
+    print(f"swarm     {info['swarm_peers']} peer(s)")
+    top = info["swarm_outer_step_max"]
+    for peer in info["swarm"]:
+        kind = "client" if peer["client_mode"] else peer["address"]
+        lag = top - peer["outer_step"]
+        print(f"  {peer['peer_id'][-12:]}  step {peer['outer_step']:>5} (lag {lag})  "
+              f"{peer['tokens_per_second']:>9,.0f} tok/s  {kind}")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import grpc
+
+    from lowcomm.protocol.rpc import fetch_status
+
+    try:
+        status = asyncio.run(fetch_status(args.target, args.timeout))
+    except grpc.aio.AioRpcError as err:
+        return _fail(f"no node answered at {args.target}: {err.code().name} {err.details() or ''}".rstrip())
+    info = _status_dict(status)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        _print_status(info)
+    return 0
+
+
+def cmd_healthcheck(args: argparse.Namespace) -> int:
+    import grpc
+
+    from lowcomm.protocol.rpc import check_health
+
+    try:
+        state = asyncio.run(check_health(args.target, args.timeout))
+    except grpc.aio.AioRpcError as err:
+        return _fail(f"unhealthy: no node answered at {args.target} ({err.code().name})")
+    if state != "SERVING":
+        return _fail(f"unhealthy: {args.target} reports {state}")
+    print(f"{args.target}: {state}")
+    return 0
+
+
+# -- init-config ---------------------------------------------------------------------------------
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))
+
+
+def render_default_config() -> str:
+    """The default config as commented TOML; [node] keys are commented out (usually flags)."""
+    lines = [
+        "# lowcomm run config. Every peer of a run must use the same [run], [model], [data] seq_len,",
+        "# [train] and [sync] values (peers compare a fingerprint of them before averaging).",
+        "# Precedence: defaults < this file < LOWCOMM_* environment variables < command-line flags.",
+    ]
+    defaults = Config()
+    for section, field in Config.model_fields.items():
+        model = getattr(defaults, section)
+        lines.append("")
+        if section == "node":
+            lines.append("# Node-local settings: each is also a `join` flag and a LOWCOMM_<KEY> variable.")
+        lines.append(f"[{section}]")
+        for key, info in type(model).model_fields.items():
+            if info.description:
+                lines.append(f"# {info.description}".replace("\n", "\n# "))
+            value = getattr(model, key)
+            prefix = "# " if section == "node" else ""
+            if value is None:
+                lines.append(f"# {key} = ...")
+            else:
+                lines.append(f"{prefix}{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def cmd_init_config(args: argparse.Namespace) -> int:
+    print(render_default_config(), end="")
+    return 0
+
+
+# -- entry point ---------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lowcomm-node", description="Peer-to-peer low-communication training node.")
+    parser.add_argument("--version", action="version", version=f"lowcomm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    join = sub.add_parser("join", help="join (or start) a swarm and train")
+    _add_join_flags(join)
+    join.set_defaults(func=cmd_join)
+    for name, func, help_text in (("status", cmd_status, "show a running node and its swarm"),
+                                  ("healthcheck", cmd_healthcheck, "exit 0 if the node at --target is serving")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--target", default="127.0.0.1:7701", metavar="HOST:PORT", help="the node's gRPC address")
+        p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+        if name == "status":
+            p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.set_defaults(func=func)
+    init = sub.add_parser("init-config", help="print a commented default run config")
+    init.set_defaults(func=cmd_init_config)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

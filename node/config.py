@@ -1,0 +1,291 @@
+"""Typed, validated configuration: defaults < ``--config`` TOML < ``LOWCOMM_*`` env < flags.
+
+A config has two halves:
+
+* the **run config** (``[run]``, ``[model]``, ``[data]``, ``[train]``, ``[sync]``): what every peer
+  of one run must agree on. Its canonical JSON is hashed into a fingerprint that peers compare
+  before they average (``run_fingerprint``);
+* the **node config** (``[node]``): where this one process listens, stores and logs. Every
+  ``[node]`` key is also a ``join`` flag and a ``LOWCOMM_<KEY>`` environment variable.
+
+Errors never surface as pydantic tracebacks: ``load_config`` raises ``ConfigError`` whose message
+names the source (file, variable or flag), the key and what was expected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+CODEC_CHOICES = ("fp32", "fp16", "bf16", "int8", "int4", "topk")
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors: a typo in a run config must not silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class RunSection(_Section):
+    name: str = Field("lowcomm", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """Name of the run; prefixes every DHT key, so two runs can share one DHT."""
+
+
+class ModelSection(_Section):
+    preset: Literal["tiny", "small", "medium", "gpt2"] = "tiny"
+    """Model size: tiny (CPU, ~0.5M params) up to gpt2 (124M, for GPUs)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout probability inside the transformer blocks."""
+
+
+class DataSection(_Section):
+    path: str | None = None
+    """Glob of UTF-8 text files to train on; unset: the Python standard library's own .py files."""
+    seq_len: int = Field(128, ge=8, le=4096)
+    """Tokens (bytes) per training sequence."""
+    eval_fraction: float = Field(0.05, gt=0.0, lt=0.5)
+    """Share of the files held out for evaluation (chosen by a hash of the file name)."""
+    eval_batches: int = Field(4, ge=1)
+    """Batches of the fixed held-out set averaged into one eval loss."""
+    shards: int = Field(64, ge=1)
+    """Contiguous shards of the training split; each peer starts on a shard chosen by its id."""
+
+
+class TrainSection(_Section):
+    inner_steps: int = Field(50, ge=1)
+    """H: inner optimizer steps between two outer rounds."""
+    batch_size: int = Field(16, ge=1)
+    """Sequences per inner step."""
+    lr: float = Field(1e-3, gt=0.0)
+    """Peak learning rate of the inner AdamW optimizer."""
+    weight_decay: float = Field(0.1, ge=0.0)
+    """AdamW weight decay."""
+    warmup_steps: int = Field(20, ge=0)
+    """Linear warm-up of the inner learning rate, in inner steps of this process."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Global gradient-norm clip of the inner steps."""
+    seed: int = 0
+    """Seed of the initial weights (identical on every peer) and of the data order."""
+
+
+class SyncSection(_Section):
+    mode: Literal["allreduce"] = "allreduce"
+    """How peers average: butterfly all-reduce inside groups."""
+    codec: Literal["fp32", "fp16", "bf16", "int8", "int4", "topk"] = "int8"
+    """Encoding of pseudo-gradients on the wire (lossy codecs use error feedback)."""
+    group_size: int = Field(16, ge=2)
+    """Largest group a leader closes."""
+    outer_lr: float = Field(0.7, gt=0.0)
+    """Learning rate of the outer Nesterov SGD step (DiLoCo: 0.7)."""
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """Momentum of the outer step (DiLoCo: 0.9)."""
+    matchmaking_timeout: float = Field(30.0, gt=0.0)
+    """Seconds a leader waits for expected peers before it closes the group with who came."""
+    reduce_timeout: float = Field(60.0, gt=0.0)
+    """Seconds a member waits for one shard's average before it skips that shard."""
+
+
+class NodeSection(_Section):
+    peers: list[str] = []
+    """Multiaddrs of peers already in the swarm; empty: start a new swarm."""
+    host: str = "0.0.0.0"
+    """Interface the DHT and gRPC servers listen on."""
+    announce_host: str | None = None
+    """Host other peers use to reach this node's gRPC server (default: the listen host, or the
+    first non-loopback address the DHT sees when listening on 0.0.0.0)."""
+    grpc_port: int = Field(7701, ge=0, le=65535)
+    """gRPC port (averaging, state download, status, health); 0 picks a free port."""
+    dht_port: int = Field(7700, ge=0, le=65535)
+    """libp2p port of the DHT; 0 picks a free port."""
+    metrics_port: int = Field(7702, ge=0, le=65535)
+    """Prometheus /metrics port; 0 picks a free port."""
+    identity: Path | None = None
+    """libp2p private key file (created if missing); default: <checkpoint_dir>/identity.key."""
+    checkpoint_dir: Path = Path("lowcomm-checkpoints")
+    """Directory of the atomic checkpoints (the last two are kept)."""
+    run_secret_file: Path | None = None
+    """File holding the run secret that authenticates peers (not implemented yet: refused)."""
+    client_mode: bool = False
+    """No inbound connections: own no shard, serve no state (for peers behind NAT)."""
+    max_rounds: int | None = Field(None, ge=1)
+    """Exit 0 after this many outer rounds of this process."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where inner steps run; auto: CUDA (with bf16 autocast) when available."""
+    torch_threads: int | None = Field(None, ge=1)
+    """Torch intra-op threads of the training thread; unset: torch's default."""
+    log_format: Literal["auto", "text", "json"] = "auto"
+    """auto: human lines on a terminal, JSON lines otherwise."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest level printed."""
+    heartbeat_interval: float = Field(5.0, gt=0.0)
+    """Seconds between refreshes of this peer's DHT record (records live 3 intervals)."""
+    grace_period: float = Field(20.0, gt=0.0)
+    """Seconds SIGTERM/SIGINT leaves a round in flight before abandoning it."""
+
+    @field_validator("peers", mode="before")
+    @classmethod
+    def _split_peers(cls, value: Any) -> Any:
+        # From the environment, peers arrive as one string: accept commas and whitespace.
+        if isinstance(value, str):
+            return [part for part in value.replace(",", " ").split() if part]
+        return value
+
+
+class Config(_Section):
+    run: RunSection = RunSection()
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    train: TrainSection = TrainSection()
+    sync: SyncSection = SyncSection()
+    node: NodeSection = NodeSection()
+
+    def run_config(self) -> dict[str, Any]:
+        """The part every peer of a run must share, as plain JSON-able data."""
+        sync = self.sync.model_dump(exclude={"matchmaking_timeout", "reduce_timeout"})
+        return {
+            "run": self.run.model_dump(),
+            "model": self.model.model_dump(),
+            "data": {"seq_len": self.data.seq_len},
+            "train": self.train.model_dump(),
+            "sync": sync,
+        }
+
+    def run_config_json(self) -> str:
+        return json.dumps(self.run_config(), sort_keys=True, separators=(",", ":"))
+
+    def run_fingerprint(self) -> str:
+        return hashlib.sha256(self.run_config_json().encode()).hexdigest()
+
+    @property
+    def identity_path(self) -> Path:
+        return self.node.identity or self.node.checkpoint_dir / "identity.key"
+
+
+class ConfigError(Exception):
+    """A user mistake in the configuration; the message is complete and printed without traceback."""
+
+
+# Flags and environment variables that set keys outside [node].
+ALIASES: dict[str, tuple[str, str]] = {"data": ("data", "path")}
+NODE_KEYS = tuple(NodeSection.model_fields)
+ENV_PREFIX = "LOWCOMM_"
+
+
+@dataclass
+class _Layers:
+    """The merged raw config plus, for every key, where its value came from."""
+
+    values: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sources: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def set(self, section: str, key: str, value: Any, source: str) -> None:
+        self.values.setdefault(section, {})[key] = value
+        self.sources[(section, key)] = source
+
+    def merge_file(self, data: Mapping[str, Any], source: str) -> None:
+        for section, body in data.items():
+            if not isinstance(body, Mapping):
+                raise ConfigError(
+                    f"{source}: '{section}' must be a table like [{section}], got {type(body).__name__}"
+                )
+            for key, value in body.items():
+                self.set(section, key, value, source)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist (create one with `lowcomm-node init-config > {path}`)")
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``section.key=value`` (value in TOML syntax, bare words as strings) for ``--set``."""
+    name, sep, raw = text.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot or not key:
+        raise ConfigError(f"--set {text!r}: expected SECTION.KEY=VALUE, for example --set sync.codec=int4")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return section, key, value
+
+
+def load_config(
+    config_file: Path | None = None,
+    flags: Mapping[str, Any] | None = None,
+    overrides: list[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Merge defaults < TOML file < ``LOWCOMM_*`` env < flags (< ``--set``) and validate.
+
+    ``flags`` maps a node key (or an alias such as ``data``) to a value given on the command line;
+    keys whose value is ``None`` were not given and do not override anything.
+    """
+    environ = os.environ if environ is None else environ
+    layers = _Layers()
+    if config_file is None and environ.get(ENV_PREFIX + "CONFIG"):
+        config_file = Path(environ[ENV_PREFIX + "CONFIG"])
+    if config_file is not None:
+        layers.merge_file(_read_toml(config_file), str(config_file))
+
+    env_keys = {key: (("node", key)) for key in NODE_KEYS} | ALIASES | {"initial_peers": ("node", "peers")}
+    for key, (section, target) in env_keys.items():
+        var = ENV_PREFIX + key.upper()
+        if var in environ and environ[var] != "":
+            layers.set(section, target, environ[var], f"environment variable {var}")
+
+    for key, value in (flags or {}).items():
+        if value is None:
+            continue
+        section, target = ALIASES.get(key, ("node", key))
+        layers.set(section, target, value, f"flag --{key.replace('_', '-')}")
+
+    for text in overrides or []:
+        section, key, value = parse_override(text)
+        layers.set(section, key, value, f"--set {text}")
+
+    try:
+        return Config.model_validate(layers.values)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, layers)) from None
+
+
+def _describe(err: ValidationError, layers: _Layers) -> str:
+    lines = []
+    for problem in err.errors():
+        loc = [str(part) for part in problem["loc"]]
+        section = loc[0] if loc else "?"
+        key = loc[1] if len(loc) > 1 else None
+        source = layers.sources.get((section, key), "defaults") if key else "config"
+        if problem["type"] == "extra_forbidden":
+            if key is None:
+                known = ", ".join(f"[{name}]" for name in Config.model_fields)
+                lines.append(f"{_source_of_section(layers, section)}: unknown section [{section}] (known: {known})")
+            else:
+                known = ", ".join(Config.model_fields[section].annotation.model_fields)
+                lines.append(f"{source}: unknown key '{key}' in [{section}] (known keys: {known})")
+            continue
+        where = f"[{section}] {key}" if key else f"[{section}]"
+        got = problem.get("input")
+        lines.append(f"{source}: {where} = {got!r} is invalid: {problem['msg']}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _source_of_section(layers: _Layers, section: str) -> str:
+    for (sec, _), source in layers.sources.items():
+        if sec == section:
+            return source
+    return "config"

@@ -1,0 +1,563 @@
+"""The asyncio node: lifecycle, catch-up, the train/round loop and graceful shutdown (DESIGN §3).
+
+One event loop (uvloop, created by the CLI) runs RPCs, heartbeats and rounds; the model lives in
+one dedicated training thread; codec and hashing work goes to a small executor; the DHT runs in
+hivemind's own process. Every await that depends on another peer has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+import grpc
+import hivemind
+import torch
+from grpc_health.v1 import health, health_pb2
+
+from lowcomm import __version__
+from lowcomm.protocol import PROTOCOL_VERSION, codecs
+from lowcomm.protocol._pb.lowcomm.v1 import node_pb2, state_pb2, state_pb2_grpc
+from lowcomm.protocol.allreduce import ReduceRegistry, run_allreduce
+from lowcomm.protocol.handshake import Identity, IncompatiblePeer
+from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError
+from lowcomm.protocol.rpc import (
+    HEALTH_SERVICE,
+    AveragingServicer,
+    BindError,
+    ChannelPool,
+    NodeInfoServicer,
+    StateServicer,
+    create_server,
+)
+from lowcomm.protocol.state import Donor, StateDonor, StateError, download_state
+
+from . import checkpoint
+from .config import Config
+from .globalstate import GlobalState
+from .metrics import NodeMetrics, serve_metrics
+from .progress import InnerProgress
+from .swarm import HivemindDHT, PeerRecord, SwarmView, peers_key, read_swarm
+from .trainer import PhaseStats, Trainer
+
+log = logging.getLogger("lowcomm.node")
+T = TypeVar("T")
+
+
+class FatalError(Exception):
+    """Stops the node with a one-line message and a non-zero exit code (no traceback)."""
+
+
+@dataclass
+class RoundReport:
+    group_size: int
+    seconds: float
+    bytes_sent: int
+    bytes_received: int
+    skipped_shards: int
+
+
+class Node:
+    def __init__(self, config: Config, dht: hivemind.DHT, human: bool) -> None:
+        self.config = config
+        self.dht = dht
+        self.human = human
+        self.peer_id = str(dht.peer_id)
+        self.identity = Identity(self.peer_id, config.run_fingerprint(), config.run_config_json())
+        self.codec = codecs.get_codec(config.sync.codec)
+        self.metrics = NodeMetrics()
+        self.metrics.set_build_info(config.sync.codec, config.sync.mode)
+        self.dht_client = HivemindDHT(dht)
+        self.channels = ChannelPool()
+        self.train_executor = ThreadPoolExecutor(1, thread_name_prefix="lowcomm-train")
+        self.codec_executor = ThreadPoolExecutor(2, thread_name_prefix="lowcomm-codec")
+        self.stop_requested = asyncio.Event()
+        self.stop_training = threading.Event()  # read by the training thread between inner steps
+        self.phase = "starting"
+        self.address = ""
+        self.rounds_completed = 0
+        self.tokens_since_round = 0
+        self.tokens_total = 0
+        self.last_loss = math.nan
+        self.last_eval = math.nan
+        self.tokens_per_second = 0.0
+        self.bandwidth_bps = 0.0
+        self.train_seconds = 0.0
+        self.started = time.monotonic()
+        self.view = SwarmView({}, {}, 0.0)
+        self.health = health.aio.HealthServicer()
+        self.trainer: Trainer
+        self.state: GlobalState
+
+    # -- small helpers ------------------------------------------------------------------------
+
+    async def in_train_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.train_executor, fn, *args)
+
+    async def in_codec_pool(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.codec_executor, fn, *args)
+
+    def request_stop(self) -> None:
+        if self.stop_requested.is_set():
+            return
+        log.info("stop requested: finishing or abandoning the round in flight (grace %.0fs)",
+                 self.config.node.grace_period)
+        self.stop_requested.set()
+        self.stop_training.set()
+
+    def _on_reject(self, reason: str, sender: str, detail: str) -> None:
+        self.metrics.rejected_contributions.labels(reason=reason).inc()
+        log.warning("rejected a contribution from %s (%s): %s", sender, reason, detail)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        server = None
+        metrics_server = None
+        try:
+            self.trainer = await self.in_train_thread(Trainer, self.config, self.peer_id)
+            self.state = await self.in_train_thread(self._restore)
+            server = await self._start_server()
+            metrics_server, metrics_port = self._start_metrics()
+            self.donor.publish(await self.in_codec_pool(self.state.snapshot))
+            self._announce(metrics_port)
+            heartbeat = asyncio.create_task(self._heartbeat(), name="heartbeat")
+            try:
+                await self._catch_up(initial=True)
+                await self.health.set(HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+                await self._main_loop()
+            finally:
+                heartbeat.cancel()
+                await asyncio.gather(heartbeat, return_exceptions=True)
+            await self._shutdown()
+            return 0
+        finally:
+            if server is not None:
+                await self.health.enter_graceful_shutdown()
+                await server.stop(grace=1.0)
+            if metrics_server is not None:
+                metrics_server.shutdown()
+            await self.channels.close()
+            self.train_executor.shutdown(wait=True, cancel_futures=True)
+            self.codec_executor.shutdown(wait=True, cancel_futures=True)
+
+    def _restore(self) -> GlobalState:
+        """Runs in the training thread: the newest good checkpoint, or the seed's initial weights."""
+        cfg = self.config
+        found = checkpoint.load_latest(cfg.node.checkpoint_dir)
+        if found is not None:
+            payload, path = found
+            if payload.get("config_fingerprint") != cfg.run_fingerprint():
+                raise FatalError(
+                    f"checkpoint {path} belongs to another run config; use another --checkpoint-dir "
+                    f"or the run config it was made with"
+                )
+            try:
+                state = GlobalState.from_checkpoint(payload, cfg.sync.outer_lr, cfg.sync.outer_momentum)
+            except (KeyError, ValueError) as err:
+                log.warning("checkpoint %s unusable (%s); starting from the initial weights or peer state", path, err)
+            else:
+                self.trainer.set_params(state.params)
+                self.trainer.load_local_state(payload["trainer"])
+                self.tokens_total = int(payload.get("tokens_total", 0))
+                log.info("resumed from checkpoint %s (outer step %d)", path, state.step)
+                return state
+        return GlobalState.fresh(self.trainer.get_params(), cfg.sync.outer_lr, cfg.sync.outer_momentum)
+
+    async def _start_server(self) -> grpc.aio.Server:
+        cfg = self.config.node
+        self.registry = ReduceRegistry(self.peer_id, self._on_reject, self.codec_executor)
+        self.donor = StateDonor(self.identity)
+        # The address is known only after binding; the matchmaker reads it when a round starts.
+        self.matchmaker = Matchmaker(
+            self.dht_client, self.config.run.name, self.identity, "", self.channels,
+            self.config.sync.group_size, int(self.codec.id), self.trainer.numel, self.config.sync.reduce_timeout,
+        )
+        serve_peers = not cfg.client_mode
+        try:
+            server, port = create_server(
+                cfg.host, cfg.grpc_port,
+                AveragingServicer(self.matchmaker, self.registry) if serve_peers else None,
+                StateServicer(self.donor) if serve_peers else None,
+                NodeInfoServicer(self.status), self.health,
+            )
+        except BindError as err:
+            raise FatalError(f"{err}: is gRPC port {cfg.grpc_port} already in use? "
+                             f"choose another with --grpc-port (or LOWCOMM_GRPC_PORT)") from None
+        await server.start()
+        await self.health.set(HEALTH_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if serve_peers:
+            self.address = f"{self._announce_host()}:{port}"
+            self.matchmaker.address = self.address
+        self.grpc_port = port
+        return server
+
+    def _start_metrics(self) -> tuple[Any, int]:
+        cfg = self.config.node
+        try:
+            return serve_metrics(self.metrics, cfg.host, cfg.metrics_port)
+        except OSError as err:
+            raise FatalError(f"cannot serve metrics on {cfg.host}:{cfg.metrics_port} ({err.strerror}): "
+                             f"choose another port with --metrics-port (or LOWCOMM_METRICS_PORT)") from None
+
+    def _announce_host(self) -> str:
+        cfg = self.config.node
+        if cfg.announce_host:
+            return cfg.announce_host
+        if cfg.host not in ("0.0.0.0", "::", ""):
+            return cfg.host
+        for maddr in self.dht.get_visible_maddrs():
+            parts = str(maddr).split("/")
+            if len(parts) > 2 and parts[1] == "ip4" and not parts[2].startswith("127."):
+                return parts[2]
+        return "127.0.0.1"
+
+    def _announce(self, metrics_port: int) -> None:
+        maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        join_line = f"lowcomm-node join --peers {maddrs[0]}" if maddrs else ""
+        log.info(
+            "node %s ready: gRPC %s, metrics :%d; others join with: %s", self.peer_id,
+            self.address or f"(client mode, local :{self.grpc_port})", metrics_port, join_line,
+            extra={"event": "node_ready", "peer_id": self.peer_id, "multiaddrs": maddrs,
+                   "grpc_address": self.address, "grpc_port": self.grpc_port, "metrics_port": metrics_port,
+                   "join_command": join_line},
+        )
+
+    # -- the swarm view -----------------------------------------------------------------------
+
+    def my_record(self, leaving: bool = False) -> PeerRecord:
+        return PeerRecord(
+            peer_id=self.peer_id, address=self.address, outer_step=self.state.step,
+            params_sha256=self.state.params_hash, bandwidth_bps=self.bandwidth_bps,
+            tokens_per_second=self.tokens_per_second, protocol_version=PROTOCOL_VERSION,
+            config_fingerprint=self.identity.config_fingerprint, phase=self.phase, leaving=leaving,
+        )
+
+    async def publish_record(self, leaving: bool = False) -> None:
+        ttl = 3 * self.config.node.heartbeat_interval
+        await self.dht_client.store(peers_key(self.config.run.name), self.peer_id, self.my_record(leaving).to_value(), ttl)
+
+    async def refresh_view(self) -> SwarmView:
+        self.view = await read_swarm(self.dht_client, self.config.run.name, self.identity.config_fingerprint,
+                                     PROTOCOL_VERSION)
+        self.metrics.swarm_peers.set(len(self.view.peers | {self.peer_id: None}))
+        self.metrics.swarm_outer_step_max.set(max(self.view.max_step, self.state.step))
+        return self.view
+
+    async def _heartbeat(self) -> None:
+        while True:
+            try:
+                await self.publish_record()
+                await self.refresh_view()
+            except Exception:  # a heartbeat must survive any DHT hiccup
+                log.exception("heartbeat failed")
+            await asyncio.sleep(self.config.node.heartbeat_interval)
+
+    async def _expected_peers(self) -> set[str]:
+        """Peers the leader waits for: live, compatible, and at our step (so about to average)."""
+        view = await self.refresh_view()
+        return {p.peer_id for p in view.at_step(self.state.step)} | {self.peer_id}
+
+    # -- catch-up -----------------------------------------------------------------------------
+
+    async def _catch_up(self, initial: bool = False) -> None:
+        """Download the swarm's state when it is ahead of us or we are in a minority at our step."""
+        view = await self.refresh_view()
+        if initial and self.config.node.peers and not view.peers and not view.foreign:
+            # Right after joining, the records may take a moment to reach us.
+            for _ in range(8):
+                await asyncio.sleep(0.5)
+                view = await self.refresh_view()
+                if view.peers or view.foreign:
+                    break
+        if initial:
+            await self._handshake(view)
+        others = {pid: p for pid, p in view.peers.items() if pid != self.peer_id}
+        if not others:
+            return
+        target = max(p.outer_step for p in others.values())
+        if target < self.state.step:
+            return
+        digest, count = view.majority_hash(target)
+        if target == self.state.step:
+            mine_count = sum(1 for p in others.values() if p.outer_step == target and p.params_sha256 == self.state.params_hash)
+            if digest is None or digest == self.state.params_hash or mine_count + 1 > count:
+                return
+            log.warning("our params at step %d differ from the majority of the swarm; re-downloading", target)
+        donors = [Donor(p.peer_id, p.address) for p in others.values()
+                  if p.outer_step == target and p.params_sha256 == digest and p.address]
+        if not donors:
+            return
+        self.phase = "catching_up"
+        await self._download(target, digest, donors)
+
+    async def _handshake(self, view: SwarmView) -> None:
+        """Refuse to run next to a swarm of another run config, naming the difference."""
+        candidates = [p for p in (*view.peers.values(), *view.foreign.values()) if p.address and p.peer_id != self.peer_id]
+        if not candidates or view.peers.keys() - {self.peer_id}:
+            return
+        stub = state_pb2_grpc.StateTransferStub(self.channels(candidates[0].address))
+        try:
+            await stub.GetStateInfo(state_pb2.StateInfoRequest(hello=self.identity.hello()), timeout=10)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise FatalError(f"refused by the swarm: {err.details()}") from None
+
+    async def _download(self, step: int, digest: str | None, donors: list[Donor]) -> None:
+        started = time.monotonic()
+        try:
+            got = await download_state(donors, step, digest, self.identity, self.channels,
+                                       timeout=max(60.0, self.config.sync.reduce_timeout))
+        except StateError as err:
+            log.warning("state download of step %d failed: %s; training on from step %d", step, err, self.state.step)
+            return
+        except IncompatiblePeer as err:
+            raise FatalError(f"refused by the swarm: {err}") from None
+
+        def adopt() -> None:
+            # Our local progress since θ_global is not lost: it goes into the residual, to be sent
+            # with our next contribution.
+            self.state.residual.add_(self.state.params - self.trainer.get_params())
+            self.state.adopt(got.step, got.params, got.momentum)
+            self.trainer.set_params(self.state.params)
+
+        await self.in_train_thread(adopt)
+        self.donor.publish(await self.in_codec_pool(self.state.snapshot))
+        self.metrics.state_downloads.inc()
+        self.metrics.state_download_bytes.inc(got.bytes_downloaded)
+        self.metrics.outer_step.set(self.state.step)
+        log.info("caught up: downloaded step %d (%d bytes from %d donor(s) in %.1fs)", got.step, got.bytes_downloaded,
+                 got.donors_used, time.monotonic() - started,
+                 extra={"event": "state_downloaded", "outer_step": got.step, "params_sha256": self.state.params_hash})
+        await self.publish_record()
+
+    # -- the main loop ------------------------------------------------------------------------
+
+    async def _main_loop(self) -> None:
+        max_rounds = self.config.node.max_rounds
+        while not self.stop_requested.is_set():
+            if max_rounds is not None and self.rounds_completed >= max_rounds:
+                log.info("completed %d round(s) (--max-rounds); stopping", self.rounds_completed)
+                break
+            await self._catch_up()
+            stats = await self._inner_phase()
+            if self.stop_requested.is_set():
+                break
+            round_task = asyncio.create_task(self._round(stats), name="round")
+            stop_task = asyncio.create_task(self.stop_requested.wait())
+            await asyncio.wait({round_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+            if not round_task.done():
+                try:  # stopping: the round in flight gets the grace period, then it is abandoned
+                    await asyncio.wait_for(asyncio.shield(round_task), self.config.node.grace_period)
+                except asyncio.TimeoutError:
+                    log.warning("abandoning the round in flight")
+                    round_task.cancel()
+                    await asyncio.gather(round_task, return_exceptions=True)
+                    self.metrics.round_failures.labels(reason="aborted").inc()
+            stop_task.cancel()
+            if round_task.done() and not round_task.cancelled() and round_task.exception() is not None:
+                raise round_task.exception()
+
+    async def _inner_phase(self) -> PhaseStats:
+        self.phase = "training"
+        steps = self.config.train.inner_steps
+        progress = InnerProgress(steps, self.state.step, enabled=self.human)
+
+        def work() -> PhaseStats:
+            try:
+                return self.trainer.train_phase(steps, self.stop_training.is_set, progress.update)
+            finally:
+                progress.close()
+
+        stats = await self.in_train_thread(work)
+        self.tokens_since_round += stats.tokens
+        self.tokens_total += stats.tokens
+        self.train_seconds += stats.seconds
+        self.metrics.inner_steps.inc(stats.steps)
+        self.metrics.tokens.inc(stats.tokens)
+        if stats.steps:
+            self.last_loss = stats.mean_loss
+            self.tokens_per_second = stats.tokens / max(stats.seconds, 1e-9)
+            self.metrics.train_loss.set(stats.mean_loss)
+        self.metrics.compute_utilization.set(self.train_seconds / max(time.monotonic() - self.started, 1e-9))
+        return stats
+
+    async def _round(self, stats: PhaseStats) -> None:
+        started = time.monotonic()
+        self.phase = "averaging"
+        step = self.state.step
+        log.debug("round for step %d starts from params %s", step, self.state.params_hash[:8])
+        delta = await self.in_train_thread(lambda: self.state.params - self.trainer.get_params())
+        if not bool(torch.isfinite(delta).all()):
+            # A diverged local model never sends: start over from θ_global, keep nothing of it.
+            log.error("local model diverged (non-finite weights); resetting it to the global parameters")
+            await self.in_train_thread(self.trainer.set_params, self.state.params)
+            self.tokens_since_round = 0
+            self.metrics.round_failures.labels(reason="diverged").inc()
+            return
+        try:
+            group = await self.matchmaker.form_group(
+                step, float(self.tokens_since_round), self.bandwidth_bps, self._expected_peers,
+                self.config.sync.matchmaking_timeout,
+            )
+        except MatchmakingError as err:
+            log.warning("round for step %d failed: %s; training on", step, err)
+            self.metrics.round_failures.labels(reason="matchmaking").inc()
+            return
+        except IncompatiblePeer as err:
+            raise FatalError(f"refused by the swarm: {err}") from None
+        self.metrics.matchmaking_duration.observe(time.monotonic() - started)
+
+        if len(group.members) == 1:
+            others = [p for p in self.view.peers.values() if p.peer_id != self.peer_id and p.outer_step >= step]
+            if others:
+                log.warning("nobody averaged with us at step %d although %d peer(s) are live; training on",
+                            step, len(others))
+                self.metrics.round_failures.labels(reason="no_group").inc()
+                return
+            report = await self._solo_step(delta)
+        else:
+            report = await self._allreduce(group, delta)
+        report.seconds = time.monotonic() - started
+        await self._commit(report)
+
+    async def _solo_step(self, delta: torch.Tensor) -> RoundReport:
+        """Alone in the swarm: the outer step uses our own Δ (plus what the residual carried)."""
+        def work() -> None:
+            grad = delta + self.state.residual
+            self.state.residual.zero_()
+            self.state.outer.step_slice(self.state.params, 0, grad)
+
+        await self.in_codec_pool(work)
+        return RoundReport(group_size=1, seconds=0.0, bytes_sent=0, bytes_received=0, skipped_shards=0)
+
+    async def _allreduce(self, group, delta: torch.Tensor) -> RoundReport:
+        reduce_started = time.monotonic()
+        sent_before, received_before = self.registry.bytes_sent, self.registry.bytes_received
+        result = await run_allreduce(group, self.peer_id, delta, self.state.residual, self.state.owner_residual,
+                                     self.registry, self.channels, self.codec_executor)
+        sent = result.bytes_sent + self.registry.bytes_sent - sent_before
+        received = result.bytes_received + self.registry.bytes_received - received_before
+
+        def apply() -> int:
+            skipped = 0
+            for average, sl in zip(result.averages, result.slices):
+                if average is None:
+                    skipped += 1
+                    continue
+                self.state.outer.step_slice(self.state.params, sl.start, average)
+            return skipped
+
+        skipped = await self.in_codec_pool(apply)
+        if log.isEnabledFor(logging.DEBUG):
+            from lowcomm.protocol.state import params_sha256
+            log.debug("round %s from %s: members %s bounds %s averages %s", group.group_id.hex()[:8],
+                      self.state.params_hash[:8], [m.peer_id[-4:] for m in group.members], list(group.shard_bounds),
+                      [None if a is None else params_sha256(a)[:8] for a in result.averages])
+        seconds = time.monotonic() - reduce_started
+        self.metrics.allreduce_duration.observe(seconds)
+        self.metrics.bytes_sent.inc(sent)
+        self.metrics.bytes_received.inc(received)
+        if result.payload_bytes:
+            self.metrics.compression_ratio.set(4 * self.trainer.numel / result.payload_bytes)
+        if sent and seconds > 0:
+            self.bandwidth_bps = sent / seconds
+        if skipped:
+            self.metrics.round_failures.labels(reason="shard_skipped").inc()
+        return RoundReport(len(group.members), 0.0, sent, received, skipped)
+
+    async def _commit(self, report: RoundReport) -> None:
+        def finish() -> float:
+            self.state.commit()
+            self.trainer.set_params(self.state.params)
+            return self.trainer.evaluate()
+
+        self.last_eval = await self.in_train_thread(finish)
+        self.tokens_since_round = 0
+        self.rounds_completed += 1
+        self.donor.publish(await self.in_codec_pool(self.state.snapshot))
+        await self.in_train_thread(self._save_checkpoint)
+        await self.publish_record()
+        m = self.metrics
+        m.rounds.inc()
+        m.round_group_size.set(report.group_size)
+        m.round_duration.observe(report.seconds)
+        m.last_sync_timestamp.set(time.time())
+        m.outer_step.set(self.state.step)
+        m.eval_loss.set(self.last_eval)
+        log.info(
+            "step %d | loss %.3f | eval %.3f | %.0f tok/s | round %.2fs | sent %s recv %s | group %d%s | %s",
+            self.state.step, self.last_loss, self.last_eval, self.tokens_per_second, report.seconds,
+            _human_bytes(report.bytes_sent), _human_bytes(report.bytes_received), report.group_size,
+            f" | {report.skipped_shards} shard(s) skipped" if report.skipped_shards else "", self.state.params_hash[:12],
+            extra={"event": "round_done", "outer_step": self.state.step, "params_sha256": self.state.params_hash,
+                   "loss": self.last_loss, "eval_loss": self.last_eval, "group_size": report.group_size,
+                   "round_seconds": report.seconds, "bytes_sent": report.bytes_sent,
+                   "bytes_received": report.bytes_received, "skipped_shards": report.skipped_shards,
+                   "numel": self.trainer.numel, "codec": self.codec.name},
+        )
+
+    def _save_checkpoint(self) -> None:
+        payload = self.state.to_checkpoint() | {
+            "config_fingerprint": self.config.run_fingerprint(),
+            "trainer": self.trainer.local_state(),
+            "tokens_total": self.tokens_total,
+        }
+        path = checkpoint.save(self.config.node.checkpoint_dir, self.state.step, payload)
+        log.debug("checkpoint written: %s", path)
+
+    async def _shutdown(self) -> None:
+        """Fold unsent local progress into the residual, checkpoint, leave the DHT."""
+        self.phase = "stopping"
+
+        def fold_and_save() -> None:
+            self.state.residual.add_(self.state.params - self.trainer.get_params())
+            self.trainer.set_params(self.state.params)
+            self._save_checkpoint()
+
+        await self.in_train_thread(fold_and_save)
+        try:
+            await asyncio.wait_for(self.publish_record(leaving=True), 5.0)
+        except asyncio.TimeoutError:
+            pass
+        log.info("stopped cleanly at outer step %d (checkpoint in %s)", self.state.step,
+                 self.config.node.checkpoint_dir, extra={"event": "node_stopped", "outer_step": self.state.step})
+
+    # -- status -------------------------------------------------------------------------------
+
+    async def status(self) -> node_pb2.NodeStatus:
+        swarm = [
+            node_pb2.SwarmPeer(peer_id=p.peer_id, address=p.address, outer_step=p.outer_step,
+                               params_sha256=p.params_sha256, tokens_per_second=p.tokens_per_second,
+                               client_mode=not p.address, bandwidth_bps=p.bandwidth_bps)
+            for p in sorted(self.view.peers.values(), key=lambda p: p.peer_id)
+        ]
+        state = getattr(self, "state", None)
+        return node_pb2.NodeStatus(
+            peer_id=self.peer_id, outer_step=state.step if state else 0,
+            params_sha256=state.params_hash if state else "",
+            swarm_peers=len({p.peer_id for p in swarm} | {self.peer_id}), loss=self.last_loss,
+            eval_loss=self.last_eval, tokens_total=self.tokens_total, phase=self.phase,
+            swarm_outer_step_max=max(self.view.max_step, state.step if state else 0),
+            rounds_completed=self.rounds_completed, tokens_per_second=self.tokens_per_second, swarm=swarm,
+            multiaddrs=[str(m) for m in self.dht.get_visible_maddrs()], codec=self.config.sync.codec,
+            mode=self.config.sync.mode, consensus_distance=math.nan, version=__version__,
+        )
+
+
+def _human_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1000 or unit == "GB":
+            return f"{count:.0f}{unit}" if unit == "B" else f"{count:.1f}{unit}"
+        count /= 1000
+    return f"{count:.1f}GB"

@@ -1,0 +1,67 @@
+"""What a node holds between rounds: θ_global, the outer optimizer and the error-feedback residuals.
+
+θ_global and the outer momentum are shared by the swarm (identical on every member after a
+round, downloaded by joiners); the residuals are this peer's own (what its contributions and its
+shard averages did not deliver yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lowcomm.protocol.outer import NesterovOuter
+from lowcomm.protocol.state import Snapshot, params_sha256
+
+
+@dataclass
+class GlobalState:
+    step: int
+    params: torch.Tensor  # θ_global, flat float32 on CPU
+    outer: NesterovOuter
+    residual: torch.Tensor  # sender-side error feedback
+    owner_residual: torch.Tensor  # reducer-side error feedback of the shards this peer owns
+    params_hash: str
+
+    @classmethod
+    def fresh(cls, params: torch.Tensor, lr: float, momentum: float) -> "GlobalState":
+        numel = params.numel()
+        return cls(0, params.clone(), NesterovOuter.zeros(lr, momentum, numel),
+                   torch.zeros(numel), torch.zeros(numel), params_sha256(params))
+
+    def adopt(self, step: int, params: torch.Tensor, momentum: torch.Tensor) -> None:
+        """Take over the swarm's state (a download); our residuals stay: they are still our work."""
+        self.step = step
+        self.params = params.clone()
+        self.outer.buffer = momentum.clone()
+        self.owner_residual.zero_()
+        self.params_hash = params_sha256(self.params)
+
+    def commit(self) -> None:
+        self.step += 1
+        self.params_hash = params_sha256(self.params)
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot.build(self.step, self.params, self.outer.buffer)
+
+    def to_checkpoint(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "params": self.params,
+            "momentum": self.outer.buffer,
+            "residual": self.residual,
+            "owner_residual": self.owner_residual,
+            "params_sha256": self.params_hash,
+        }
+
+    @classmethod
+    def from_checkpoint(cls, payload: dict[str, Any], lr: float, momentum: float) -> "GlobalState":
+        params = payload["params"].to(torch.float32)
+        state = cls(int(payload["step"]), params, NesterovOuter(lr, momentum, payload["momentum"].to(torch.float32)),
+                    payload["residual"].to(torch.float32), payload["owner_residual"].to(torch.float32),
+                    params_sha256(params))
+        if state.params_hash != payload.get("params_sha256"):
+            raise ValueError("checkpoint params do not match the hash stored with them")
+        return state

@@ -1,0 +1,60 @@
+"""Logging: human lines on a terminal, JSON lines otherwise; hivemind's logs routed through ours.
+
+Structured events (``round_done``, ``node_ready``...) are ordinary log records with an
+``event`` field in ``extra``; the JSON formatter writes every extra field, so tests and tools
+read events from the log stream instead of polling.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        entry.update({k: v for k, v in record.__dict__.items() if k not in _STANDARD and not k.startswith("_")})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+class HumanFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
+        level = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
+        text = f"{stamp} {level}{record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return text
+
+
+def setup_logging(fmt: str, level: str, stream=None) -> bool:
+    """Configure the root logger; returns True when the output is human (a terminal or text)."""
+    stream = stream or sys.stdout
+    human = fmt == "text" or (fmt == "auto" and stream.isatty())
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(HumanFormatter() if human else JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    try:
+        from hivemind.utils.logging import use_hivemind_log_handler
+
+        use_hivemind_log_handler("nowhere")  # hivemind records propagate to our root handler
+    except ImportError:  # pragma: no cover - hivemind is a hard dependency
+        pass
+    # hivemind and gRPC are chatty at INFO; their warnings still come through.
+    for noisy in ("hivemind", "grpc", "asyncio"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    return human

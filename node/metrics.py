@@ -1,0 +1,102 @@
+"""Every Prometheus metric of a node, defined in one place.
+
+Rules (checked by ``promtool check metrics`` in the suite): prefix ``lowcomm_``, base units
+(seconds, bytes), counters end in ``_total``, no peer-id or round labels, no ``_created`` series.
+Each node owns its registry, so several nodes can live in one test process.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import disable_created_metrics, start_http_server
+
+from lowcomm import __version__
+
+# Rounds take from tens of milliseconds (tiny model on loopback) to minutes (GPT-2 on slow links).
+ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+
+# Why a round failed; a bounded set so the label stays cheap.
+FAILURE_REASONS = ("no_group", "matchmaking", "allreduce", "shard_skipped", "aborted", "diverged")
+REJECTION_REASONS = ("codec", "length", "non_finite", "norm", "unknown_sender", "late", "config")
+
+disable_created_metrics()
+
+
+class NodeMetrics:
+    """The metrics of one node; attributes are prometheus_client metric objects."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.build_info = Info("lowcomm_build", "Version and sync settings of this node.", registry=r)
+        self.outer_step = Gauge("lowcomm_outer_step", "Committed outer step of this node's global parameters.", registry=r)
+        self.swarm_outer_step_max = Gauge(
+            "lowcomm_swarm_outer_step_max", "Highest outer step published in the DHT by any live peer.", registry=r
+        )
+        self.swarm_peers = Gauge("lowcomm_swarm_peers", "Live peers in the DHT, this node included.", registry=r)
+        self.round_group_size = Gauge("lowcomm_round_group_size", "Members of this node's last averaging group.", registry=r)
+        self.rounds = Counter("lowcomm_rounds", "Outer rounds this node completed.", registry=r)
+        self.round_failures = Counter(
+            "lowcomm_round_failures", "Outer rounds that failed or skipped shards, by reason.", ["reason"], registry=r
+        )
+        self.round_duration = Histogram(
+            "lowcomm_round_duration_seconds", "Wall time of one round: matchmaking, all-reduce and outer step.",
+            buckets=ROUND_BUCKETS, registry=r,
+        )
+        self.matchmaking_duration = Histogram(
+            "lowcomm_matchmaking_duration_seconds", "Wall time from registering for a round to a closed group.",
+            buckets=ROUND_BUCKETS, registry=r,
+        )
+        self.allreduce_duration = Histogram(
+            "lowcomm_allreduce_duration_seconds", "Wall time of the butterfly all-reduce of one round.",
+            buckets=ROUND_BUCKETS, registry=r,
+        )
+        self.last_sync_timestamp = Gauge(
+            "lowcomm_last_sync_timestamp_seconds", "Unix time of the last successful outer round.", registry=r
+        )
+        self.bytes_sent = Counter("lowcomm_bytes_sent", "Payload bytes this node sent in rounds.", registry=r)
+        self.bytes_received = Counter("lowcomm_bytes_received", "Payload bytes this node received in rounds.", registry=r)
+        self.compression_ratio = Gauge(
+            "lowcomm_compression_ratio", "float32 bytes divided by encoded bytes of the last round's payload.", registry=r
+        )
+        self.inner_steps = Counter("lowcomm_inner_steps", "Inner optimizer steps this node ran.", registry=r)
+        self.tokens = Counter("lowcomm_tokens", "Tokens this node trained on.", registry=r)
+        self.train_loss = Gauge("lowcomm_train_loss", "Mean training loss of the last inner phase.", registry=r)
+        self.eval_loss = Gauge("lowcomm_eval_loss", "Held-out loss of the global parameters after the last round.", registry=r)
+        self.compute_utilization = Gauge(
+            "lowcomm_compute_utilization_ratio", "Share of wall time spent in inner steps since the node started training.",
+            registry=r,
+        )
+        self.rejected_contributions = Counter(
+            "lowcomm_rejected_contributions", "Received contributions left out of an average, by reason.", ["reason"],
+            registry=r,
+        )
+        self.state_downloads = Counter("lowcomm_state_downloads", "Global states downloaded from peers.", registry=r)
+        self.state_download_bytes = Counter(
+            "lowcomm_state_download_bytes", "Bytes of global state downloaded from peers.", registry=r
+        )
+        self.consensus_distance = Gauge(
+            "lowcomm_consensus_distance", "Relative L2 distance of this node's global parameters to its gossip partners.",
+            registry=r,
+        )
+        self.grpc_handled = Counter(
+            "grpc_server_handled", "RPCs completed on the server, by method and status code.",
+            ["grpc_service", "grpc_method", "grpc_code"], registry=r,
+        )
+        # Label values known in advance are created up front so that rates start at zero, not absent.
+        for reason in FAILURE_REASONS:
+            self.round_failures.labels(reason=reason)
+        for reason in REJECTION_REASONS:
+            self.rejected_contributions.labels(reason=reason)
+
+    def set_build_info(self, codec: str, mode: str) -> None:
+        self.build_info.info({"version": __version__, "codec": codec, "mode": mode})
+
+
+def serve_metrics(metrics: NodeMetrics, host: str, port: int) -> tuple[object, int]:
+    """Start the /metrics HTTP endpoint in a daemon thread; returns (server, bound port)."""
+    server, thread = start_http_server(port, addr=host, registry=metrics.registry)
+    assert isinstance(thread, threading.Thread)
+    return server, server.server_port

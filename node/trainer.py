@@ -1,0 +1,142 @@
+"""Model, data and the inner optimizer: everything that runs in the training thread.
+
+The daemon calls into a ``Trainer`` only from its one training thread (DESIGN §5), so nothing
+here is locked. The global parameters cross the boundary as flat float32 CPU tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.nn.utils import parameters_to_vector
+
+from .config import Config
+from .data import Corpus, ShardSampler, eval_batches, load_corpus
+from .model import GPT, build_model, preset
+
+
+@dataclass
+class PhaseStats:
+    """What one inner phase did."""
+
+    steps: int
+    tokens: int
+    mean_loss: float
+    seconds: float
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was asked for but torch sees no CUDA device")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+class Trainer:
+    def __init__(self, config: Config, peer_key: str, corpus: Corpus | None = None) -> None:
+        self.config = config
+        self.device = pick_device(config.node.device)
+        if config.node.torch_threads:
+            torch.set_num_threads(config.node.torch_threads)
+        corpus = corpus or load_corpus(config.data.path, config.data.eval_fraction)
+        self.model: GPT = build_model(
+            preset(config.model.preset, config.data.seq_len, config.model.dropout), config.train.seed
+        ).to(self.device)
+        self.params = [p for p in self.model.parameters()]
+        self.numel = sum(p.numel() for p in self.params)
+        self.sampler = ShardSampler(corpus.train, config.data.seq_len, config.train.batch_size,
+                                    config.data.shards, peer_key, config.train.seed)
+        self.eval_set = eval_batches(corpus.eval, config.data.seq_len, config.train.batch_size,
+                                     config.data.eval_batches)
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=config.train.lr, betas=(0.9, 0.95), weight_decay=config.train.weight_decay
+        )
+        self.inner_steps_done = 0
+        # bf16 autocast on CUDA: the usual speed-up for transformer training, weights stay fp32.
+        self._autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
+        )
+
+    # -- global parameters in and out -------------------------------------------------------
+
+    def get_params(self) -> torch.Tensor:
+        return parameters_to_vector(self.params).detach().to("cpu", torch.float32).clone()
+
+    def set_params(self, flat: torch.Tensor) -> None:
+        # Copy into the existing tensors: torch's vector_to_parameters would make the parameters
+        # views of ``flat`` (θ_global itself on CPU), and training would then modify θ_global.
+        with torch.no_grad():
+            offset = 0
+            for param in self.params:
+                count = param.numel()
+                param.copy_(flat[offset:offset + count].view_as(param))
+                offset += count
+
+    # -- the inner loop ---------------------------------------------------------------------
+
+    def _lr(self) -> float:
+        warmup = self.config.train.warmup_steps
+        if warmup and self.inner_steps_done < warmup:
+            return self.config.train.lr * (self.inner_steps_done + 1) / warmup
+        return self.config.train.lr
+
+    def train_phase(self, steps: int, should_stop: Callable[[], bool],
+                    on_step: Callable[[int, float], None] | None = None) -> PhaseStats:
+        """Run up to ``steps`` inner AdamW steps; returns early (with what it did) on ``should_stop``."""
+        self.model.train()
+        started = time.perf_counter()
+        losses: list[float] = []
+        for step in range(steps):
+            if should_stop():
+                break
+            inputs, targets = self.sampler.next_batch()
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self._lr()
+            with self._autocast:
+                _, loss = self.model(inputs, targets)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.params, self.config.train.grad_clip)
+            self.optimizer.step()
+            self.inner_steps_done += 1
+            losses.append(loss.item())
+            if on_step is not None:
+                on_step(step + 1, losses[-1])
+        tokens = len(losses) * self.config.train.batch_size * self.config.data.seq_len
+        mean = sum(losses) / len(losses) if losses else math.nan
+        return PhaseStats(len(losses), tokens, mean, time.perf_counter() - started)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss of the current model on the fixed held-out batches."""
+        self.model.eval()
+        total = 0.0
+        for inputs, targets in self.eval_set:
+            with self._autocast:
+                _, loss = self.model(inputs.to(self.device), targets.to(self.device))
+            total += loss.item()
+        self.model.train()
+        return total / len(self.eval_set)
+
+    # -- checkpointable local state -----------------------------------------------------------
+
+    def local_state(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "inner_steps_done": self.inner_steps_done,
+            "sampler_shard": self.sampler.shard,
+            "sampler_rng": self.sampler.generator.get_state(),
+        }
+
+    def load_local_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.inner_steps_done = int(state["inner_steps_done"])
+        self.sampler.shard = int(state["sampler_shard"]) % self.sampler.shards
+        self.sampler.generator.set_state(state["sampler_rng"])

@@ -1,0 +1,105 @@
+from . import handshake_pb2 as _handshake_pb2
+from . import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JoinRequest(_message.Message):
+    __slots__ = ("hello", "step", "address", "weight", "bandwidth_bps")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    hello: _handshake_pb2.Hello
+    step: int
+    address: str
+    weight: float
+    bandwidth_bps: float
+    def __init__(self, hello: _Optional[_Union[_handshake_pb2.Hello, _Mapping]] = ..., step: _Optional[int] = ..., address: _Optional[str] = ..., weight: _Optional[float] = ..., bandwidth_bps: _Optional[float] = ...) -> None: ...
+
+class Member(_message.Message):
+    __slots__ = ("peer_id", "address", "weight")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    address: str
+    weight: float
+    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class Group(_message.Message):
+    __slots__ = ("group_id", "step", "members", "shard_bounds", "shard_owners", "codec", "reduce_timeout_s")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_OWNERS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    group_id: bytes
+    step: int
+    members: _containers.RepeatedCompositeFieldContainer[Member]
+    shard_bounds: _containers.RepeatedScalarFieldContainer[int]
+    shard_owners: _containers.RepeatedScalarFieldContainer[int]
+    codec: _tensor_pb2.Codec
+    reduce_timeout_s: float
+    def __init__(self, group_id: _Optional[bytes] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., shard_bounds: _Optional[_Iterable[int]] = ..., shard_owners: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., reduce_timeout_s: _Optional[float] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("group", "redirect")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    REDIRECT_FIELD_NUMBER: _ClassVar[int]
+    group: Group
+    redirect: Redirect
+    def __init__(self, group: _Optional[_Union[Group, _Mapping]] = ..., redirect: _Optional[_Union[Redirect, _Mapping]] = ...) -> None: ...
+
+class Redirect(_message.Message):
+    __slots__ = ("peer_id", "address")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    address: str
+    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class ReduceHeader(_message.Message):
+    __slots__ = ("group_id", "shard_index", "sender_peer_id", "codec", "numel", "payload_bytes")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SENDER_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    group_id: bytes
+    shard_index: int
+    sender_peer_id: str
+    codec: _tensor_pb2.Codec
+    numel: int
+    payload_bytes: int
+    def __init__(self, group_id: _Optional[bytes] = ..., shard_index: _Optional[int] = ..., sender_peer_id: _Optional[str] = ..., codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+
+class ReduceResult(_message.Message):
+    __slots__ = ("codec", "numel", "payload_bytes", "contributors")
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    codec: _tensor_pb2.Codec
+    numel: int
+    payload_bytes: int
+    contributors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., contributors: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReduceMessage(_message.Message):
+    __slots__ = ("header", "result", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ReduceHeader
+    result: ReduceResult
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[ReduceHeader, _Mapping]] = ..., result: _Optional[_Union[ReduceResult, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...

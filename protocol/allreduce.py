@@ -1,0 +1,325 @@
+"""Butterfly all-reduce of encoded pseudo-gradient shards over gRPC streams (DESIGN §4).
+
+The flat Δ is cut into one contiguous shard per owner (the group's ``shard_bounds``). Every
+member streams its encoded part of shard j to the owner of j (``Reduce``); the owner decodes,
+accumulates in float32 weighted by tokens, and once every member has sent (or its deadline has
+passed) encodes the average once, with its own error-feedback residual, and streams the same
+bytes back to every sender. Every member, the owner included, uses the *decoded* average, so all
+members end the round with bit-identical values.
+
+Failures: a sender that misses the owner's deadline is left out (weights renormalised) but still
+receives the average, and keeps its own part in its residual. A shard whose owner fails is
+skipped by the member that lost it: ``None`` in the result, its part kept in the residual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+import grpc
+import torch
+
+from . import codecs
+from ._pb.lowcomm.v1 import averaging_pb2, averaging_pb2_grpc
+from .validate import ContributionRejected, check_contribution
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 2 * 2**20  # DESIGN: stream in 1-4 MiB messages
+HEADER_TIMEOUT = 10.0  # seconds a server waits for the first message of a Reduce stream
+
+RejectCallback = Callable[[str, str, str], None]  # (reason, sender peer id, detail)
+
+
+def shard_slices(group: averaging_pb2.Group) -> list[slice]:
+    bounds = list(group.shard_bounds)
+    return [slice(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+
+
+def _chunks(payload: bytes) -> list[bytes]:
+    view = memoryview(payload)
+    return [bytes(view[i:i + CHUNK_BYTES]) for i in range(0, len(payload), CHUNK_BYTES)] or [b""]
+
+
+@dataclass
+class ShardAccumulator:
+    """The owner's side of one shard in one round."""
+
+    group: averaging_pb2.Group
+    shard_index: int
+    owner_id: str
+    codec: codecs.Codec
+    executor: Executor
+    owner_residual: torch.Tensor  # view into the owner's full-size residual, updated in place
+    total: torch.Tensor  # running weighted sum, starts with the owner's own exact contribution
+    weight_sum: float
+    contributors: list[str]
+    expected: set[str]
+    weights: dict[str, float]
+    finalized: asyncio.Event = field(default_factory=asyncio.Event)
+    all_arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    result_payload: bytes = b""
+    result: torch.Tensor | None = None
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def numel(self) -> int:
+        return self.total.numel()
+
+    async def add(self, sender: str, decoded: torch.Tensor) -> bool:
+        """Accumulate a decoded contribution; False if it came after the average was computed."""
+        async with self._lock:
+            if self.finalized.is_set():
+                return False
+            weight = self.weights[sender]
+            await asyncio.get_running_loop().run_in_executor(
+                self.executor, lambda: self.total.add_(decoded, alpha=weight)
+            )
+            self.weight_sum += weight
+            self.contributors.append(sender)
+            self.expected.discard(sender)
+            if not self.expected:
+                self.all_arrived.set()
+            return True
+
+    async def finalize(self) -> torch.Tensor:
+        async with self._lock:
+            if not self.finalized.is_set():
+                loop = asyncio.get_running_loop()
+                weight_sum = self.weight_sum
+
+                def encode_average() -> tuple[bytes, torch.Tensor]:
+                    average = self.total.div_(weight_sum) if weight_sum > 0 else self.total
+                    return codecs.encode_with_feedback(self.codec, average, self.owner_residual)
+
+                self.result_payload, self.result = await loop.run_in_executor(self.executor, encode_average)
+                self.finalized.set()
+        assert self.result is not None
+        return self.result
+
+
+class ReduceRegistry:
+    """Open accumulators of the current round, found by (group id, shard index) by the RPC handler."""
+
+    def __init__(self, peer_id: str, on_reject: RejectCallback, executor: Executor) -> None:
+        self.peer_id = peer_id
+        self.on_reject = on_reject
+        self.executor = executor
+        self._open: dict[tuple[bytes, int], ShardAccumulator] = {}
+        self._changed = asyncio.Event()
+        self.bytes_sent = 0  # result payload bytes streamed back to senders
+        self.bytes_received = 0  # contribution payload bytes received
+
+    def open(self, accumulators: list[ShardAccumulator]) -> None:
+        # Only one round's accumulators are kept: the previous round's late senders get NOT_FOUND.
+        self._open = {(a.group.group_id, a.shard_index): a for a in accumulators}
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def close(self) -> None:
+        self._open = {}
+
+    async def _find(self, group_id: bytes, shard_index: int, timeout: float) -> ShardAccumulator | None:
+        # A sender may be faster than the owner at processing the closed group: wait a little.
+        deadline = time.monotonic() + timeout
+        while (acc := self._open.get((group_id, shard_index))) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                return None
+        return acc
+
+    async def handle(self, requests: AsyncIterator[averaging_pb2.ReduceMessage],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[averaging_pb2.ReduceMessage]:
+        """Server side of ``Reduce``: validate, accumulate, then stream the average back."""
+        try:
+            first = await asyncio.wait_for(anext(requests), HEADER_TIMEOUT)
+        except (StopAsyncIteration, asyncio.TimeoutError):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Reduce stream must start with a header")
+        if not first.HasField("header"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Reduce stream must start with a header")
+        header = first.header
+        acc = await self._find(header.group_id, header.shard_index, timeout=HEADER_TIMEOUT)
+        if acc is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no such group or shard on this peer")
+        sender = header.sender_peer_id
+        problem = self._check_header(acc, header)
+        if problem is not None:
+            reason, detail = problem
+            self.on_reject(reason, sender, detail)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, detail)
+
+        payload = bytearray(header.payload_bytes)  # bounded: equals the codec's size for this shard
+        filled = 0
+        async for message in requests:
+            if not message.HasField("chunk") or filled + len(message.chunk) > len(payload):
+                self.on_reject("length", sender, "unexpected message or more bytes than declared")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "unexpected message or more bytes than declared")
+            payload[filled:filled + len(message.chunk)] = message.chunk
+            filled += len(message.chunk)
+        if filled != len(payload):
+            self.on_reject("length", sender, f"{filled} of {len(payload)} declared bytes arrived")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{filled} of {len(payload)} declared bytes arrived")
+        self.bytes_received += filled
+
+        loop = asyncio.get_running_loop()
+        try:
+            decoded = await loop.run_in_executor(self.executor, acc.codec.decode, payload, acc.numel)
+            check_contribution(decoded)
+        except codecs.CodecError as err:
+            self.on_reject("codec", sender, str(err))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable payload: {err}")
+        except ContributionRejected as err:
+            self.on_reject(err.reason, sender, str(err))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        if not await acc.add(sender, decoded):
+            self.on_reject("late", sender, "arrived after the average was computed")
+        try:  # the owner finalizes by its deadline; the margin covers an owner that died in between
+            await asyncio.wait_for(acc.finalized.wait(), acc.group.reduce_timeout_s * 1.5)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the shard's average was never computed")
+        yield averaging_pb2.ReduceMessage(result=averaging_pb2.ReduceResult(
+            codec=acc.codec.id, numel=acc.numel, payload_bytes=len(acc.result_payload), contributors=acc.contributors,
+        ))
+        for chunk in _chunks(acc.result_payload):
+            self.bytes_sent += len(chunk)
+            yield averaging_pb2.ReduceMessage(chunk=chunk)
+
+    @staticmethod
+    def _check_header(acc: ShardAccumulator, header: averaging_pb2.ReduceHeader) -> tuple[str, str] | None:
+        if header.sender_peer_id not in acc.weights or header.sender_peer_id == acc.owner_id:
+            return "unknown_sender", f"{header.sender_peer_id or '?'} is not a member of this group"
+        if header.sender_peer_id in acc.contributors:
+            return "unknown_sender", f"{header.sender_peer_id} already contributed to this shard"
+        if header.codec != acc.codec.id:
+            return "codec", f"codec {header.codec} differs from the group's {int(acc.codec.id)}"
+        if header.numel != acc.numel:
+            return "length", f"numel {header.numel} differs from the shard's {acc.numel}"
+        if header.payload_bytes != acc.codec.encoded_size(acc.numel):
+            return "length", f"payload_bytes {header.payload_bytes} differs from {acc.codec.encoded_size(acc.numel)}"
+        return None
+
+
+@dataclass
+class AllReduceResult:
+    averages: list[torch.Tensor | None]  # per shard: the decoded average, or None if skipped
+    slices: list[slice]
+    bytes_sent: int
+    bytes_received: int
+    payload_bytes: int  # encoded size of this peer's whole contribution (for the compression ratio)
+
+
+async def run_allreduce(
+    group: averaging_pb2.Group,
+    peer_id: str,
+    delta: torch.Tensor,
+    residual: torch.Tensor,
+    owner_residual: torch.Tensor,
+    registry: ReduceRegistry,
+    channel_for: Callable[[str], grpc.aio.Channel],
+    executor: Executor,
+) -> AllReduceResult:
+    """Average ``delta`` with the group; updates ``residual`` (and ``owner_residual``) in place.
+
+    ``residual`` is this peer's sender-side error feedback over the flat parameters; after the
+    call it holds everything that this peer's contribution did not deliver this round.
+    """
+    codec = codecs.get_codec(group.codec)
+    members = list(group.members)
+    weights = {m.peer_id: (m.weight if m.weight > 0 else 1.0) for m in members}
+    slices = shard_slices(group)
+    owners = [members[i] for i in group.shard_owners]
+    deadline = time.monotonic() + group.reduce_timeout_s
+    loop = asyncio.get_running_loop()
+    stats = {"sent": 0, "received": 0, "payload": 0}
+
+    # Owner side first, so that fast senders find our accumulators open.
+    mine: list[ShardAccumulator] = []
+    for index, (owner, sl) in enumerate(zip(owners, slices)):
+        if owner.peer_id != peer_id:
+            continue
+        own = delta[sl].add(residual[sl])
+        residual[sl].zero_()  # our own part enters the average exactly: nothing left to carry
+        mine.append(ShardAccumulator(
+            group=group, shard_index=index, owner_id=peer_id, codec=codec, executor=executor,
+            owner_residual=owner_residual[sl], total=own.mul_(weights[peer_id]), weight_sum=weights[peer_id],
+            contributors=[peer_id], expected={m.peer_id for m in members} - {peer_id}, weights=weights,
+        ))
+    registry.open(mine)
+    for acc in mine:
+        if not acc.expected:
+            acc.all_arrived.set()
+
+    async def own_shard(acc: ShardAccumulator) -> torch.Tensor:
+        try:
+            await asyncio.wait_for(acc.all_arrived.wait(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            log.info("shard %d: %d member(s) missed the deadline and are left out", acc.shard_index, len(acc.expected))
+        return await acc.finalize()
+
+    async def remote_shard(index: int, owner: averaging_pb2.Member, sl: slice) -> torch.Tensor | None:
+        x = delta[sl].add(residual[sl])
+        payload, _ = await loop.run_in_executor(executor, codecs.encode_with_feedback, codec, delta[sl], residual[sl])
+        stats["payload"] += len(payload)
+        stub = averaging_pb2_grpc.AveragingStub(channel_for(owner.address))
+        # The owner answers by its own deadline; give it a margin for the transfer back.
+        timeout = max(1.0, deadline - time.monotonic()) + 0.25 * group.reduce_timeout_s
+
+        async def outgoing() -> AsyncIterator[averaging_pb2.ReduceMessage]:
+            yield averaging_pb2.ReduceMessage(header=averaging_pb2.ReduceHeader(
+                group_id=group.group_id, shard_index=index, sender_peer_id=peer_id, codec=codec.id,
+                numel=sl.stop - sl.start, payload_bytes=len(payload)))
+            for chunk in _chunks(payload):
+                stats["sent"] += len(chunk)
+                yield averaging_pb2.ReduceMessage(chunk=chunk)
+
+        try:
+            call = stub.Reduce(outgoing(), timeout=timeout)
+            header = None
+            received = bytearray()
+            async for message in call:
+                if header is None:
+                    if not message.HasField("result"):
+                        raise ValueError("owner's answer does not start with a result header")
+                    header = message.result
+                    if header.numel != sl.stop - sl.start or header.payload_bytes != codec.encoded_size(header.numel):
+                        raise ValueError("owner's result does not match the shard")
+                    continue
+                if len(received) + len(message.chunk) > header.payload_bytes:
+                    raise ValueError("owner sent more bytes than declared")
+                received += message.chunk
+            if header is None or len(received) != header.payload_bytes:
+                raise ValueError("owner's answer ended early")
+            stats["received"] += len(received)
+            average = await loop.run_in_executor(executor, codec.decode, received, header.numel)
+            check_contribution(average)
+        except (grpc.aio.AioRpcError, ValueError, codecs.CodecError, ContributionRejected) as err:
+            detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
+            log.warning("shard %d (owner %s) skipped this round: %s", index, owner.peer_id, detail)
+            residual[sl].copy_(x)  # nothing of ours was delivered: carry all of it
+            return None
+        if peer_id not in header.contributors:
+            residual[sl].copy_(x)  # the average came without our part: carry all of it
+        return average
+
+    async with asyncio.TaskGroup() as tasks:
+        jobs: list[asyncio.Task] = []
+        for index, (owner, sl) in enumerate(zip(owners, slices)):
+            if owner.peer_id == peer_id:
+                acc = next(a for a in mine if a.shard_index == index)
+                jobs.append(tasks.create_task(own_shard(acc)))
+            else:
+                jobs.append(tasks.create_task(remote_shard(index, owner, sl)))
+    return AllReduceResult(
+        averages=[job.result() for job in jobs], slices=slices,
+        bytes_sent=stats["sent"], bytes_received=stats["received"],
+        payload_bytes=stats["payload"] + sum(codec.encoded_size(a.numel) for a in mine),
+    )

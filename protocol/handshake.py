@@ -1,0 +1,63 @@
+"""Compatibility check between peers: same protocol version, same run config."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from . import PROTOCOL_VERSION
+from ._pb.lowcomm.v1 import handshake_pb2
+
+
+class IncompatiblePeer(Exception):
+    """The other peer speaks another protocol version or runs another run config."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who this peer is, as it introduces itself in every Hello."""
+
+    peer_id: str
+    config_fingerprint: str
+    run_config_json: str
+
+    def hello(self) -> handshake_pb2.Hello:
+        return handshake_pb2.Hello(
+            protocol_version=PROTOCOL_VERSION,
+            config_fingerprint=self.config_fingerprint,
+            run_config_json=self.run_config_json,
+            peer_id=self.peer_id,
+        )
+
+    def check(self, theirs: handshake_pb2.Hello) -> None:
+        """Raise ``IncompatiblePeer`` naming the difference when ``theirs`` does not match us."""
+        if theirs.protocol_version != PROTOCOL_VERSION:
+            raise IncompatiblePeer(
+                f"peer {theirs.peer_id or '?'} speaks protocol version {theirs.protocol_version}, "
+                f"this node speaks {PROTOCOL_VERSION}; run the same lowcomm release on both"
+            )
+        if theirs.config_fingerprint != self.config_fingerprint:
+            raise IncompatiblePeer(
+                f"peer {theirs.peer_id or '?'} runs a different run config: "
+                f"{describe_difference(self.run_config_json, theirs.run_config_json)}"
+            )
+
+
+def describe_difference(ours: str, theirs: str) -> str:
+    """Human summary of how two canonical run configs differ, e.g. ``[sync] codec: ours 'int8', theirs 'int4'``."""
+    try:
+        mine, other = json.loads(ours), json.loads(theirs)
+    except (TypeError, ValueError):
+        return "the other side sent no readable run config"
+    if not isinstance(mine, dict) or not isinstance(other, dict):
+        return "the other side sent no readable run config"
+    diffs = []
+    for section in sorted(set(mine) | set(other)):
+        a, b = mine.get(section) or {}, other.get(section) or {}
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            diffs.append(f"[{section}]")
+            continue
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                diffs.append(f"[{section}] {key}: ours {a.get(key)!r}, theirs {b.get(key)!r}")
+    return "; ".join(diffs) if diffs else "fingerprints differ but the configs read the same"

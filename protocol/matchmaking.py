@@ -1,0 +1,270 @@
+"""Forming a round's group through DHT records and one leader (DESIGN §4).
+
+Peers that committed step r register under ``<run>/round/<r>``. A registrant that sees no
+reachable registrant with a lower peer id acts as leader: it accepts JoinGroup calls and closes
+the group when every peer the swarm expects at step r has joined, when the group is full, or
+when its deadline passes. Everybody else calls JoinGroup on the lowest registrant and gets the
+group back when it closes. Only the leader decides membership, so all members receive the same
+member list and shard layout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Protocol
+
+import grpc
+
+from ._pb.lowcomm.v1 import averaging_pb2, averaging_pb2_grpc
+from .handshake import Identity, IncompatiblePeer
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.25  # how often a waiting peer re-reads the DHT; DHT reads are cheap and local-ish
+LONELY_LEADER_GRACE = 1.0  # seconds a leader without followers waits before it joins another leader
+
+
+class GroupDHT(Protocol):
+    """The two DHT operations matchmaking needs (the node adapts hivemind's DHT to this)."""
+
+    async def store(self, key: str, subkey: str, value: dict, ttl: float) -> bool: ...
+    async def get(self, key: str) -> dict[str, dict]: ...
+
+
+class MatchmakingError(Exception):
+    """No group could be formed for this round."""
+
+
+@dataclass
+class _Follower:
+    request: averaging_pb2.JoinRequest
+    reply: asyncio.Future
+
+
+@dataclass
+class _Round:
+    step: int
+    role: str = "undecided"  # "undecided" | "leader" | "follower" | "closed"
+    leader: averaging_pb2.Redirect | None = None
+    followers: dict[str, _Follower] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def round_key(run: str, step: int) -> str:
+    return f"{run}/round/{step}"
+
+
+def shard_layout(numel: int, owners_bandwidth: list[float]) -> list[int]:
+    """Shard bounds over ``numel`` parameters, sized in proportion to the owners' bandwidth.
+
+    Owners that report no bandwidth (0) count as the median of the others, or all equal.
+    """
+    if not owners_bandwidth:
+        return [0, numel]
+    known = sorted(b for b in owners_bandwidth if b > 0)
+    default = known[len(known) // 2] if known else 1.0
+    weights = [b if b > 0 else default for b in owners_bandwidth]
+    total = sum(weights)
+    bounds, acc = [0], 0.0
+    for w in weights[:-1]:
+        acc += w
+        bounds.append(min(numel, round(numel * acc / total)))
+    bounds.append(numel)
+    return bounds
+
+
+class Matchmaker:
+    def __init__(
+        self,
+        dht: GroupDHT,
+        run: str,
+        identity: Identity,
+        address: str,
+        channel_for: Callable[[str], grpc.aio.Channel],
+        group_size: int,
+        codec: int,
+        numel: int,
+        reduce_timeout: float,
+    ) -> None:
+        self.dht = dht
+        self.run = run
+        self.identity = identity
+        self.peer_id = identity.peer_id
+        self.address = address  # "" in client mode: never a leader, owns no shard
+        self.channel_for = channel_for
+        self.group_size = group_size
+        self.codec = codec
+        self.numel = numel
+        self.reduce_timeout = reduce_timeout
+        self._round: _Round | None = None
+
+    # -- server side: somebody wants to join the group we lead ------------------------------
+
+    async def handle_join(self, request: averaging_pb2.JoinRequest, context: grpc.aio.ServicerContext) -> averaging_pb2.JoinResponse:
+        try:
+            self.identity.check(request.hello)
+        except IncompatiblePeer as err:
+            log.warning("refused JoinGroup from %s: %s", request.hello.peer_id, err)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        current = self._round
+        if current is None or current.step != request.step:
+            have = "none" if current is None else current.step
+            await context.abort(grpc.StatusCode.ABORTED,
+                                f"not matchmaking for step {request.step} (this peer is at step {have})")
+        if current.role == "follower" and current.leader is not None:
+            return averaging_pb2.JoinResponse(redirect=current.leader)
+        if current.role == "closed" or not self.address:
+            await context.abort(grpc.StatusCode.ABORTED, f"the group of step {request.step} is already closed")
+        peer = request.hello.peer_id
+        if peer in current.followers or peer == self.peer_id:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"peer {peer} already joined")
+        current.role = "leader"
+        follower = _Follower(request, asyncio.get_running_loop().create_future())
+        current.followers[peer] = follower
+        current.changed.set()
+        try:
+            group = await follower.reply
+        finally:
+            if not follower.reply.done():  # the caller went away before the group closed
+                current.followers.pop(peer, None)
+                current.changed.set()
+        if group is None:
+            await context.abort(grpc.StatusCode.ABORTED, "group closed without this peer (full or abandoned)")
+        return averaging_pb2.JoinResponse(group=group)
+
+    # -- client side: find or lead a group ----------------------------------------------------
+
+    async def form_group(
+        self,
+        step: int,
+        weight: float,
+        bandwidth_bps: float,
+        expected_peers: Callable[[], Awaitable[set[str]]],
+        timeout: float,
+    ) -> averaging_pb2.Group:
+        """Return the closed group for round ``step`` (possibly just this peer)."""
+        current = _Round(step)
+        self._round = current
+        deadline = time.monotonic() + timeout
+        me = averaging_pb2.Member(peer_id=self.peer_id, address=self.address, weight=weight)
+        request = averaging_pb2.JoinRequest(hello=self.identity.hello(), step=step, address=self.address,
+                                            weight=weight, bandwidth_bps=bandwidth_bps)
+        registration = {"address": self.address, "weight": weight, "bandwidth_bps": bandwidth_bps}
+        await self.dht.store(round_key(self.run, step), self.peer_id, registration, ttl=timeout + self.reduce_timeout)
+        unreachable: set[str] = set()
+        yielded = False  # set when our lead just yielded: follow somebody else once before leading again
+        try:
+            while time.monotonic() < deadline:
+                if current.role == "leader":
+                    group = await self._lead(current, me, bandwidth_bps, expected_peers, deadline, unreachable)
+                    if group is not None:
+                        return group
+                    yielded = True
+                registrants = await self._reachable_registrants(step, unreachable)
+                lowest = next(iter(registrants), None)
+                if self.address and not yielded and (lowest is None or lowest > self.peer_id):
+                    current.role = "leader"
+                    continue
+                yielded = False
+                if lowest is None:  # client mode and no reachable registrant yet
+                    await self._wait(current, POLL_SECONDS)
+                    continue
+                target = averaging_pb2.Redirect(peer_id=lowest, address=registrants[lowest])
+                group = await self._follow(current, request, target, deadline)
+                if group is not None:
+                    return group
+                if current.role == "leader":  # somebody joined us while we were trying
+                    continue
+                unreachable.add(lowest)
+                current.role = "undecided"
+                await self._wait(current, POLL_SECONDS)
+            raise MatchmakingError(f"no group formed for step {step} within {timeout:.1f}s")
+        finally:
+            current.role = "closed"
+            for follower in current.followers.values():
+                if not follower.reply.done():
+                    follower.reply.set_result(None)
+
+    async def _reachable_registrants(self, step: int, unreachable: set[str]) -> dict[str, str]:
+        """Other registrants of ``step`` that could lead (have an address), lowest id first."""
+        registrants = await self.dht.get(round_key(self.run, step))
+        found = {
+            pid: str(info["address"]) for pid, info in registrants.items()
+            if isinstance(info, dict) and info.get("address") and pid not in unreachable and pid != self.peer_id
+        }
+        return dict(sorted(found.items()))
+
+    async def _wait(self, current: _Round, seconds: float) -> None:
+        current.changed.clear()
+        try:
+            await asyncio.wait_for(current.changed.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _follow(self, current: _Round, request: averaging_pb2.JoinRequest,
+                      target: averaging_pb2.Redirect, deadline: float) -> averaging_pb2.Group | None:
+        for _hop in range(4):  # a redirect chain longer than this means the view is in flux
+            if target.peer_id == self.peer_id:
+                return None
+            current.role, current.leader = "follower", target
+            stub = averaging_pb2_grpc.AveragingStub(self.channel_for(target.address))
+            # The leader closes by its own deadline; allow a little more than ours for its answer.
+            remaining = max(1.0, deadline - time.monotonic()) + 5.0
+            try:
+                response = await stub.JoinGroup(request, timeout=remaining)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.FAILED_PRECONDITION:  # used only for incompatibility
+                    raise IncompatiblePeer(err.details()) from None
+                log.debug("JoinGroup to %s failed: %s %s", target.peer_id, err.code(), err.details())
+                return None
+            if response.HasField("group"):
+                return response.group
+            target = response.redirect
+        return None
+
+    async def _lead(self, current: _Round, me: averaging_pb2.Member, my_bandwidth: float,
+                    expected_peers: Callable[[], Awaitable[set[str]]], deadline: float,
+                    unreachable: set[str]) -> averaging_pb2.Group | None:
+        """Wait for followers and close the group; ``None`` when this peer should follow instead."""
+        lonely_since = time.monotonic()
+        while True:
+            joined = {self.peer_id, *current.followers}
+            expected = await expected_peers()
+            if len(joined) >= self.group_size or (expected and expected <= joined) or time.monotonic() >= deadline:
+                break
+            if not current.followers:
+                # A leader nobody follows yet yields to a lower registrant that showed up late, and
+                # after a short grace joins a higher one that already leads others, so that two
+                # leaders never wait for each other until the deadline.
+                others = await self._reachable_registrants(current.step, unreachable)
+                lower = [p for p in others if p < self.peer_id]
+                if lower or (others and time.monotonic() - lonely_since > LONELY_LEADER_GRACE):
+                    current.role = "undecided"
+                    return None
+            else:
+                lonely_since = time.monotonic()
+            await self._wait(current, min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+        current.role = "closed"
+        chosen = sorted(current.followers)[: self.group_size - 1]
+        members = sorted([me, *(self._member(current.followers[p].request, p) for p in chosen)],
+                         key=lambda m: m.peer_id)
+        bandwidth = {self.peer_id: my_bandwidth}
+        bandwidth.update({p: current.followers[p].request.bandwidth_bps for p in chosen})
+        owners = [i for i, m in enumerate(members) if m.address]
+        bounds = shard_layout(self.numel, [bandwidth[members[i].peer_id] for i in owners])
+        group = averaging_pb2.Group(
+            group_id=os.urandom(16), step=current.step, members=members, shard_bounds=bounds,
+            shard_owners=owners, codec=self.codec, reduce_timeout_s=self.reduce_timeout,
+        )
+        for peer, follower in current.followers.items():
+            if not follower.reply.done():
+                follower.reply.set_result(group if peer in chosen else None)
+        return group
+
+    @staticmethod
+    def _member(request: averaging_pb2.JoinRequest, peer_id: str) -> averaging_pb2.Member:
+        return averaging_pb2.Member(peer_id=peer_id, address=request.address, weight=request.weight)

@@ -1,0 +1,151 @@
+"""grpc.aio servicers (thin adapters over the protocol objects) and client-side channel helpers."""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator, Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ._pb.lowcomm.v1 import (
+    averaging_pb2,
+    averaging_pb2_grpc,
+    node_pb2,
+    node_pb2_grpc,
+    state_pb2,
+    state_pb2_grpc,
+)
+from .allreduce import CHUNK_BYTES, ReduceRegistry
+from .handshake import IncompatiblePeer
+from .matchmaking import Matchmaker
+from .state import StateDonor, StateError
+
+log = logging.getLogger(__name__)
+
+# Room for one 4 MiB chunk plus the message envelope.
+MAX_MESSAGE_BYTES = CHUNK_BYTES * 2 + 64 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+HEALTH_SERVICE = ""  # the overall server health, as `grpc_health_probe` and our healthcheck ask
+
+
+class BindError(OSError):
+    """The gRPC server could not listen on the requested address."""
+
+
+class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
+    def __init__(self, matchmaker: Matchmaker, registry: ReduceRegistry) -> None:
+        self.matchmaker = matchmaker
+        self.registry = registry
+
+    async def JoinGroup(self, request: averaging_pb2.JoinRequest, context: grpc.aio.ServicerContext) -> averaging_pb2.JoinResponse:
+        return await self.matchmaker.handle_join(request, context)
+
+    async def Reduce(self, request_iterator: AsyncIterator[averaging_pb2.ReduceMessage],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[averaging_pb2.ReduceMessage]:
+        # grpc.aio needs the servicer method itself to be an async generator.
+        async for message in self.registry.handle(request_iterator, context):
+            yield message
+
+
+class StateServicer(state_pb2_grpc.StateTransferServicer):
+    def __init__(self, donor: StateDonor) -> None:
+        self.donor = donor
+
+    async def _check(self, hello, context: grpc.aio.ServicerContext) -> None:
+        try:
+            self.donor.identity.check(hello)
+        except IncompatiblePeer as err:
+            log.warning("refused a state request from %s: %s", hello.peer_id or "?", err)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+
+    async def GetStateInfo(self, request: state_pb2.StateInfoRequest, context: grpc.aio.ServicerContext) -> state_pb2.StateInfo:
+        await self._check(request.hello, context)
+        return self.donor.info()
+
+    async def DownloadState(self, request: state_pb2.StateRequest,
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[state_pb2.StateChunk]:
+        await self._check(request.hello, context)
+        async with self.donor.slots:  # donors serve a bounded number of downloads at once
+            try:
+                chunks = list(self.donor.chunks(request.step, request.offset, request.length))
+            except StateError as err:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+            for chunk in chunks:
+                yield chunk
+
+
+class NodeInfoServicer(node_pb2_grpc.NodeInfoServicer):
+    def __init__(self, status: Callable[[], Awaitable[node_pb2.NodeStatus]]) -> None:
+        self.status = status
+
+    async def GetStatus(self, request: node_pb2.StatusRequest, context: grpc.aio.ServicerContext) -> node_pb2.NodeStatus:
+        return await self.status()
+
+
+class ChannelPool:
+    """One reusable channel per peer address; closed together at shutdown."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def __call__(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = channel
+        return channel
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close(grace=None)
+
+
+def create_server(
+    host: str,
+    port: int,
+    averaging: AveragingServicer | None,
+    state: StateServicer | None,
+    node_info: NodeInfoServicer,
+    health_servicer: health.aio.HealthServicer,
+    interceptors: list[grpc.aio.ServerInterceptor] | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """A server with our services; raises BindError when ``host:port`` cannot be bound."""
+    server = grpc.aio.server(
+        interceptors=interceptors or [],
+        options=CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)],  # a second node on the same port must fail
+    )
+    if averaging is not None:
+        averaging_pb2_grpc.add_AveragingServicer_to_server(averaging, server)
+    if state is not None:
+        state_pb2_grpc.add_StateTransferServicer_to_server(state, server)
+    node_pb2_grpc.add_NodeInfoServicer_to_server(node_info, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as err:
+        raise BindError(f"cannot listen on {address}: {err}") from None
+    if bound == 0:
+        raise BindError(f"cannot listen on {address}")
+    return server, bound
+
+
+async def check_health(target: str, timeout: float) -> str:
+    """The serving status name of the node at ``target`` (raises grpc.aio.AioRpcError if unreachable)."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        response = await stub.Check(health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+async def fetch_status(target: str, timeout: float) -> node_pb2.NodeStatus:
+    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        stub = node_pb2_grpc.NodeInfoStub(channel)
+        return await stub.GetStatus(node_pb2.StatusRequest(), timeout=timeout)
