@@ -214,7 +214,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     """``section.key=value`` (value in TOML syntax, bare words as strings) for ``--set``."""
     name, sep, raw = text.partition("=")
     section, dot, key = name.strip().partition(".")
-    if not sep or not dot or not key:
+    if not sep or not dot or not section or not key:
         raise ConfigError(f"--set {text!r}: expected SECTION.KEY=VALUE, for example --set sync.codec=int4")
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]

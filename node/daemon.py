@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -42,6 +43,7 @@ from lowcomm.protocol.state import Donor, StateDonor, StateError, download_state
 from . import checkpoint
 from .config import Config
 from .globalstate import GlobalState
+from .grpc_metrics import HandledCounter
 from .metrics import NodeMetrics, serve_metrics
 from .progress import InnerProgress
 from .swarm import HivemindDHT, PeerRecord, SwarmView, peers_key, read_swarm
@@ -83,6 +85,7 @@ class Node:
         self.phase = "starting"
         self.address = ""
         self.rounds_completed = 0
+        self.rounds_attempted = 0  # rounds whose group formed
         self.tokens_since_round = 0
         self.tokens_total = 0
         self.last_loss = math.nan
@@ -127,6 +130,9 @@ class Node:
         try:
             self.trainer = await self.in_train_thread(Trainer, self.config, self.peer_id)
             self.state = await self.in_train_thread(self._restore)
+            self.last_eval = await self.in_train_thread(self.trainer.evaluate)
+            self.metrics.eval_loss.set(self.last_eval)
+            self.metrics.outer_step.set(self.state.step)
             server = await self._start_server()
             metrics_server, metrics_port = self._start_metrics()
             self.donor.publish(await self.in_codec_pool(self.state.snapshot))
@@ -190,6 +196,7 @@ class Node:
                 AveragingServicer(self.matchmaker, self.registry) if serve_peers else None,
                 StateServicer(self.donor) if serve_peers else None,
                 NodeInfoServicer(self.status), self.health,
+                interceptors=[HandledCounter(self.metrics.grpc_handled)],
             )
         except BindError as err:
             raise FatalError(f"{err}: is gRPC port {cfg.grpc_port} already in use? "
@@ -229,6 +236,7 @@ class Node:
             "node %s ready: gRPC %s, metrics :%d; others join with: %s", self.peer_id,
             self.address or f"(client mode, local :{self.grpc_port})", metrics_port, join_line,
             extra={"event": "node_ready", "peer_id": self.peer_id, "multiaddrs": maddrs,
+                   "outer_step": self.state.step, "eval_loss": self.last_eval,
                    "grpc_address": self.address, "grpc_port": self.grpc_port, "metrics_port": metrics_port,
                    "join_command": join_line},
         )
@@ -417,6 +425,8 @@ class Node:
         except IncompatiblePeer as err:
             raise FatalError(f"refused by the swarm: {err}") from None
         self.metrics.matchmaking_duration.observe(time.monotonic() - started)
+        self.rounds_attempted += 1
+        await self._fault_hold(step)
 
         if len(group.members) == 1:
             others = [p for p in self.view.peers.values() if p.peer_id != self.peer_id and p.outer_step >= step]
@@ -431,6 +441,14 @@ class Node:
         report.seconds = time.monotonic() - started
         await self._commit(report)
 
+    async def _fault_hold(self, step: int) -> None:
+        """Fault injection for tests: with LOWCOMM_FAULT_HOLD_ROUND=<n>, stall inside this process's
+        n-th round (after its group formed, before sending anything) until the process is killed."""
+        if os.environ.get("LOWCOMM_FAULT_HOLD_ROUND") == str(self.rounds_attempted):
+            log.warning("fault injection: holding the round of step %d", step,
+                        extra={"event": "fault_hold", "outer_step": step})
+            await asyncio.Event().wait()
+
     async def _solo_step(self, delta: torch.Tensor) -> RoundReport:
         """Alone in the swarm: the outer step uses our own Δ (plus what the residual carried)."""
         def work() -> None:
@@ -443,11 +461,9 @@ class Node:
 
     async def _allreduce(self, group, delta: torch.Tensor) -> RoundReport:
         reduce_started = time.monotonic()
-        sent_before, received_before = self.registry.bytes_sent, self.registry.bytes_received
         result = await run_allreduce(group, self.peer_id, delta, self.state.residual, self.state.owner_residual,
                                      self.registry, self.channels, self.codec_executor)
-        sent = result.bytes_sent + self.registry.bytes_sent - sent_before
-        received = result.bytes_received + self.registry.bytes_received - received_before
+        sent, received = result.bytes_sent, result.bytes_received
 
         def apply() -> int:
             skipped = 0

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client import disable_created_metrics, start_http_server
 
 from lowcomm import __version__
@@ -30,6 +38,9 @@ class NodeMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
+        # process_* (CPU, memory, start time) and python_info, as a default registry would have.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
         self.build_info = Info("lowcomm_build", "Version and sync settings of this node.", registry=r)
         self.outer_step = Gauge("lowcomm_outer_step", "Committed outer step of this node's global parameters.", registry=r)
         self.swarm_outer_step_max = Gauge(
@@ -86,6 +97,9 @@ class NodeMetrics:
             ["grpc_service", "grpc_method", "grpc_code"], registry=r,
         )
         # Label values known in advance are created up front so that rates start at zero, not absent.
+        # Unknown until measured: NaN renders as a gap in Grafana instead of a misleading 0.
+        for gauge in (self.train_loss, self.eval_loss, self.compression_ratio, self.consensus_distance):
+            gauge.set(float("nan"))
         for reason in FAILURE_REASONS:
             self.round_failures.labels(reason=reason)
         for reason in REJECTION_REASONS:

@@ -65,7 +65,21 @@ class ShardAccumulator:
     all_arrived: asyncio.Event = field(default_factory=asyncio.Event)
     result_payload: bytes = b""
     result: torch.Tensor | None = None
+    bytes_in: int = 0  # contribution payload bytes received for this shard
+    bytes_out: int = 0  # average payload bytes streamed back to senders
+    active_streams: int = 0
+    announced: set[str] = field(default_factory=set)  # senders whose header was accepted (no duplicates)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)  # no Reduce stream is open
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def stream_opened(self) -> None:
+        self.active_streams += 1
+        self.idle.clear()
+
+    def stream_closed(self) -> None:
+        self.active_streams -= 1
+        if self.active_streams == 0:
+            self.idle.set()
 
     @property
     def numel(self) -> int:
@@ -112,8 +126,6 @@ class ReduceRegistry:
         self.executor = executor
         self._open: dict[tuple[bytes, int], ShardAccumulator] = {}
         self._changed = asyncio.Event()
-        self.bytes_sent = 0  # result payload bytes streamed back to senders
-        self.bytes_received = 0  # contribution payload bytes received
 
     def open(self, accumulators: list[ShardAccumulator]) -> None:
         # Only one round's accumulators are kept: the previous round's late senders get NOT_FOUND.
@@ -150,6 +162,16 @@ class ReduceRegistry:
         acc = await self._find(header.group_id, header.shard_index, timeout=HEADER_TIMEOUT)
         if acc is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such group or shard on this peer")
+        acc.stream_opened()
+        try:
+            async for message in self._serve(acc, header, requests, context):
+                yield message
+        finally:
+            acc.stream_closed()
+
+    async def _serve(self, acc: ShardAccumulator, header: averaging_pb2.ReduceHeader,
+                     requests: AsyncIterator[averaging_pb2.ReduceMessage],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[averaging_pb2.ReduceMessage]:
         sender = header.sender_peer_id
         problem = self._check_header(acc, header)
         if problem is not None:
@@ -168,7 +190,7 @@ class ReduceRegistry:
         if filled != len(payload):
             self.on_reject("length", sender, f"{filled} of {len(payload)} declared bytes arrived")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{filled} of {len(payload)} declared bytes arrived")
-        self.bytes_received += filled
+        acc.bytes_in += filled
 
         loop = asyncio.get_running_loop()
         try:
@@ -190,14 +212,14 @@ class ReduceRegistry:
             codec=acc.codec.id, numel=acc.numel, payload_bytes=len(acc.result_payload), contributors=acc.contributors,
         ))
         for chunk in _chunks(acc.result_payload):
-            self.bytes_sent += len(chunk)
+            acc.bytes_out += len(chunk)
             yield averaging_pb2.ReduceMessage(chunk=chunk)
 
     @staticmethod
     def _check_header(acc: ShardAccumulator, header: averaging_pb2.ReduceHeader) -> tuple[str, str] | None:
         if header.sender_peer_id not in acc.weights or header.sender_peer_id == acc.owner_id:
             return "unknown_sender", f"{header.sender_peer_id or '?'} is not a member of this group"
-        if header.sender_peer_id in acc.contributors:
+        if header.sender_peer_id in acc.announced:
             return "unknown_sender", f"{header.sender_peer_id} already contributed to this shard"
         if header.codec != acc.codec.id:
             return "codec", f"codec {header.codec} differs from the group's {int(acc.codec.id)}"
@@ -205,6 +227,7 @@ class ReduceRegistry:
             return "length", f"numel {header.numel} differs from the shard's {acc.numel}"
         if header.payload_bytes != acc.codec.encoded_size(acc.numel):
             return "length", f"payload_bytes {header.payload_bytes} differs from {acc.codec.encoded_size(acc.numel)}"
+        acc.announced.add(header.sender_peer_id)
         return None
 
 
@@ -255,6 +278,7 @@ async def run_allreduce(
         ))
     registry.open(mine)
     for acc in mine:
+        acc.idle.set()
         if not acc.expected:
             acc.all_arrived.set()
 
@@ -263,7 +287,14 @@ async def run_allreduce(
             await asyncio.wait_for(acc.all_arrived.wait(), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             log.info("shard %d: %d member(s) missed the deadline and are left out", acc.shard_index, len(acc.expected))
-        return await acc.finalize()
+        result = await acc.finalize()
+        # Stay until every sender that is connected has its answer: the bytes are then counted,
+        # and nothing of this round is still in flight when the caller moves on.
+        try:
+            await asyncio.wait_for(acc.idle.wait(), max(0.0, deadline - time.monotonic()) + 0.25 * group.reduce_timeout_s)
+        except asyncio.TimeoutError:
+            log.info("shard %d: a sender is still downloading the average; moving on", acc.shard_index)
+        return result
 
     async def remote_shard(index: int, owner: averaging_pb2.Member, sl: slice) -> torch.Tensor | None:
         x = delta[sl].add(residual[sl])
@@ -320,6 +351,7 @@ async def run_allreduce(
                 jobs.append(tasks.create_task(remote_shard(index, owner, sl)))
     return AllReduceResult(
         averages=[job.result() for job in jobs], slices=slices,
-        bytes_sent=stats["sent"], bytes_received=stats["received"],
+        bytes_sent=stats["sent"] + sum(a.bytes_out for a in mine),
+        bytes_received=stats["received"] + sum(a.bytes_in for a in mine),
         payload_bytes=stats["payload"] + sum(codec.encoded_size(a.numel) for a in mine),
     )

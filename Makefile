@@ -1,0 +1,40 @@
+# The two commands of the README: `make demo` and `make test`. Both set everything up themselves
+# in a project-local virtual environment on a fresh machine with Python 3.11+.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# CPU machines: torch 2.13.0 installs from a local wheel where one exists (no multi-GB CUDA
+# download); GPU users may set TORCH_SPEC to the build they want. The package itself declares torch>=2.3.
+TORCH_SPEC ?= torch==2.13.0
+PEERS ?= 3
+ROUNDS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install demo test bench proto clean
+
+$(BIN)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "lowcomm needs Python 3.11 or newer (set PYTHON=python3.11)")'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[dev,bench]"
+	@touch $@
+
+install: $(BIN)/.installed
+
+# A local swarm of $(PEERS) peers through the real CLI; Ctrl-C stops it, ROUNDS=N exits after N rounds.
+demo: install
+	$(BIN)/python -m lowcomm.node.localswarm --peers $(PEERS) $(if $(ROUNDS),--rounds $(ROUNDS),)
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python bench/codecs.py
+
+# Regenerate protocol/_pb after editing proto/lowcomm/v1/*.proto.
+proto: install
+	$(BIN)/python protocol/gen_proto.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis

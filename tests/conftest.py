@@ -1,0 +1,53 @@
+"""Shared fixtures: a factory of real `lowcomm-node join` processes that always cleans up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import pytest
+
+from lowcomm.node.localswarm import NodeProcess, peer_args
+
+# Small, fast settings for CLI swarms on 2 cores: short inner phases, short deadlines, and a
+# heartbeat that spreads news of steps quickly.
+FAST = [
+    "--set", "train.inner_steps=20",
+    "--set", "train.batch_size=8",
+    "--set", "sync.matchmaking_timeout=15",
+    "--set", "sync.reduce_timeout=8",
+    "--set", "node.heartbeat_interval=1",
+    "--set", "node.grace_period=10",
+]
+
+
+class Swarm:
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.nodes: list[NodeProcess] = []
+
+    def start(self, index: int, peers: list[str] = (), extra: list[str] = (), env: dict | None = None,
+              fast: bool = True) -> NodeProcess:
+        args = peer_args(self.workdir, index, peers, [*(FAST if fast else []), *extra])
+        node = NodeProcess(f"peer-{index}", args, env=env)
+        self.nodes.append(node)
+        return node
+
+    def descendants(self, node: NodeProcess) -> list[psutil.Process]:
+        try:
+            return psutil.Process(node.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def cleanup(self) -> None:
+        for node in self.nodes:
+            node.kill_all()
+
+
+@pytest.fixture
+def swarm(tmp_path: Path):
+    s = Swarm(tmp_path)
+    try:
+        yield s
+    finally:
+        s.cleanup()
