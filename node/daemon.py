@@ -60,10 +60,12 @@ class FatalError(Exception):
 @dataclass
 class RoundReport:
     group_size: int
-    seconds: float
+    seconds: float  # the whole round: matchmaking, all-reduce, outer step
     bytes_sent: int
     bytes_received: int
     skipped_shards: int
+    allreduce_seconds: float = 0.0
+    matchmaking_seconds: float = 0.0
 
 
 class Node:
@@ -424,7 +426,8 @@ class Node:
             return
         except IncompatiblePeer as err:
             raise FatalError(f"refused by the swarm: {err}") from None
-        self.metrics.matchmaking_duration.observe(time.monotonic() - started)
+        matchmaking_seconds = time.monotonic() - started
+        self.metrics.matchmaking_duration.observe(matchmaking_seconds)
         self.rounds_attempted += 1
         await self._fault_hold(step)
 
@@ -439,6 +442,7 @@ class Node:
         else:
             report = await self._allreduce(group, delta)
         report.seconds = time.monotonic() - started
+        report.matchmaking_seconds = matchmaking_seconds
         await self._commit(report)
 
     async def _fault_hold(self, step: int) -> None:
@@ -490,7 +494,7 @@ class Node:
             self.bandwidth_bps = sent / seconds
         if skipped:
             self.metrics.round_failures.labels(reason="shard_skipped").inc()
-        return RoundReport(len(group.members), 0.0, sent, received, skipped)
+        return RoundReport(len(group.members), 0.0, sent, received, skipped, allreduce_seconds=seconds)
 
     async def _commit(self, report: RoundReport) -> None:
         def finish() -> float:
@@ -518,7 +522,9 @@ class Node:
             f" | {report.skipped_shards} shard(s) skipped" if report.skipped_shards else "", self.state.params_hash[:12],
             extra={"event": "round_done", "outer_step": self.state.step, "params_sha256": self.state.params_hash,
                    "loss": self.last_loss, "eval_loss": self.last_eval, "group_size": report.group_size,
-                   "round_seconds": report.seconds, "bytes_sent": report.bytes_sent,
+                   "round_seconds": report.seconds, "allreduce_seconds": report.allreduce_seconds,
+                   "matchmaking_seconds": report.matchmaking_seconds, "bytes_sent": report.bytes_sent,
+                   "payload_bytes": self.codec.encoded_size(self.trainer.numel),
                    "bytes_received": report.bytes_received, "skipped_shards": report.skipped_shards,
                    "numel": self.trainer.numel, "codec": self.codec.name},
         )

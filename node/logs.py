@@ -12,6 +12,9 @@ import logging
 import sys
 import time
 
+# Our own level names: hivemind renames WARNING to "WARN" process-wide.
+LEVELS = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warning", logging.ERROR: "error",
+          logging.CRITICAL: "critical"}
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
 
@@ -19,7 +22,7 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {
             "ts": round(record.created, 3),
-            "level": record.levelname.lower(),
+            "level": LEVELS.get(record.levelno, record.levelname.lower()),
             "logger": record.name,
             "msg": record.getMessage(),
         }
@@ -32,7 +35,7 @@ class JsonFormatter(logging.Formatter):
 class HumanFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
-        level = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
+        level = "" if record.levelno == logging.INFO else f"{LEVELS.get(record.levelno, record.levelname.lower())}: "
         text = f"{stamp} {level}{record.getMessage()}"
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
