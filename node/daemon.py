@@ -415,6 +415,13 @@ class Node:
             self.tokens_since_round = 0
             self.metrics.round_failures.labels(reason="diverged").inc()
             return
+        view = await self.refresh_view()
+        if any(p.outer_step > step for p in view.peers.values()):
+            # The swarm moved on while we trained: averaging now would fork a competing step.
+            # Our progress is kept (the catch-up folds it into the residual) and we catch up.
+            log.info("the swarm is past step %d; catching up instead of averaging", step)
+            self.metrics.round_failures.labels(reason="behind").inc()
+            return
         try:
             group = await self.matchmaker.form_group(
                 step, float(self.tokens_since_round), self.bandwidth_bps, self._expected_peers,
@@ -432,7 +439,10 @@ class Node:
         await self._fault_hold(step)
 
         if len(group.members) == 1:
-            others = [p for p in self.view.peers.values() if p.peer_id != self.peer_id and p.outer_step >= step]
+            # Alone, a peer takes its own outer step only if nobody else is in the swarm: with
+            # others present (perhaps still catching up to us) it waits for them by not moving on,
+            # and its progress goes into the next round.
+            others = [p for p in self.view.peers.values() if p.peer_id != self.peer_id]
             if others:
                 log.warning("nobody averaged with us at step %d although %d peer(s) are live; training on",
                             step, len(others))

@@ -26,7 +26,7 @@ from lowcomm import __version__
 ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 
 # Why a round failed; a bounded set so the label stays cheap.
-FAILURE_REASONS = ("no_group", "matchmaking", "allreduce", "shard_skipped", "aborted", "diverged")
+FAILURE_REASONS = ("no_group", "matchmaking", "behind", "shard_skipped", "aborted", "diverged")
 REJECTION_REASONS = ("codec", "length", "non_finite", "norm", "unknown_sender", "late", "config")
 
 disable_created_metrics()
