@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -63,15 +64,16 @@ def _join_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 def _start_dht(config: Config):
     """Create the hivemind DHT before any event loop or gRPC object exists (it forks)."""
-    import hivemind
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+    from .dht import SupervisedDHT
 
     node = config.node
     host = node.host
     proto = "ip6" if ":" in host else "ip4"
     config.identity_path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        return hivemind.DHT(
+        return SupervisedDHT(
             initial_peers=node.peers,
             host_maddrs=[f"/{proto}/{host}/tcp/{node.dht_port}"],
             identity_path=str(config.identity_path),
@@ -107,8 +109,13 @@ def cmd_join(args: argparse.Namespace) -> int:
     from .data import DataError
 
     try:
+        lock = lock_checkpoint_dir(config.node.checkpoint_dir)
+    except RuntimeError as err:
+        return _fail(str(err))
+    try:
         dht = _start_dht(config)
     except RuntimeError as err:
+        lock.close()
         return _fail(str(err))
     try:
         import uvloop
@@ -121,6 +128,32 @@ def cmd_join(args: argparse.Namespace) -> int:
             return _fail(str(err))
     finally:
         dht.shutdown()
+        lock.close()
+
+
+def lock_checkpoint_dir(directory: Path):
+    """Hold an exclusive lock on the checkpoint directory for the node's lifetime.
+
+    Two nodes in one directory would share an identity (one peer id for two processes) and
+    overwrite each other's checkpoints; the second one stops with a clear message instead.
+    """
+    import fcntl
+
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = open(directory / ".lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip() or "?"
+        handle.close()
+        raise RuntimeError(f"checkpoint directory {directory} is in use by another node (pid {owner}); "
+                           f"give each node its own --checkpoint-dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
 
 
 # -- status and healthcheck ------------------------------------------------------------------------

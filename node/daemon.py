@@ -98,6 +98,8 @@ class Node:
         self.started = time.monotonic()
         self.view = SwarmView({}, {}, 0.0)
         self.health = health.aio.HealthServicer()
+        # Asked once: DHT calls block on another process, never on the event loop.
+        self.multiaddrs = [str(m) for m in dht.get_visible_maddrs()]
         self.trainer: Trainer
         self.state: GlobalState
 
@@ -225,14 +227,14 @@ class Node:
             return cfg.announce_host
         if cfg.host not in ("0.0.0.0", "::", ""):
             return cfg.host
-        for maddr in self.dht.get_visible_maddrs():
-            parts = str(maddr).split("/")
+        for maddr in self.multiaddrs:
+            parts = maddr.split("/")
             if len(parts) > 2 and parts[1] == "ip4" and not parts[2].startswith("127."):
                 return parts[2]
         return "127.0.0.1"
 
     def _announce(self, metrics_port: int) -> None:
-        maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        maddrs = self.multiaddrs
         join_line = f"lowcomm-node join --peers {maddrs[0]}" if maddrs else ""
         log.info(
             "node %s ready: gRPC %s, metrics :%d; others join with: %s", self.peer_id,
@@ -582,7 +584,7 @@ class Node:
             eval_loss=self.last_eval, tokens_total=self.tokens_total, phase=self.phase,
             swarm_outer_step_max=max(self.view.max_step, state.step if state else 0),
             rounds_completed=self.rounds_completed, tokens_per_second=self.tokens_per_second, swarm=swarm,
-            multiaddrs=[str(m) for m in self.dht.get_visible_maddrs()], codec=self.config.sync.codec,
+            multiaddrs=self.multiaddrs, codec=self.config.sync.codec,
             mode=self.config.sync.mode, consensus_distance=math.nan, version=__version__,
         )
 

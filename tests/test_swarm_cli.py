@@ -72,7 +72,11 @@ def test_killed_peer_does_not_stall_the_round_and_rejoins_after_restart(swarm):
     victim = swarm.start(2, [first.multiaddr], env={"LOWCOMM_FAULT_HOLD_ROUND": "2"})
     hold = victim.wait_event("fault_hold", ROUND_WAIT * 3)
     step = hold["outer_step"]
-    victim.kill_all()
+    # SIGKILL the node process alone: its DHT process and p2pd must not outlive it.
+    orphans = swarm.descendants(victim)
+    victim.signal(signal.SIGKILL)
+    _, alive = psutil.wait_procs(orphans, timeout=15)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], f"orphaned after SIGKILL: {alive}"
 
     # The survivors finish that round within its deadlines, skipping the dead owner's shard ...
     done = [node.wait_for(lambda e: e.get("event") == "round_done" and e["outer_step"] == step + 1, ROUND_WAIT)
