@@ -36,13 +36,18 @@ def save(directory: Path, step: int, payload: dict[str, Any]) -> Path:
     body = buffer.getvalue()
     final = _path(directory, step)
     tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(MAGIC)
-        fh.write(hashlib.sha256(body).digest())
-        fh.write(body)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(MAGIC)
+            fh.write(hashlib.sha256(body).digest())
+            fh.write(body)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        # A failed save (disk full, interrupted) must not leave a partial file behind every round.
+        tmp.unlink(missing_ok=True)
+        raise
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # make the rename itself durable

@@ -29,7 +29,8 @@ CODEC_CHOICES = ("fp32", "fp16", "bf16", "int8", "int4", "topk")
 
 class _Section(BaseModel):
     # Unknown keys are errors: a typo in a run config must not silently fall back to a default.
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True,
+                              coerce_numbers_to_str=True)  # --set run.name=123 means the string
 
 
 class RunSection(_Section):

@@ -37,13 +37,16 @@ class Identity:
                 f"this node speaks {PROTOCOL_VERSION}; run the same lowcomm release on both"
             )
         if theirs.config_fingerprint != self.config_fingerprint:
+            # Both sides are named by peer id: the message travels to the other peer (in the
+            # gRPC status) and is printed there too, where "ours" would mean the wrong side.
+            other = theirs.peer_id or "?"
             raise IncompatiblePeer(
-                f"peer {theirs.peer_id or '?'} runs a different run config: "
-                f"{describe_difference(self.run_config_json, theirs.run_config_json)}"
+                f"peer {other} runs a different run config than peer {self.peer_id}: "
+                f"{describe_difference(self.run_config_json, theirs.run_config_json, self.peer_id, other)}"
             )
 
 
-def describe_difference(ours: str, theirs: str) -> str:
+def describe_difference(ours: str, theirs: str, ours_label: str = "ours", theirs_label: str = "theirs") -> str:
     """Human summary of how two canonical run configs differ, e.g. ``[sync] codec: ours 'int8', theirs 'int4'``."""
     try:
         mine, other = json.loads(ours), json.loads(theirs)
@@ -59,5 +62,5 @@ def describe_difference(ours: str, theirs: str) -> str:
             continue
         for key in sorted(set(a) | set(b)):
             if a.get(key) != b.get(key):
-                diffs.append(f"[{section}] {key}: ours {a.get(key)!r}, theirs {b.get(key)!r}")
+                diffs.append(f"[{section}] {key}: {ours_label} {a.get(key)!r}, {theirs_label} {b.get(key)!r}")
     return "; ".join(diffs) if diffs else "fingerprints differ but the configs read the same"

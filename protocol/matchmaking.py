@@ -134,6 +134,8 @@ class Matchmaker:
                 current.changed.set()
         if group is None:
             await context.abort(grpc.StatusCode.ABORTED, "group closed without this peer (full or abandoned)")
+        if isinstance(group, averaging_pb2.Redirect):  # we yielded to a lower leader: go there
+            return averaging_pb2.JoinResponse(redirect=group)
         return averaging_pb2.JoinResponse(group=group)
 
     # -- client side: find or lead a group ----------------------------------------------------
@@ -209,8 +211,11 @@ class Matchmaker:
                       target: averaging_pb2.Redirect, deadline: float) -> averaging_pb2.Group | None:
         for _hop in range(4):  # a redirect chain longer than this means the view is in flux
             if target.peer_id == self.peer_id:
+                # The peer we asked follows us (it yielded to us): lead instead of giving up on it.
+                current.role = "leader"
                 return None
             current.role, current.leader = "follower", target
+            self._redirect_followers(current, target)
             stub = averaging_pb2_grpc.AveragingStub(self.channel_for(target.address))
             # The leader closes by its own deadline; allow a little more than ours for its answer.
             remaining = max(1.0, deadline - time.monotonic()) + 5.0
@@ -218,7 +223,8 @@ class Matchmaker:
                 response = await stub.JoinGroup(request, timeout=remaining)
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.FAILED_PRECONDITION:  # used only for incompatibility
-                    raise IncompatiblePeer(err.details()) from None
+                    raise IncompatiblePeer(f"peer {target.peer_id} at {target.address} refused to average with "
+                                           f"this node ({self.peer_id}): {err.details()}") from None
                 log.debug("JoinGroup to %s failed: %s %s", target.peer_id, err.code(), err.details())
                 return None
             if response.HasField("group"):
@@ -236,17 +242,19 @@ class Matchmaker:
             expected = await expected_peers()
             if len(joined) >= self.group_size or (expected and expected <= joined) or time.monotonic() >= deadline:
                 break
-            if not current.followers:
-                # A leader nobody follows yet yields to a lower registrant that showed up late, and
-                # after a short grace joins a higher one that already leads others, so that two
-                # leaders never wait for each other until the deadline.
-                others = await self._reachable_registrants(current.step, unreachable)
-                lower = [p for p in others if p < self.peer_id]
-                if lower or (others and time.monotonic() - lonely_since > LONELY_LEADER_GRACE):
-                    current.role = "undecided"
-                    return None
-            else:
+            # The lowest registrant leads: a leader yields to a lower registrant that showed up
+            # late and sends its followers there, and a leader nobody follows joins a higher one
+            # after a short grace (in case that one cannot reach us), so that two leaders never
+            # wait for each other until the deadline.
+            others = await self._reachable_registrants(current.step, unreachable)
+            lower = [p for p in others if p < self.peer_id]
+            if current.followers:
                 lonely_since = time.monotonic()
+            if lower or (not current.followers and others and time.monotonic() - lonely_since > LONELY_LEADER_GRACE):
+                if lower:
+                    self._redirect_followers(current, averaging_pb2.Redirect(peer_id=lower[0], address=others[lower[0]]))
+                current.role = "undecided"
+                return None
             await self._wait(current, min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
         current.role = "closed"
         chosen = sorted(current.followers)[: self.group_size - 1]
@@ -264,6 +272,14 @@ class Matchmaker:
             if not follower.reply.done():
                 follower.reply.set_result(group if peer in chosen else None)
         return group
+
+    @staticmethod
+    def _redirect_followers(current: _Round, target: averaging_pb2.Redirect) -> None:
+        """Send the peers waiting on us to ``target``, the leader we now follow."""
+        for follower in current.followers.values():
+            if not follower.reply.done():
+                follower.reply.set_result(target)
+        current.followers.clear()
 
     @staticmethod
     def _member(request: averaging_pb2.JoinRequest, peer_id: str) -> averaging_pb2.Member:

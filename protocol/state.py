@@ -19,7 +19,7 @@ import grpc
 import torch
 
 from ._pb.lowcomm.v1 import state_pb2, state_pb2_grpc
-from .handshake import Identity
+from .handshake import Identity, IncompatiblePeer
 
 log = logging.getLogger(__name__)
 
@@ -142,32 +142,47 @@ async def download_state(
 
     ``channel_for(address)`` returns a grpc.aio channel. A range that fails on one donor is
     retried on the next; the result is checked against ``expected_params_sha256``.
+
+    Raises ``IncompatiblePeer`` when every donor that answered refused this node's Hello
+    (another protocol version or run config), and ``StateError`` for everything else.
     """
     hello = identity.hello()
     infos: list[tuple[Donor, state_pb2.StateInfo]] = []
+    refusals: list[str] = []  # donors that refused our Hello (FAILED_PRECONDITION)
+    answered = 0  # donors that answered GetStateInfo at all
 
     async def ask(donor: Donor) -> None:
+        nonlocal answered
         stub = state_pb2_grpc.StateTransferStub(channel_for(donor.address))
         try:
             info = await stub.GetStateInfo(state_pb2.StateInfoRequest(hello=hello), timeout=min(10.0, timeout))
         except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:  # used only for incompatibility
+                answered += 1
+                refusals.append(f"peer {donor.peer_id} at {donor.address} refused this node: {err.details()}")
             log.warning("state donor %s at %s did not answer: %s", donor.peer_id, donor.address, err.details())
             return
+        answered += 1
         if info.step == expected_step and (expected_params_sha256 in (None, info.params_sha256)):
             infos.append((donor, info))
 
     await asyncio.gather(*(ask(d) for d in donors))
     if not infos:
+        if refusals and len(refusals) == answered:
+            raise IncompatiblePeer("; ".join(refusals))
         raise StateError(f"no donor holds step {expected_step} with the published params hash")
     # Donors may agree on the params hash but still serve blobs that differ (another momentum);
-    # only use donors that serve the same blob as the first.
-    reference = infos[0][1]
+    # use the blob most donors serve (ties: the first to answer), and only the donors serving it.
+    by_state: dict[str, int] = {}
+    for _, info in infos:
+        by_state[info.state_sha256] = by_state.get(info.state_sha256, 0) + 1
+    reference = next(info for _, info in infos if by_state[info.state_sha256] == max(by_state.values()))
     usable = [d for d, info in infos if info.state_sha256 == reference.state_sha256]
     total = reference.total_bytes
-    blob = bytearray(total)
-    remaining = [(start, min(RANGE_BYTES, total - start)) for start in range(0, total, RANGE_BYTES)]
+    downloaded = 0
 
-    async def fetch(donor: Donor, start: int, length: int) -> bool:
+    async def fetch(donor: Donor, blob: bytearray, start: int, length: int) -> bool:
+        nonlocal downloaded
         stub = state_pb2_grpc.StateTransferStub(channel_for(donor.address))
         request = state_pb2.StateRequest(hello=hello, step=expected_step, offset=start, length=length)
         received = 0
@@ -179,6 +194,7 @@ async def download_state(
                     raise StateError(f"donor {donor.peer_id} sent a chunk whose hash does not match")
                 blob[chunk.offset:chunk.offset + len(chunk.data)] = chunk.data
                 received += len(chunk.data)
+                downloaded += len(chunk.data)
             if received != length:
                 raise StateError(f"donor {donor.peer_id} sent {received} of {length} bytes")
             return True
@@ -188,28 +204,48 @@ async def download_state(
             log.warning("state range %d+%d from %s failed: %s", start, length, donor.peer_id, err)
         return False
 
-    # Ranges go round-robin to the donors still trusted; a donor that fails once is dropped and
-    # its ranges go to the others in the next pass, so one leaving donor costs only a retry.
-    alive = list(usable)
-    while remaining and alive:
-        assignment = [(alive[i % len(alive)], start, length) for i, (start, length) in enumerate(remaining)]
-        limit = asyncio.Semaphore(2 * len(alive))  # a few ranges in flight per donor
+    async def fetch_from(sources: list[Donor]) -> bytearray | None:
+        """The whole blob from ``sources``; None when every one of them failed on some range."""
+        blob = bytearray(total)
+        remaining = [(start, min(RANGE_BYTES, total - start)) for start in range(0, total, RANGE_BYTES)]
+        # Ranges go round-robin to the donors still trusted; a donor that fails once is dropped and
+        # its ranges go to the others in the next pass, so one leaving donor costs only a retry.
+        alive = list(sources)
+        while remaining and alive:
+            assignment = [(alive[i % len(alive)], start, length) for i, (start, length) in enumerate(remaining)]
+            limit = asyncio.Semaphore(2 * len(alive))  # a few ranges in flight per donor
 
-        async def limited(donor: Donor, start: int, length: int) -> bool:
-            async with limit:
-                return await fetch(donor, start, length)
+            async def limited(donor: Donor, start: int, length: int) -> bool:
+                async with limit:
+                    return await fetch(donor, blob, start, length)
 
-        results = await asyncio.gather(*(limited(d, s, n) for d, s, n in assignment))
-        failed_donors = {d for (d, _, _), ok in zip(assignment, results) if not ok}
-        remaining = [(s, n) for (_, s, n), ok in zip(assignment, results) if not ok]
-        alive = [d for d in alive if d not in failed_donors]
-    if remaining:
+            results = await asyncio.gather(*(limited(d, s, n) for d, s, n in assignment))
+            failed_donors = {d for (d, _, _), ok in zip(assignment, results) if not ok}
+            remaining = [(s, n) for (_, s, n), ok in zip(assignment, results) if not ok]
+            alive = [d for d in alive if d not in failed_donors]
+        return None if remaining else blob
+
+    blob = await fetch_from(usable)
+    if blob is None:
         raise StateError(f"could not download step {expected_step}: every donor failed on some range")
     if hashlib.sha256(blob).hexdigest() != reference.state_sha256:
-        raise StateError("downloaded state does not match the donor's state hash")
+        # Every chunk matched the hash its donor sent, yet the whole does not: some donor hashed
+        # bytes it altered. Ranges do not say which, so fetch the whole state from one donor at a
+        # time until one serves exactly the blob the donors announced.
+        log.warning("state of step %d from %d donor(s) does not match its announced hash; "
+                    "retrying one donor at a time", expected_step, len(usable))
+        blob = None
+        for donor in usable:
+            candidate = await fetch_from([donor])
+            if candidate is not None and hashlib.sha256(candidate).hexdigest() == reference.state_sha256:
+                blob = candidate
+                break
+            log.warning("state donor %s did not serve the announced state of step %d", donor.peer_id, expected_step)
+        if blob is None:
+            raise StateError("downloaded state does not match the donors' state hash")
     step, params, momentum = parse_blob(blob)
     if step != expected_step:
         raise StateError(f"downloaded state is for step {step}, expected {expected_step}")
     if expected_params_sha256 is not None and params_sha256(params) != expected_params_sha256:
         raise StateError("downloaded params do not match the hash the swarm published")
-    return DownloadedState(step, params, momentum, total, len(usable))
+    return DownloadedState(step, params, momentum, downloaded, len(usable))

@@ -27,12 +27,31 @@ from lowcomm.protocol.state import params_sha256
 class MemoryDHT:
     """A dict with expirations, standing in for hivemind's DHT."""
 
-    def __init__(self) -> None:
+    def __init__(self, barrier: int = 0) -> None:
         self.data: dict[str, dict[str, tuple[dict, float]]] = {}
+        self._stored: asyncio.Event | None = None
+        # With barrier=N, the first N stores wait for each other before anybody reads: N peers
+        # that register "at the same moment" all see each other on their first read.
+        self._barrier = asyncio.Barrier(barrier) if barrier else None
 
     async def store(self, key: str, subkey: str, value: dict, ttl: float) -> bool:
         self.data.setdefault(key, {})[subkey] = (value, time.monotonic() + ttl)
+        if self._stored is not None:
+            self._stored.set()
+            self._stored = None
+        barrier = self._barrier
+        if barrier is not None:
+            if barrier.n_waiting + 1 == barrier.parties:
+                self._barrier = None  # single use: later stores do not wait
+            await barrier.wait()
         return True
+
+    async def wait_stored(self, key: str, subkeys: set[str]) -> None:
+        """Return once every subkey in ``subkeys`` has been stored under ``key`` (no polling)."""
+        while not subkeys <= set(self.data.get(key, {})):
+            if self._stored is None:
+                self._stored = asyncio.Event()
+            await self._stored.wait()
 
     async def get(self, key: str) -> dict[str, dict]:
         now = time.monotonic()
@@ -55,24 +74,61 @@ class Peer:
         self.executor = ThreadPoolExecutor(2)
         self.channels = ChannelPool()
         self.registry = ReduceRegistry(self.peer_id, lambda r, s, d: self.rejections.append((r, s)), self.executor)
+        self.joins_seen: list[str] = []  # peer ids whose JoinGroup reached this peer, in order
+        self._join_event = asyncio.Event()
+        self._stopped = False
         self.matchmaker = Matchmaker(self.dht, "test", self.identity, "", self.channels, self.group_size,
                                      int(codecs.get_codec(self.codec).id), self.numel, self.reduce_timeout)
 
         async def no_status():
             raise NotImplementedError
 
+        handle_join = self.matchmaker.handle_join
+
+        async def observed_join(request, context):
+            # Registration inside handle_join runs before its first await, so a waiter woken here
+            # sees the follower registered.
+            call = handle_join(request, context)
+            self.joins_seen.append(request.hello.peer_id)
+            self._join_event.set()
+            return await call
+
+        self.matchmaker.handle_join = observed_join
         self.server, port = create_server("127.0.0.1", 0, AveragingServicer(self.matchmaker, self.registry), None,
                                           NodeInfoServicer(no_status), health.aio.HealthServicer())
         await self.server.start()
+        self.port = port
         if not self.client_mode:
             self.matchmaker.address = f"127.0.0.1:{port}"
         self.residual = torch.zeros(self.numel)
         self.owner_residual = torch.zeros(self.numel)
 
+    async def wait_joined_by(self, peer_id: str) -> None:
+        """Return once ``peer_id`` has called JoinGroup on this peer."""
+        while peer_id not in self.joins_seen:
+            self._join_event.clear()
+            await self._join_event.wait()
+
     async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
         await self.server.stop(grace=None)
         await self.channels.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def form(self, step: int, expected: set[str], timeout: float = 10.0, weight: float = 1.0,
+                   bandwidth_bps: float = 0.0):
+        """Only the matchmaking half of ``average``."""
+        async def expected_peers() -> set[str]:
+            return expected
+
+        return await self.matchmaker.form_group(step, weight, bandwidth_bps, expected_peers, timeout)
+
+    async def reduce(self, group, delta: torch.Tensor) -> AllReduceResult:
+        """Only the all-reduce half of ``average``."""
+        return await run_allreduce(group, self.peer_id, delta, self.residual, self.owner_residual,
+                                   self.registry, self.channels, self.executor)
 
     async def average(self, step: int, delta: torch.Tensor, expected: set[str], timeout: float = 10.0,
                       weight: float = 1.0) -> tuple[object, AllReduceResult | None]:
@@ -95,11 +151,16 @@ def apply_outer(params: torch.Tensor, outer: NesterovOuter, result: AllReduceRes
     return params
 
 
-async def start_peers(count: int, numel: int, codec: str = "int8", **kwargs) -> list[Peer]:
-    dht = MemoryDHT()
+async def start_peers(count: int, numel: int, codec: str = "int8", dht: MemoryDHT | None = None,
+                      **kwargs) -> list[Peer]:
+    dht = MemoryDHT() if dht is None else dht
     peers = [Peer(f"peer-{i:02d}", numel, codec, dht, **kwargs) for i in range(count)]
     await asyncio.gather(*(p.start() for p in peers))
     return peers
+
+
+async def stop_peers(peers: list[Peer]) -> None:
+    await asyncio.gather(*(p.stop() for p in peers))
 
 
 def digest(t: torch.Tensor) -> str:

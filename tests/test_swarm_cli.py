@@ -60,6 +60,13 @@ def test_three_peers_train_in_sync_and_a_late_joiner_catches_up(swarm):
         assert key in status
     assert status["swarm_peers"] >= 3 and status["tokens_total"] > 0
     assert status["outer_step"] >= step
+    human = subprocess.run([*node_command(), "status", "--target", grpc_address],
+                           capture_output=True, text=True, timeout=30, check=True).stdout
+    assert status["peer_id"] in human and "swarm" in human
+    assert sum(1 for line in human.splitlines() if "tok/s" in line and "lag" in line) >= 3  # one line per peer
+    health = subprocess.run([*node_command(), "healthcheck", "--target", grpc_address],
+                            capture_output=True, text=True, timeout=30)
+    assert health.returncode == 0 and "SERVING" in health.stdout
 
     # Training helps: the global model's eval loss is below the initial one.
     assert first.rounds()[-1]["eval_loss"] < initial_eval

@@ -1,0 +1,387 @@
+"""Butterfly all-reduce under failures: dead owners, silent and late senders, malicious streams,
+and unequal weights. Several peers with real gRPC servers in one event loop (DESIGN §4, §7)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import pytest
+import torch
+
+from lowcomm.protocol import allreduce, codecs
+from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2, averaging_pb2_grpc
+from lowcomm.protocol.allreduce import ReduceRegistry, ShardAccumulator
+from lowcomm.protocol.outer import NesterovOuter
+from lowcomm.protocol.rpc import ChannelPool
+
+from .swarm_harness import MemoryDHT, Peer, apply_outer, digest, start_peers, stop_peers
+
+NUMEL = 30_001
+REDUCE_TIMEOUT = 1.5
+
+
+def run(coro, limit: float):
+    async def bounded():
+        async with asyncio.timeout(limit):
+            return await coro
+    return asyncio.run(bounded())
+
+
+def random_deltas(count: int, numel: int = NUMEL, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel, generator=gen) * 0.01 for _ in range(count)]
+
+
+def seed_residuals(peers: list[Peer], seed: int = 1) -> list[torch.Tensor]:
+    """Non-zero residuals from an earlier round, so that "kept in the residual" is observable."""
+    gen = torch.Generator().manual_seed(seed)
+    old = []
+    for p in peers:
+        p.residual.copy_(torch.randn(p.numel, generator=gen) * 0.001)
+        old.append(p.residual.clone())
+    return old
+
+
+def new_params(theta: torch.Tensor, results) -> list[torch.Tensor]:
+    return [apply_outer(theta, NesterovOuter.zeros(0.7, 0.9, theta.numel()), r) for r in results]
+
+
+# -- (a) a shard owner dies after the group formed ---------------------------------------------
+
+
+def test_dead_owner_shard_is_skipped_by_everybody_and_kept_in_residuals():
+    async def scenario():
+        peers = await start_peers(3, NUMEL, "int8", reduce_timeout=REDUCE_TIMEOUT)
+        try:
+            expected = {p.peer_id for p in peers}
+            groups = await asyncio.gather(*(p.form(0, expected) for p in peers))
+            group = groups[0]
+            assert len(group.members) == 3 and all(g == group for g in groups)
+            dead, survivors = peers[2], peers[:2]
+            dead_shard = [group.members[i].peer_id for i in group.shard_owners].index(dead.peer_id)
+            await dead.stop()
+
+            deltas = random_deltas(2)
+            old = seed_residuals(survivors)
+            async with asyncio.timeout(REDUCE_TIMEOUT * 1.5 + 2):
+                results = await asyncio.gather(*(p.reduce(group, d) for p, d in zip(survivors, deltas)))
+
+            sl = results[0].slices[dead_shard]
+            for p, d, o, r in zip(survivors, deltas, old, results):
+                assert r.averages[dead_shard] is None
+                assert all(a is not None for i, a in enumerate(r.averages) if i != dead_shard)
+                assert torch.equal(p.residual[sl], d[sl] + o[sl])  # all of this part is carried over
+            for i in range(len(results[0].averages)):
+                if i != dead_shard:
+                    assert torch.equal(results[0].averages[i], results[1].averages[i])
+
+            theta = torch.randn(NUMEL, generator=torch.Generator().manual_seed(5))
+            updated = new_params(theta, results)
+            assert digest(updated[0]) == digest(updated[1])
+            assert torch.equal(updated[0][sl], theta[sl])  # nobody touched the dead owner's shard
+            assert not torch.equal(updated[0], theta)
+        finally:
+            await stop_peers(peers)
+
+    run(scenario(), 20)
+
+
+# -- (b) a member forms the group but never sends ----------------------------------------------
+
+
+def test_silent_member_is_left_out_at_the_deadline_with_renormalised_weights():
+    async def scenario():
+        peers = await start_peers(3, NUMEL, "fp32", reduce_timeout=REDUCE_TIMEOUT)
+        try:
+            expected = {p.peer_id for p in peers}
+            groups = await asyncio.gather(*(p.form(0, expected) for p in peers))
+            group = groups[0]
+            silent, senders = peers[2], peers[:2]
+            silent_shard = [group.members[i].peer_id for i in group.shard_owners].index(silent.peer_id)
+
+            deltas = random_deltas(2)
+            old = seed_residuals(senders)
+            contributions = [d + o for d, o in zip(deltas, old)]
+            # Owners finalize at the deadline; senders give up on the silent owner's shard a
+            # little after it: the whole call is bounded by the group's reduce timeout.
+            async with asyncio.timeout(group.reduce_timeout_s * 1.5 + 1.0):
+                results = await asyncio.gather(*(p.reduce(group, d) for p, d in zip(senders, deltas)))
+
+            mean = (contributions[0] + contributions[1]) / 2  # renormalised over who sent
+            for i, sl in enumerate(results[0].slices):
+                if i == silent_shard:
+                    assert all(r.averages[i] is None for r in results)
+                    for p, c in zip(senders, contributions):
+                        assert torch.equal(p.residual[sl], c[sl])
+                    continue
+                assert torch.equal(results[0].averages[i], results[1].averages[i])
+                assert torch.allclose(results[0].averages[i], mean[sl], atol=1e-7, rtol=1e-6)
+            updated = new_params(torch.zeros(NUMEL), results)
+            assert digest(updated[0]) == digest(updated[1])
+        finally:
+            await stop_peers(peers)
+
+    run(scenario(), 20)
+
+
+def test_late_sender_still_receives_the_average_and_keeps_its_part():
+    """A client-mode member that sends only after the owners' deadline is left out of the
+    averages, gets them anyway, ends bit-identical, and keeps its whole Δ in its residual."""
+
+    async def scenario():
+        dht = MemoryDHT()
+        peers = await start_peers(2, NUMEL, "int8", dht=dht, reduce_timeout=REDUCE_TIMEOUT)
+        late = Peer("peer-02", NUMEL, "int8", dht, reduce_timeout=REDUCE_TIMEOUT, client_mode=True)
+        await late.start()
+        everyone = [*peers, late]
+        try:
+            expected = {p.peer_id for p in everyone}
+            groups = await asyncio.gather(*(p.form(0, expected) for p in everyone))
+            group = groups[0]
+            assert len(group.members) == 3 and len(group.shard_owners) == 2
+            deltas = random_deltas(3)
+            old = seed_residuals(everyone)
+            async with asyncio.timeout(group.reduce_timeout_s * 1.5 + 1.0):
+                on_time = await asyncio.gather(*(p.reduce(group, d) for p, d in zip(peers, deltas)))
+            async with asyncio.timeout(group.reduce_timeout_s * 1.5 + 1.0):
+                tardy = await late.reduce(group, deltas[2])
+
+            for i in range(len(group.shard_owners)):
+                assert torch.equal(tardy.averages[i], on_time[0].averages[i])
+                assert torch.equal(on_time[1].averages[i], on_time[0].averages[i])
+            assert torch.equal(late.residual, deltas[2] + old[2])  # nothing of it was delivered
+            for p in peers:
+                assert ("late", late.peer_id) in p.rejections
+            updated = new_params(torch.zeros(NUMEL), [*on_time, tardy])
+            assert len({digest(t) for t in updated}) == 1
+        finally:
+            await stop_peers(everyone)
+
+    run(scenario(), 20)
+
+
+# -- (c) malicious streams ----------------------------------------------------------------------
+
+
+def test_malicious_streams_are_rejected_before_the_accumulator(monkeypatch):
+    """One owner (peer-00), one honest sender (peer-01), and streams written by hand for the
+    other members: every bad one gets INVALID_ARGUMENT, is counted with its reason, and leaves
+    the average equal to the weighted mean of the honest contributions."""
+    numel = 5_000
+    fp32, int8 = codecs.get_codec("fp32"), codecs.get_codec("int8")
+    reduce_timeout = 2.0
+    added: list[str] = []
+    headers: list[str] = []
+    hooks: dict[str, asyncio.Event] = {}
+
+    original_add = ShardAccumulator.add
+    original_check = ReduceRegistry._check_header
+
+    async def spy_add(self, sender, decoded):
+        added.append(sender)
+        hooks["added"].set()
+        return await original_add(self, sender, decoded)
+
+    def spy_check(acc, header):
+        headers.append(header.sender_peer_id)
+        hooks["header"].set()
+        return original_check(acc, header)
+
+    monkeypatch.setattr(ShardAccumulator, "add", spy_add)
+    monkeypatch.setattr(ReduceRegistry, "_check_header", staticmethod(spy_check))
+
+    async def scenario():
+        hooks["added"], hooks["header"] = asyncio.Event(), asyncio.Event()
+        owner, honest = await start_peers(2, numel, "fp32")
+        channels = ChannelPool()
+        names = ["peer-00", "peer-01", "peer-02", "peer-03", "peer-04"]
+        group = averaging_pb2.Group(
+            group_id=os.urandom(16), step=0,
+            members=[averaging_pb2.Member(peer_id=n, address=a, weight=1.0)
+                     for n, a in zip(names, [f"127.0.0.1:{owner.port}", f"127.0.0.1:{honest.port}", "", "", ""])],
+            shard_bounds=[0, numel], shard_owners=[0], codec=fp32.id, reduce_timeout_s=reduce_timeout,
+        )
+        stub = averaging_pb2_grpc.AveragingStub(channels(f"127.0.0.1:{owner.port}"))
+        gen = torch.Generator().manual_seed(3)
+        x_owner, x_honest, x_third = (torch.randn(numel, generator=gen) for _ in range(3))
+
+        def header(sender="peer-02", codec=fp32, n=numel, payload_bytes=None):
+            return averaging_pb2.ReduceMessage(header=averaging_pb2.ReduceHeader(
+                group_id=group.group_id, shard_index=0, sender_peer_id=sender, codec=codec.id, numel=n,
+                payload_bytes=codec.encoded_size(n) if payload_bytes is None else payload_bytes))
+
+        async def stream(first, payload=b"", gate: asyncio.Event | None = None):
+            async def requests():
+                yield first
+                half = len(payload) // 2
+                yield averaging_pb2.ReduceMessage(chunk=payload[:half])
+                if gate is not None:
+                    await gate.wait()
+                yield averaging_pb2.ReduceMessage(chunk=payload[half:])
+
+            got = bytearray()
+            result = None
+            try:
+                async for message in stub.Reduce(requests(), timeout=10):
+                    if message.HasField("result"):
+                        result = message.result
+                    else:
+                        got += message.chunk
+            except grpc.aio.AioRpcError as err:
+                return err.code(), None, None
+            return grpc.StatusCode.OK, result, fp32.decode(got, numel)
+
+        async def rejected(first, payload, reason, sender):
+            before = len(owner.rejections)
+            code, _, _ = await stream(first, payload)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (reason, code)
+            assert owner.rejections[before:] == [(reason, sender)]
+
+        try:
+            x_owner_copy = x_owner.clone()
+            owning = asyncio.create_task(allreduce.run_allreduce(
+                group, "peer-00", x_owner, owner.residual, owner.owner_residual, owner.registry, owner.channels,
+                owner.executor))
+            good = fp32.encode(x_third)
+            nan = x_third.clone()
+            nan[17] = float("nan")
+            inf = x_third.clone()
+            inf[0] = float("inf")
+            # Header problems: refused before a byte of payload is read.
+            await rejected(header(n=numel - 1), fp32.encode(x_third[:-1]), "length", "peer-02")
+            await rejected(header(payload_bytes=4 * numel + 4), good + b"\0\0\0\0", "length", "peer-02")
+            await rejected(header(codec=int8), int8.encode(x_third), "codec", "peer-02")
+            await rejected(header(sender="peer-99"), good, "unknown_sender", "peer-99")
+            await rejected(header(sender="peer-00"), good, "unknown_sender", "peer-00")  # the owner itself
+            # Payload problems: a valid header (which uses up that member's one try), bad bytes.
+            await rejected(header(sender="peer-03"), fp32.encode(nan), "non_finite", "peer-03")
+            await rejected(header(sender="peer-04"), good[:-4], "length", "peer-04")
+            await rejected(header(sender="peer-04"), good, "unknown_sender", "peer-04")  # no second try
+
+            # Duplicate while the first stream is still sending.
+            gate = asyncio.Event()
+            mark = len(headers)
+            first = asyncio.create_task(stream(header(), good, gate))
+            while "peer-02" not in headers[mark:]:  # the hook fires when its header is checked
+                hooks["header"].clear()
+                await hooks["header"].wait()
+            await rejected(header(), good, "unknown_sender", "peer-02")
+            hooks["added"].clear()
+            gate.set()
+            await hooks["added"].wait()
+            assert added == ["peer-02"]
+            # Duplicate after the first one was accumulated.
+            await rejected(header(), good, "unknown_sender", "peer-02")
+
+            honest_result = await allreduce.run_allreduce(
+                group, "peer-01", x_honest, honest.residual, honest.owner_residual, honest.registry,
+                honest.channels, honest.executor)
+            owner_result = await owning
+            code, result_header, third_average = await first
+            assert code == grpc.StatusCode.OK
+
+            # Only the honest contributions reached the accumulator, each once; peer-03 and
+            # peer-04 were left out at the deadline and the weights renormalised over three.
+            assert sorted(added) == ["peer-01", "peer-02"]
+            assert sorted(result_header.contributors) == ["peer-00", "peer-01", "peer-02"]
+            mean = (x_owner_copy + x_honest + x_third) / 3
+            average = owner_result.averages[0]
+            assert torch.allclose(average, mean, atol=1e-6, rtol=1e-6)
+            assert torch.isfinite(average).all()
+            assert torch.equal(honest_result.averages[0], average)
+            assert torch.equal(third_average, average)
+            reasons = [r for r, _ in owner.rejections]
+            assert reasons.count("unknown_sender") == 5 and reasons.count("length") == 3
+            assert reasons.count("codec") == 1 and reasons.count("non_finite") == 1
+        finally:
+            await channels.close()
+            await stop_peers([owner, honest])
+
+    run(scenario(), reduce_timeout * 1.5 + 10)
+
+
+def test_stream_without_header_or_for_unknown_group(monkeypatch):
+    monkeypatch.setattr(allreduce, "HEADER_TIMEOUT", 0.2)
+
+    async def scenario():
+        (peer,) = await start_peers(1, 100, "fp32")
+        channels = ChannelPool()
+        stub = averaging_pb2_grpc.AveragingStub(channels(f"127.0.0.1:{peer.port}"))
+
+        async def call(*messages):
+            async def requests():
+                for m in messages:
+                    yield m
+            try:
+                async for _ in stub.Reduce(requests(), timeout=5):
+                    pass
+            except grpc.aio.AioRpcError as err:
+                return err.code()
+            return grpc.StatusCode.OK
+
+        try:
+            assert await call(averaging_pb2.ReduceMessage(chunk=b"abc")) == grpc.StatusCode.INVALID_ARGUMENT
+            assert await call() == grpc.StatusCode.INVALID_ARGUMENT
+            unknown = averaging_pb2.ReduceMessage(header=averaging_pb2.ReduceHeader(
+                group_id=b"no such group", shard_index=0, sender_peer_id="peer-01", codec=1, numel=100,
+                payload_bytes=400))
+            assert await call(unknown, averaging_pb2.ReduceMessage(chunk=b"\0" * 400)) == grpc.StatusCode.NOT_FOUND
+            assert peer.rejections == []  # malformed, not a contribution
+        finally:
+            await channels.close()
+            await stop_peers([peer])
+
+    run(scenario(), 15)
+
+
+# -- (d) unequal weights ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bandwidths", [[0.0, 0.0, 0.0], [1e6, 5e6, 2e6]])
+def test_weighted_average_with_unequal_weights(bandwidths):
+    weights = [1.0, 2.0, 5.0]
+
+    async def scenario():
+        peers = await start_peers(3, NUMEL, "fp32")
+        try:
+            expected = {p.peer_id for p in peers}
+            groups = await asyncio.gather(*(p.form(0, expected, weight=w, bandwidth_bps=b)
+                                            for p, w, b in zip(peers, weights, bandwidths)))
+            group = groups[0]
+            assert [m.weight for m in group.members] == weights
+            deltas = random_deltas(3)
+            results = await asyncio.gather(*(p.reduce(group, d) for p, d in zip(peers, deltas)))
+            want = sum(w * d for w, d in zip(weights, deltas)) / sum(weights)
+            got = torch.cat(results[0].averages)
+            assert torch.allclose(got, want, atol=1e-7, rtol=1e-5)
+            plain_mean = torch.stack(deltas).mean(0)
+            assert not torch.allclose(got, plain_mean, atol=1e-4)  # the weights mattered
+            for r in results[1:]:
+                assert all(torch.equal(a, b) for a, b in zip(r.averages, results[0].averages))
+            for p in peers:
+                assert torch.count_nonzero(p.residual) == 0  # fp32 delivers everything
+            updated = new_params(torch.zeros(NUMEL), results)
+            assert len({digest(t) for t in updated}) == 1
+        finally:
+            await stop_peers(peers)
+
+    run(scenario(), 20)
+
+
+def test_more_owners_than_values_gives_empty_shards():
+    async def scenario():
+        peers = await start_peers(3, 2, "int8")
+        try:
+            expected = {p.peer_id for p in peers}
+            groups = await asyncio.gather(*(p.form(0, expected) for p in peers))
+            assert list(groups[0].shard_bounds) == [0, 1, 1, 2]  # the middle shard is empty
+            deltas = [torch.full((2,), float(i + 1)) for i in range(3)]
+            results = await asyncio.gather(*(p.reduce(groups[0], d) for p, d in zip(peers, deltas)))
+            for r in results:
+                assert [a.tolist() for a in r.averages] == [[2.0], [], [2.0]]
+        finally:
+            await stop_peers(peers)
+
+    run(scenario(), 15)

@@ -1,0 +1,143 @@
+"""Atomic, hash-checked checkpoints with fallback to the previous one (node/checkpoint.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lowcomm.node import checkpoint
+from lowcomm.node.checkpoint import CheckpointError
+
+
+def payload(step: int) -> dict:
+    gen = torch.Generator().manual_seed(step)
+    return {"step": step, "params": torch.randn(1000, generator=gen), "momentum": torch.randn(1000, generator=gen),
+            "tokens_total": 123 * step, "meta": {"codec": "int8"}}
+
+
+def assert_payload_equal(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got[key], value)
+        else:
+            assert got[key] == value
+
+
+def test_round_trip(tmp_path):
+    path = checkpoint.save(tmp_path / "ck", 3, payload(3))
+    assert path.exists() and path.parent == tmp_path / "ck"
+    assert_payload_equal(checkpoint.read(path), payload(3))
+    loaded, where = checkpoint.load_latest(tmp_path / "ck")
+    assert where == path
+    assert_payload_equal(loaded, payload(3))
+
+
+def test_empty_or_missing_directory(tmp_path):
+    assert checkpoint.load_latest(tmp_path / "missing") is None
+    assert checkpoint.list_checkpoints(tmp_path / "missing") == []
+    (tmp_path / "empty").mkdir()
+    assert checkpoint.load_latest(tmp_path / "empty") is None
+
+
+def test_keeps_only_the_last_two(tmp_path):
+    for step in (1, 2, 3, 10, 11):
+        checkpoint.save(tmp_path, step, payload(step))
+    names = [p.name for p in checkpoint.list_checkpoints(tmp_path)]
+    assert names == ["step-000000010.ckpt", "step-000000011.ckpt"]  # numeric order, not 1 < 10 < 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == names  # no temp files left behind
+    loaded, _ = checkpoint.load_latest(tmp_path)
+    assert loaded["step"] == 11
+
+
+def corrupt_truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def corrupt_bitflip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) - 100] ^= 0x10  # inside the torch.save body
+    path.write_bytes(bytes(data))
+
+
+def corrupt_header(path):
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def corrupt_empty(path):
+    path.write_bytes(b"")
+
+
+@pytest.mark.parametrize("corrupt", [corrupt_truncate, corrupt_bitflip, corrupt_header, corrupt_empty])
+def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog, corrupt):
+    checkpoint.save(tmp_path, 4, payload(4))
+    newest = checkpoint.save(tmp_path, 5, payload(5))
+    corrupt(newest)
+    with pytest.raises(CheckpointError, match=newest.name):
+        checkpoint.read(newest)
+    with caplog.at_level(logging.WARNING, logger=checkpoint.log.name):
+        loaded, where = checkpoint.load_latest(tmp_path)
+    assert where.name == "step-000000004.ckpt"
+    assert_payload_equal(loaded, payload(4))
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and newest.name in warnings[0].getMessage()
+
+
+def test_all_corrupt_gives_none(tmp_path, caplog):
+    for step in (1, 2):
+        corrupt_bitflip(checkpoint.save(tmp_path, step, payload(step)))
+    with caplog.at_level(logging.WARNING, logger=checkpoint.log.name):
+        assert checkpoint.load_latest(tmp_path) is None
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 2
+
+
+def test_temp_files_never_count_as_checkpoints(tmp_path):
+    good = checkpoint.save(tmp_path, 7, payload(7))
+    # What a save killed before its rename leaves behind: a partial temp file of a newer step.
+    full = (tmp_path / "scratch")
+    checkpoint.save(full, 8, payload(8))
+    partial = full.joinpath("step-000000008.ckpt").read_bytes()[:500]
+    tmp = tmp_path / ".step-000000008.ckpt.4242.tmp"
+    tmp.write_bytes(partial)
+    assert checkpoint.list_checkpoints(tmp_path) == [good]
+    loaded, where = checkpoint.load_latest(tmp_path)
+    assert where == good
+    assert_payload_equal(loaded, payload(7))
+    # The next save of that step succeeds and pruning leaves the stray temp file alone.
+    again = checkpoint.save(tmp_path, 8, payload(8))
+    assert checkpoint.list_checkpoints(tmp_path) == [good, again]
+    assert_payload_equal(checkpoint.load_latest(tmp_path)[0], payload(8))
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt("interrupted before the rename"),
+                                   OSError(28, "No space left on device")])
+def test_failed_save_leaves_previous_usable_and_no_temp_file(tmp_path, monkeypatch, error):
+    good = checkpoint.save(tmp_path, 1, payload(1))
+    renames = []
+
+    def fail_rename(src, dst):
+        renames.append(src)
+        assert src.exists()  # the temp file was complete and synced at this point
+        raise error
+
+    monkeypatch.setattr(checkpoint.os, "replace", fail_rename)
+    with pytest.raises(type(error)):
+        checkpoint.save(tmp_path, 2, payload(2))
+    monkeypatch.undo()
+    assert renames and renames[0].name.startswith(".step-000000002.ckpt.")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [good.name]  # no partial file left behind
+    loaded, where = checkpoint.load_latest(tmp_path)
+    assert where == good
+    assert_payload_equal(loaded, payload(1))
+
+
+def test_overwrite_same_step_is_atomic(tmp_path):
+    checkpoint.save(tmp_path, 3, payload(3))
+    checkpoint.save(tmp_path, 3, payload(30))
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-000000003.ckpt"]
+    assert_payload_equal(checkpoint.load_latest(tmp_path)[0], payload(30))

@@ -1,0 +1,242 @@
+"""Config layering, error messages and the run fingerprint (node/config.py)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from lowcomm.node.cli import render_default_config
+from lowcomm.node.config import CODEC_CHOICES, Config, ConfigError, load_config, parse_override
+
+
+def write(tmp_path: Path, text: str, name: str = "run.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# -- precedence ---------------------------------------------------------------------------------
+
+
+def test_defaults_without_any_source():
+    assert load_config(environ={}) == Config()
+
+
+def test_precedence_defaults_file_env_flags_set(tmp_path):
+    path = write(tmp_path, """
+[sync]
+codec = "int4"
+group_size = 4
+[node]
+grpc_port = 1111
+metrics_port = 1112
+dht_port = 1113
+max_rounds = 7
+log_level = "warning"
+""")
+    env = {"LOWCOMM_METRICS_PORT": "2222", "LOWCOMM_DHT_PORT": "2223", "LOWCOMM_MAX_ROUNDS": "8"}
+    flags = {"dht_port": 3333, "max_rounds": 9, "grpc_port": None}  # None: flag not given
+    cfg = load_config(path, flags=flags, overrides=["node.max_rounds=10"], environ=env)
+    assert cfg.sync.codec == "int4"  # file over default
+    assert cfg.sync.group_size == 4
+    assert cfg.sync.outer_lr == 0.7  # default kept
+    assert cfg.node.grpc_port == 1111  # file; the None flag does not override
+    assert cfg.node.log_level == "warning"
+    assert cfg.node.metrics_port == 2222  # env over file
+    assert cfg.node.dht_port == 3333  # flag over env
+    assert cfg.node.max_rounds == 10  # --set over flag
+
+
+def test_set_overrides_file_and_parses_toml_values(tmp_path):
+    path = write(tmp_path, '[sync]\ncodec = "int4"\n[train]\ninner_steps = 3\n')
+    cfg = load_config(path, overrides=["sync.codec=fp16", "train.inner_steps=11", "train.lr=0.5",
+                                       "node.client_mode=true"], environ={})
+    assert cfg.sync.codec == "fp16"  # bare word: a string
+    assert cfg.train.inner_steps == 11
+    assert cfg.train.lr == 0.5
+    assert cfg.node.client_mode is True
+
+
+def test_config_file_from_environment(tmp_path):
+    path = write(tmp_path, '[sync]\ncodec = "topk"\n')
+    assert load_config(environ={"LOWCOMM_CONFIG": str(path)}).sync.codec == "topk"
+    # An explicit file wins over the variable.
+    other = write(tmp_path, '[sync]\ncodec = "bf16"\n', "other.toml")
+    assert load_config(other, environ={"LOWCOMM_CONFIG": str(path)}).sync.codec == "bf16"
+
+
+def test_env_values_are_typed_and_empty_is_unset():
+    cfg = load_config(environ={
+        "LOWCOMM_CLIENT_MODE": "true", "LOWCOMM_GRPC_PORT": "0", "LOWCOMM_HEARTBEAT_INTERVAL": "0.5",
+        "LOWCOMM_CHECKPOINT_DIR": "/tmp/x", "LOWCOMM_DATA": "corpus/*.txt", "LOWCOMM_MAX_ROUNDS": "",
+    })
+    assert cfg.node.client_mode is True
+    assert cfg.node.grpc_port == 0
+    assert cfg.node.heartbeat_interval == 0.5
+    assert cfg.node.checkpoint_dir == Path("/tmp/x")
+    assert cfg.data.path == "corpus/*.txt"  # the `data` alias
+    assert cfg.node.max_rounds is None
+
+
+@pytest.mark.parametrize("value", ["/ip4/1.2.3.4/tcp/1/p2p/A,/ip4/5.6.7.8/tcp/2/p2p/B",
+                                   "/ip4/1.2.3.4/tcp/1/p2p/A /ip4/5.6.7.8/tcp/2/p2p/B",
+                                   " /ip4/1.2.3.4/tcp/1/p2p/A ,\n\t/ip4/5.6.7.8/tcp/2/p2p/B , "])
+@pytest.mark.parametrize("var", ["LOWCOMM_PEERS", "LOWCOMM_INITIAL_PEERS"])
+def test_peers_from_env_split_on_commas_and_spaces(var, value):
+    cfg = load_config(environ={var: value})
+    assert cfg.node.peers == ["/ip4/1.2.3.4/tcp/1/p2p/A", "/ip4/5.6.7.8/tcp/2/p2p/B"]
+
+
+def test_peers_flag_overrides_env_peers():
+    cfg = load_config(flags={"peers": ["/ip4/9.9.9.9/tcp/9/p2p/C"]}, environ={"LOWCOMM_PEERS": "/ip4/1.1.1.1/tcp/1/p2p/A"})
+    assert cfg.node.peers == ["/ip4/9.9.9.9/tcp/9/p2p/C"]
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+def test_invalid_toml_names_the_file(tmp_path):
+    path = write(tmp_path, "[sync\ncodec = 'int8'\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert str(path) in str(info.value)
+    assert "not valid TOML" in str(info.value)
+
+
+def test_missing_file_names_the_file(tmp_path):
+    path = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match="nope.toml"):
+        load_config(path, environ={})
+
+
+def test_unknown_key_names_file_section_key_and_known_keys(tmp_path):
+    path = write(tmp_path, "[sync]\ncodecs = 'int8'\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    message = str(info.value)
+    assert str(path) in message
+    assert "[sync]" in message and "'codecs'" in message
+    for known in ("codec", "group_size", "outer_lr", "reduce_timeout"):
+        assert known in message
+
+
+def test_unknown_section_is_named(tmp_path):
+    path = write(tmp_path, "[synk]\ncodec = 'int8'\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert str(path) in str(info.value) and "[synk]" in str(info.value) and "[sync]" in str(info.value)
+
+
+def test_top_level_key_outside_a_table(tmp_path):
+    path = write(tmp_path, "codec = 'int8'\n")
+    with pytest.raises(ConfigError, match="must be a table"):
+        load_config(path, environ={})
+
+
+def test_wrong_value_names_file_key_and_allowed_values(tmp_path):
+    path = write(tmp_path, '[sync]\ncodec = "int9"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    message = str(info.value)
+    assert str(path) in message
+    assert "[sync] codec" in message and "int9" in message
+    for allowed in CODEC_CHOICES:
+        assert f"'{allowed}'" in message
+
+
+def test_wrong_type_names_the_key(tmp_path):
+    path = write(tmp_path, '[train]\ninner_steps = "many"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert str(path) in str(info.value) and "[train] inner_steps" in str(info.value)
+
+
+def test_out_of_range_value(tmp_path):
+    path = write(tmp_path, "[sync]\ngroup_size = 1\n")
+    with pytest.raises(ConfigError, match=r"\[sync\] group_size"):
+        load_config(path, environ={})
+
+
+@pytest.mark.parametrize("var,value,key", [("LOWCOMM_GRPC_PORT", "seventy", "grpc_port"),
+                                           ("LOWCOMM_GRPC_PORT", "70000", "grpc_port"),
+                                           ("LOWCOMM_CLIENT_MODE", "perhaps", "client_mode"),
+                                           ("LOWCOMM_LOG_FORMAT", "xml", "log_format")])
+def test_bad_env_value_names_the_variable(var, value, key):
+    with pytest.raises(ConfigError) as info:
+        load_config(environ={var: value})
+    assert f"environment variable {var}" in str(info.value)
+    assert f"[node] {key}" in str(info.value)
+
+
+def test_bad_flag_value_names_the_flag():
+    with pytest.raises(ConfigError, match="flag --metrics-port"):
+        load_config(flags={"metrics_port": -1}, environ={})
+
+
+@pytest.mark.parametrize("text", ["sync.codec", "codec=int4", ".codec=int4", "sync.=int4", "=int4"])
+def test_bad_set_syntax(text):
+    with pytest.raises(ConfigError, match="expected SECTION.KEY=VALUE"):
+        parse_override(text)
+    with pytest.raises(ConfigError, match="expected SECTION.KEY=VALUE"):
+        load_config(overrides=[text], environ={})
+
+
+def test_bad_set_value_names_the_override():
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["sync.codec=int9"], environ={})
+    assert "--set sync.codec=int9" in str(info.value)
+    with pytest.raises(ConfigError, match=r"unknown key 'nope' in \[sync\]"):
+        load_config(overrides=["sync.nope=1"], environ={})
+
+
+def test_all_problems_reported_at_once(tmp_path):
+    path = write(tmp_path, '[sync]\ncodec = "int9"\ngroup_size = 0\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert "codec" in str(info.value) and "group_size" in str(info.value)
+
+
+# -- fingerprint --------------------------------------------------------------------------------
+
+
+def fingerprint(*overrides: str) -> str:
+    return load_config(overrides=list(overrides), environ={}).run_fingerprint()
+
+
+def test_fingerprint_ignores_node_and_sync_timeouts():
+    base = fingerprint()
+    assert fingerprint("node.grpc_port=1", "node.client_mode=true", "node.log_level=debug") == base
+    assert fingerprint("sync.matchmaking_timeout=3", "sync.reduce_timeout=4") == base
+    assert load_config(environ={"LOWCOMM_METRICS_PORT": "0"}).run_fingerprint() == base
+
+
+@pytest.mark.parametrize("override", ["sync.codec=int4", "train.inner_steps=51", "sync.group_size=3",
+                                      "sync.outer_lr=0.5", "model.preset=small", "run.name=other",
+                                      "data.seq_len=64", "train.seed=1"])
+def test_fingerprint_changes_with_run_config(override):
+    assert fingerprint(override) != fingerprint()
+
+
+def test_fingerprint_is_the_hash_of_the_canonical_json():
+    import hashlib
+    import json
+
+    cfg = load_config(overrides=["sync.codec=int4"], environ={})
+    text = cfg.run_config_json()
+    assert json.loads(text)["sync"]["codec"] == "int4"
+    assert "node" not in json.loads(text)
+    assert cfg.run_fingerprint() == hashlib.sha256(text.encode()).hexdigest()
+
+
+# -- init-config --------------------------------------------------------------------------------
+
+
+def test_rendered_default_config_round_trips(tmp_path):
+    text = render_default_config()
+    parsed = tomllib.loads(text)
+    assert set(parsed) == {"run", "model", "data", "train", "sync", "node"}
+    assert parsed["sync"]["codec"] == Config().sync.codec
+    path = write(tmp_path, text)
+    assert load_config(path, environ={}) == Config()

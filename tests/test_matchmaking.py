@@ -1,0 +1,322 @@
+"""Group formation through the DHT and one leader, with real gRPC servers in one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from lowcomm.node.config import load_config
+from lowcomm.protocol import PROTOCOL_VERSION
+from lowcomm.protocol.handshake import Identity, IncompatiblePeer
+from lowcomm.protocol.matchmaking import MatchmakingError, round_key, shard_layout
+
+from .swarm_harness import MemoryDHT, Peer, start_peers, stop_peers
+
+NUMEL = 10_000
+
+
+def run(coro, limit: float):
+    async def bounded():
+        async with asyncio.timeout(limit):
+            return await coro
+    return asyncio.run(bounded())
+
+
+def assert_one_group(groups, peer_ids):
+    first = groups[0]
+    for g in groups:
+        assert g.group_id == first.group_id
+        assert [m.peer_id for m in g.members] == sorted(peer_ids)
+        assert list(g.shard_bounds) == list(first.shard_bounds)
+        assert list(g.shard_owners) == list(first.shard_owners)
+        assert g == first  # the leader sends everybody the same message
+    assert first.shard_bounds[0] == 0 and first.shard_bounds[-1] == NUMEL
+    assert list(first.shard_owners) == list(range(len(peer_ids)))
+
+
+# -- shard layout -------------------------------------------------------------------------------
+
+
+def test_shard_layout_proportional_to_bandwidth():
+    assert shard_layout(100, [1.0, 3.0]) == [0, 25, 100]
+    assert shard_layout(1000, [1e6, 1e6, 2e6]) == [0, 250, 500, 1000]
+    assert shard_layout(100, [5.0]) == [0, 100]
+    assert shard_layout(100, []) == [0, 100]
+
+
+def test_shard_layout_zeros_count_as_the_median():
+    assert shard_layout(90, [0.0, 0.0, 0.0]) == [0, 30, 60, 90]  # nobody knows: equal shards
+    assert shard_layout(300, [0.0, 1.0, 1.0]) == [0, 100, 200, 300]
+    bounds = shard_layout(1000, [2.0, 0.0, 4.0, 4.0])  # the unknown one counts as 4
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert sizes == [143, 286, 285, 286]
+
+
+@pytest.mark.parametrize("numel", [0, 1, 2, 7, 10_001])
+@pytest.mark.parametrize("bandwidths", [[1.0, 1.0, 1.0], [0.0, 1e9, 1.0], [3.0, 0.0], [1.0] * 5])
+def test_shard_layout_covers_everything_in_order(numel, bandwidths):
+    bounds = shard_layout(numel, bandwidths)
+    assert len(bounds) == len(bandwidths) + 1
+    assert bounds[0] == 0 and bounds[-1] == numel
+    assert all(a <= b for a, b in zip(bounds, bounds[1:]))
+
+
+# -- group formation ----------------------------------------------------------------------------
+
+
+def test_lowest_id_first():
+    async def scenario():
+        dht = MemoryDHT()
+        peers = await start_peers(3, NUMEL, dht=dht)
+        try:
+            expected = {p.peer_id for p in peers}
+            tasks = [asyncio.create_task(peers[0].form(0, expected))]
+            await dht.wait_stored(round_key("test", 0), {"peer-00"})
+            tasks.append(asyncio.create_task(peers[1].form(0, expected)))
+            await peers[0].wait_joined_by("peer-01")
+            tasks.append(asyncio.create_task(peers[2].form(0, expected)))
+            groups = await asyncio.gather(*tasks)
+            assert_one_group(groups, expected)
+        finally:
+            await stop_peers(peers)
+
+    run(scenario(), 10)
+
+
+def test_lowest_id_last():
+    async def scenario():
+        dht = MemoryDHT()
+        peers = await start_peers(3, NUMEL, dht=dht)
+        try:
+            expected = {p.peer_id for p in peers}
+            late = [asyncio.create_task(peers[i].form(0, expected)) for i in (2, 1)]
+            # peer-01 leads peer-02 before the lowest id shows up.
+            await peers[1].wait_joined_by("peer-02")
+            first = asyncio.create_task(peers[0].form(0, expected))
+            groups = await asyncio.gather(first, *late)
+            assert_one_group(groups, expected)
+        finally:
+            await stop_peers(peers)
+
+    run(scenario(), 10)
+
+
+def test_late_lowest_id_takes_over_a_leader_that_already_has_followers():
+    """peer-01 leads peer-02; then peer-00 shows up and peer-03 joins it. Two leaders with
+    followers each must not split the round into two groups that wait until the deadline."""
+    timeout = 4.0
+
+    async def scenario():
+        dht = MemoryDHT()
+        peers = await start_peers(4, NUMEL, dht=dht)
+        try:
+            expected = {p.peer_id for p in peers}
+            tasks = [asyncio.create_task(peers[i].form(0, expected, timeout=timeout)) for i in (1, 2)]
+            await peers[1].wait_joined_by("peer-02")
+            tasks.append(asyncio.create_task(peers[0].form(0, expected, timeout=timeout)))
+            await dht.wait_stored(round_key("test", 0), {"peer-00"})
+            tasks.append(asyncio.create_task(peers[3].form(0, expected, timeout=timeout)))
+            await peers[0].wait_joined_by("peer-03")
+            # Closed because everybody expected arrived, well before the deadline.
+            async with asyncio.timeout(timeout / 2):
+                groups = await asyncio.gather(*tasks)
+            assert_one_group(groups, expected)
+        finally:
+            await stop_peers(peers)
+
+    run(scenario(), 15)
+
+
+def test_stale_registration_of_a_dead_lowest_peer_is_skipped():
+    async def scenario():
+        dht = MemoryDHT()
+        peers = await start_peers(3, NUMEL, dht=dht)
+        try:
+            dead = peers[0]
+            await dht.store(round_key("test", 0), dead.peer_id, {"address": dead.matchmaker.address}, ttl=60)
+            await dead.stop()
+            alive = peers[1:]
+            expected = {p.peer_id for p in alive}
+            groups = await asyncio.gather(*(p.form(0, expected, timeout=5) for p in alive))
+            assert [m.peer_id for m in groups[0].members] == sorted(expected)
+            assert groups[0] == groups[1]
+        finally:
+            await stop_peers(peers)
+
+    run(scenario(), 10)
+
+
+def test_all_at_once():
+    async def scenario():
+        dht = MemoryDHT(barrier=3)  # everybody registers before anybody reads the registrations
+        peers = await start_peers(3, NUMEL, dht=dht)
+        try:
+            expected = {p.peer_id for p in peers}
+            groups = await asyncio.gather(*(p.form(0, expected) for p in reversed(peers)))
+            assert_one_group(groups, expected)
+            assert peers[0].joins_seen and not peers[1].joins_seen and not peers[2].joins_seen
+        finally:
+            await stop_peers(peers)
+
+    run(scenario(), 10)
+
+
+def test_shard_layout_of_a_group_follows_bandwidth():
+    async def scenario():
+        peers = await start_peers(3, NUMEL)
+        try:
+            expected = {p.peer_id for p in peers}
+            bandwidths = [1e6, 0.0, 3e6]
+            groups = await asyncio.gather(*(p.form(0, expected, bandwidth_bps=b) for p, b in zip(peers, bandwidths)))
+            assert_one_group(groups, expected)
+            assert list(groups[0].shard_bounds) == shard_layout(NUMEL, bandwidths)
+        finally:
+            await stop_peers(peers)
+
+    run(scenario(), 10)
+
+
+def test_client_mode_member_owns_no_shard():
+    async def scenario():
+        dht = MemoryDHT()
+        peers = await start_peers(2, NUMEL, dht=dht)
+        client = Peer("peer-00-client", NUMEL, "int8", dht, client_mode=True)
+        await client.start()
+        try:
+            expected = {p.peer_id for p in peers} | {client.peer_id}
+            groups = await asyncio.gather(*(p.form(0, expected) for p in [client, *peers]))
+            members = [m.peer_id for m in groups[0].members]
+            assert members == sorted(expected)
+            assert all(g == groups[0] for g in groups)
+            owners = [members[i] for i in groups[0].shard_owners]
+            assert owners == ["peer-00", "peer-01"]
+            assert len(groups[0].shard_bounds) == 3
+        finally:
+            await stop_peers([client, *peers])
+
+    run(scenario(), 10)
+
+
+def test_group_size_caps_the_group_and_nobody_hangs():
+    timeout = 2.0
+
+    async def scenario():
+        dht = MemoryDHT()
+        peers = await start_peers(3, NUMEL, dht=dht, group_size=2)
+        try:
+            expected = {p.peer_id for p in peers}
+            tasks = [asyncio.create_task(peers[0].form(0, expected, timeout=timeout))]
+            await dht.wait_stored(round_key("test", 0), {"peer-00"})
+            tasks += [asyncio.create_task(p.form(0, expected, timeout=timeout)) for p in peers[1:]]
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            await stop_peers(peers)
+        groups = [o for o in outcomes if not isinstance(o, BaseException)]
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        assert all(isinstance(e, MatchmakingError) for e in errors), errors
+        assert all(len(g.members) <= 2 for g in groups)
+        full = [g for g in groups if len(g.members) == 2]
+        assert len(full) == 2 and full[0] == full[1]  # one pair, and both halves hold the same group
+        in_pair = {m.peer_id for m in full[0].members}
+        assert "peer-00" in in_pair
+        left_out = expected - in_pair
+        assert len(left_out) == 1
+        # The third peer ends alone (solo group) or without a group; never in another pair.
+        for g in groups:
+            if len(g.members) == 1:
+                assert g.members[0].peer_id in left_out
+
+    # Everybody returns within its matchmaking timeout (plus the JoinGroup margin).
+    run(scenario(), timeout + 6)
+
+
+def test_lone_peer_expecting_only_itself_gets_a_solo_group_at_once():
+    async def scenario():
+        peers = await start_peers(1, NUMEL)
+        try:
+            async with asyncio.timeout(2):  # far below the 30 s matchmaking timeout
+                group = await peers[0].form(0, {"peer-00"}, timeout=30)
+            assert [m.peer_id for m in group.members] == ["peer-00"]
+            assert list(group.shard_bounds) == [0, NUMEL] and list(group.shard_owners) == [0]
+        finally:
+            await stop_peers(peers)
+
+    run(scenario(), 10)
+
+
+def test_nobody_expected_and_nobody_comes_ends_at_the_deadline():
+    async def scenario():
+        peers = await start_peers(1, NUMEL)
+        try:
+            group = await peers[0].form(0, set(), timeout=0.5)
+            assert [m.peer_id for m in group.members] == ["peer-00"]
+        finally:
+            await stop_peers(peers)
+
+    run(scenario(), 5)
+
+
+def test_client_mode_peer_alone_raises_matchmaking_error():
+    async def scenario():
+        client = Peer("peer-00", NUMEL, "int8", MemoryDHT(), client_mode=True)
+        await client.start()
+        try:
+            with pytest.raises(MatchmakingError):
+                await client.form(0, {"peer-00", "peer-01"}, timeout=0.5)
+        finally:
+            await client.stop()
+
+    run(scenario(), 5)
+
+
+def test_incompatible_run_config_is_refused_on_both_sides(caplog):
+    ours = load_config(environ={})
+    theirs = load_config(overrides=["sync.codec=int4"], environ={})
+
+    async def scenario():
+        dht = MemoryDHT()
+        leader = Peer("peer-00", NUMEL, "int8", dht)
+        joiner = Peer("peer-01", NUMEL, "int4", dht)
+        await leader.start(ours.run_fingerprint(), ours.run_config_json())
+        await joiner.start(theirs.run_fingerprint(), theirs.run_config_json())
+        try:
+            expected = {"peer-00", "peer-01"}
+            leading = asyncio.create_task(leader.form(0, expected, timeout=5))
+            await dht.wait_stored(round_key("test", 0), {"peer-00"})
+            with pytest.raises(IncompatiblePeer) as info:
+                await joiner.form(0, expected, timeout=5)
+            leading.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await leading
+            return str(info.value)
+        finally:
+            await stop_peers([leader, joiner])
+
+    with caplog.at_level(logging.WARNING, logger="lowcomm.protocol.matchmaking"):
+        joiner_message = run(scenario(), 10)
+    # The joiner learns who refused it and which key differs, with each value named by its peer.
+    assert "peer peer-00" in joiner_message and "refused" in joiner_message
+    assert "[sync] codec: peer-00 'int8', peer-01 'int4'" in joiner_message
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("peer-01" in w and "[sync] codec" in w for w in warnings), warnings
+
+
+def test_handshake_names_protocol_version_and_differing_keys():
+    a = load_config(environ={})
+    b = load_config(overrides=["sync.codec=int4", "train.inner_steps=3"], environ={})
+    ours, theirs = Identity("A", a.run_fingerprint(), a.run_config_json()), Identity("B", b.run_fingerprint(), b.run_config_json())
+    ours.check(Identity("C", a.run_fingerprint(), a.run_config_json()).hello())  # same config: fine
+    with pytest.raises(IncompatiblePeer) as info:
+        ours.check(theirs.hello())
+    assert "[sync] codec: A 'int8', B 'int4'" in str(info.value)
+    assert "[train] inner_steps: A 50, B 3" in str(info.value)
+    old = theirs.hello()
+    old.protocol_version = PROTOCOL_VERSION + 1
+    with pytest.raises(IncompatiblePeer, match="protocol version"):
+        ours.check(old)
+    garbled = theirs.hello()
+    garbled.run_config_json = "not json"
+    with pytest.raises(IncompatiblePeer, match="no readable run config"):
+        ours.check(garbled)
