@@ -88,6 +88,9 @@ class Node:
         self.address = ""
         self.rounds_completed = 0
         self.rounds_attempted = 0  # rounds whose group formed
+        # (step it produced, Δ + residual we put into it): restored if that round's result loses
+        # the majority vote at its step (see _majority_elsewhere).
+        self.last_contribution: tuple[int, torch.Tensor] | None = None
         self.tokens_since_round = 0
         self.tokens_total = 0
         self.last_loss = math.nan
@@ -276,9 +279,10 @@ class Node:
             await asyncio.sleep(self.config.node.heartbeat_interval)
 
     async def _expected_peers(self) -> set[str]:
-        """Peers the leader waits for: live, compatible, and at our step (so about to average)."""
+        """Peers the leader waits for: live, compatible, at our step with our parameters."""
         view = await self.refresh_view()
-        return {p.peer_id for p in view.at_step(self.state.step)} | {self.peer_id}
+        return {p.peer_id for p in view.at_step(self.state.step) if p.params_sha256 == self.state.params_hash} | {
+            self.peer_id}
 
     # -- catch-up -----------------------------------------------------------------------------
 
@@ -300,10 +304,10 @@ class Node:
         target = max(p.outer_step for p in others.values())
         if target < self.state.step:
             return
-        digest, count = view.majority_hash(target)
+        digest, _ = view.majority_hash(target)
         if target == self.state.step:
-            mine_count = sum(1 for p in others.values() if p.outer_step == target and p.params_sha256 == self.state.params_hash)
-            if digest is None or digest == self.state.params_hash or mine_count + 1 > count:
+            digest = self._majority_elsewhere(view)
+            if digest is None:
                 return
             log.warning("our params at step %d differ from the majority of the swarm; re-downloading", target)
         donors = [Donor(p.peer_id, p.address) for p in others.values()
@@ -312,6 +316,21 @@ class Node:
             return
         self.phase = "catching_up"
         await self._download(target, digest, donors)
+
+    def _majority_elsewhere(self, view: SwarmView) -> str | None:
+        """The params hash that wins at our step when it is not ours, else None.
+
+        Peers at one step can hold different parameters after a round split into several groups
+        (or after a partial failure); the hash most peers hold wins (ties: the smallest hash),
+        and the others adopt it, so the swarm never drifts apart.
+        """
+        step, mine = self.state.step, self.state.params_hash
+        counts: dict[str, int] = {mine: 1}
+        for peer in view.peers.values():
+            if peer.peer_id != self.peer_id and peer.outer_step == step and peer.params_sha256:
+                counts[peer.params_sha256] = counts.get(peer.params_sha256, 0) + 1
+        winner = min(counts, key=lambda digest: (-counts[digest], digest))
+        return None if winner == mine else winner
 
     async def _handshake(self, view: SwarmView) -> None:
         """Refuse to run next to a swarm of another run config, naming the difference."""
@@ -338,8 +357,13 @@ class Node:
 
         def adopt() -> None:
             # Our local progress since θ_global is not lost: it goes into the residual, to be sent
-            # with our next contribution.
+            # with our next contribution. When the state we replace is the result of our own last
+            # round (our group lost the majority vote), what we contributed to that round was not
+            # applied in the swarm's state either, so all of it goes back into the residual.
+            if self.last_contribution is not None and self.last_contribution[0] == self.state.step == got.step:
+                self.state.residual.copy_(self.last_contribution[1])
             self.state.residual.add_(self.state.params - self.trainer.get_params())
+            self.last_contribution = None
             self.state.adopt(got.step, got.params, got.momentum)
             self.trainer.set_params(self.state.params)
 
@@ -418,16 +442,17 @@ class Node:
             self.metrics.round_failures.labels(reason="diverged").inc()
             return
         view = await self.refresh_view()
-        if any(p.outer_step > step for p in view.peers.values()):
-            # The swarm moved on while we trained: averaging now would fork a competing step.
-            # Our progress is kept (the catch-up folds it into the residual) and we catch up.
-            log.info("the swarm is past step %d; catching up instead of averaging", step)
+        if any(p.outer_step > step for p in view.peers.values()) or self._majority_elsewhere(view):
+            # The swarm moved on while we trained, or holds other parameters at our step:
+            # averaging now would fork a competing state. Our progress is kept (the catch-up
+            # folds it into the residual) and we catch up.
+            log.info("the swarm is past our state at step %d; catching up instead of averaging", step)
             self.metrics.round_failures.labels(reason="behind").inc()
             return
         try:
             group = await self.matchmaker.form_group(
                 step, float(self.tokens_since_round), self.bandwidth_bps, self._expected_peers,
-                self.config.sync.matchmaking_timeout,
+                self.config.sync.matchmaking_timeout, params_hash=self.state.params_hash,
             )
         except MatchmakingError as err:
             log.warning("round for step %d failed: %s; training on", step, err)
@@ -477,6 +502,7 @@ class Node:
 
     async def _allreduce(self, group, delta: torch.Tensor) -> RoundReport:
         reduce_started = time.monotonic()
+        contribution = delta + self.state.residual
         result = await run_allreduce(group, self.peer_id, delta, self.state.residual, self.state.owner_residual,
                                      self.registry, self.channels, self.codec_executor)
         sent, received = result.bytes_sent, result.bytes_received
@@ -491,6 +517,7 @@ class Node:
             return skipped
 
         skipped = await self.in_codec_pool(apply)
+        self.last_contribution = (group.step + 1, contribution)
         if log.isEnabledFor(logging.DEBUG):
             from lowcomm.protocol.state import params_sha256
             log.debug("round %s from %s: members %s bounds %s averages %s", group.group_id.hex()[:8],

@@ -1,17 +1,22 @@
 """Forming a round's group through DHT records and one leader (DESIGN §4).
 
-Peers that committed step r register under ``<run>/round/<r>``. A registrant that sees no
-reachable registrant with a lower peer id acts as leader: it accepts JoinGroup calls and closes
-the group when every peer the swarm expects at step r has joined, when the group is full, or
-when its deadline passes. Everybody else calls JoinGroup on the lowest registrant and gets the
-group back when it closes. Only the leader decides membership, so all members receive the same
-member list and shard layout.
+Peers that committed step r with parameters hash h register under ``<run>/round/<r>/<h>`` (so
+only peers that start from identical parameters can meet). A registrant that sees no reachable
+registrant with a lower peer id acts as leader: it accepts JoinGroup calls and closes when every
+peer the swarm expects at step r has joined or when its deadline passes. Everybody else calls
+JoinGroup on the lowest registrant and gets its group back when the leader closes. Only the
+leader decides membership, so all members of a group receive the same member list and shard
+layout. When more peers came than ``group_size`` allows, the leader splits them into balanced
+groups by a per-step hash of their ids (Moshpit-style re-mixing: partners change every round,
+so information spreads through a large swarm in a few rounds).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -48,14 +53,36 @@ class _Follower:
 @dataclass
 class _Round:
     step: int
+    params_hash: str = ""
     role: str = "undecided"  # "undecided" | "leader" | "follower" | "closed"
     leader: averaging_pb2.Redirect | None = None
     followers: dict[str, _Follower] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def round_key(run: str, step: int) -> str:
-    return f"{run}/round/{step}"
+def round_key(run: str, step: int, params_hash: str = "") -> str:
+    key = f"{run}/round/{step}"
+    return f"{key}/{params_hash[:16]}" if params_hash else key
+
+
+def split_into_groups(members: list[averaging_pb2.Member], group_size: int, step: int) -> list[list[averaging_pb2.Member]]:
+    """Balanced groups of at most ``group_size``, re-mixed every step, each with a reachable owner.
+
+    Reachable peers are dealt round-robin first (every group needs at least one shard owner),
+    then client-mode peers; the order is a hash of (step, peer id), different every round.
+    """
+    def order(member: averaging_pb2.Member) -> bytes:
+        return hashlib.sha256(f"{step}/{member.peer_id}".encode()).digest()
+
+    reachable = sorted((m for m in members if m.address), key=order)
+    clients = sorted((m for m in members if not m.address), key=order)
+    # ceil(n / size) balanced groups never exceed `size`; no group may be left with one member
+    # (with size 2 and an odd count one group gets three instead).
+    count = max(1, min(math.ceil(len(members) / group_size), len(reachable), len(members) // 2))
+    groups: list[list[averaging_pb2.Member]] = [[] for _ in range(count)]
+    for index, member in enumerate(reachable + clients):
+        groups[index % count].append(member)
+    return [sorted(g, key=lambda m: m.peer_id) for g in groups]
 
 
 def shard_layout(numel: int, owners_bandwidth: list[float]) -> list[int]:
@@ -115,6 +142,9 @@ class Matchmaker:
             have = "none" if current is None else current.step
             await context.abort(grpc.StatusCode.ABORTED,
                                 f"not matchmaking for step {request.step} (this peer is at step {have})")
+        if request.params_sha256 != current.params_hash:
+            await context.abort(grpc.StatusCode.ABORTED,
+                                f"this peer's parameters at step {request.step} differ from the caller's")
         if current.role == "follower" and current.leader is not None:
             return averaging_pb2.JoinResponse(redirect=current.leader)
         if current.role == "closed" or not self.address:
@@ -147,16 +177,18 @@ class Matchmaker:
         bandwidth_bps: float,
         expected_peers: Callable[[], Awaitable[set[str]]],
         timeout: float,
+        params_hash: str = "",
     ) -> averaging_pb2.Group:
         """Return the closed group for round ``step`` (possibly just this peer)."""
-        current = _Round(step)
+        current = _Round(step, params_hash)
         self._round = current
         deadline = time.monotonic() + timeout
         me = averaging_pb2.Member(peer_id=self.peer_id, address=self.address, weight=weight)
         request = averaging_pb2.JoinRequest(hello=self.identity.hello(), step=step, address=self.address,
-                                            weight=weight, bandwidth_bps=bandwidth_bps)
+                                            weight=weight, bandwidth_bps=bandwidth_bps, params_sha256=params_hash)
         registration = {"address": self.address, "weight": weight, "bandwidth_bps": bandwidth_bps}
-        await self.dht.store(round_key(self.run, step), self.peer_id, registration, ttl=timeout + self.reduce_timeout)
+        await self.dht.store(round_key(self.run, step, params_hash), self.peer_id, registration,
+                             ttl=timeout + self.reduce_timeout)
         unreachable: set[str] = set()
         yielded = False  # set when our lead just yielded: follow somebody else once before leading again
         try:
@@ -166,7 +198,7 @@ class Matchmaker:
                     if group is not None:
                         return group
                     yielded = True
-                registrants = await self._reachable_registrants(step, unreachable)
+                registrants = await self._reachable_registrants(current, unreachable)
                 lowest = next(iter(registrants), None)
                 if self.address and not yielded and (lowest is None or lowest > self.peer_id):
                     current.role = "leader"
@@ -191,9 +223,9 @@ class Matchmaker:
                 if not follower.reply.done():
                     follower.reply.set_result(None)
 
-    async def _reachable_registrants(self, step: int, unreachable: set[str]) -> dict[str, str]:
-        """Other registrants of ``step`` that could lead (have an address), lowest id first."""
-        registrants = await self.dht.get(round_key(self.run, step))
+    async def _reachable_registrants(self, current: _Round, unreachable: set[str]) -> dict[str, str]:
+        """Other registrants of this round that could lead (have an address), lowest id first."""
+        registrants = await self.dht.get(round_key(self.run, current.step, current.params_hash))
         found = {
             pid: str(info["address"]) for pid, info in registrants.items()
             if isinstance(info, dict) and info.get("address") and pid not in unreachable and pid != self.peer_id
@@ -240,13 +272,13 @@ class Matchmaker:
         while True:
             joined = {self.peer_id, *current.followers}
             expected = await expected_peers()
-            if len(joined) >= self.group_size or (expected and expected <= joined) or time.monotonic() >= deadline:
+            if (expected and expected <= joined) or time.monotonic() >= deadline:
                 break
             # The lowest registrant leads: a leader yields to a lower registrant that showed up
             # late and sends its followers there, and a leader nobody follows joins a higher one
             # after a short grace (in case that one cannot reach us), so that two leaders never
             # wait for each other until the deadline.
-            others = await self._reachable_registrants(current.step, unreachable)
+            others = await self._reachable_registrants(current, unreachable)
             lower = [p for p in others if p < self.peer_id]
             if current.followers:
                 lonely_since = time.monotonic()
@@ -257,21 +289,23 @@ class Matchmaker:
                 return None
             await self._wait(current, min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
         current.role = "closed"
-        chosen = sorted(current.followers)[: self.group_size - 1]
-        members = sorted([me, *(self._member(current.followers[p].request, p) for p in chosen)],
-                         key=lambda m: m.peer_id)
-        bandwidth = {self.peer_id: my_bandwidth}
-        bandwidth.update({p: current.followers[p].request.bandwidth_bps for p in chosen})
-        owners = [i for i, m in enumerate(members) if m.address]
-        bounds = shard_layout(self.numel, [bandwidth[members[i].peer_id] for i in owners])
-        group = averaging_pb2.Group(
-            group_id=os.urandom(16), step=current.step, members=members, shard_bounds=bounds,
-            shard_owners=owners, codec=self.codec, reduce_timeout_s=self.reduce_timeout,
-        )
-        for peer, follower in current.followers.items():
-            if not follower.reply.done():
-                follower.reply.set_result(group if peer in chosen else None)
-        return group
+        members = [me, *(self._member(f.request, p) for p, f in current.followers.items() if not f.reply.done())]
+        bandwidth = {p: f.request.bandwidth_bps for p, f in current.followers.items()} | {self.peer_id: my_bandwidth}
+        mine: averaging_pb2.Group | None = None
+        for group_members in split_into_groups(members, self.group_size, current.step):
+            owners = [i for i, m in enumerate(group_members) if m.address]
+            bounds = shard_layout(self.numel, [bandwidth[group_members[i].peer_id] for i in owners])
+            group = averaging_pb2.Group(
+                group_id=os.urandom(16), step=current.step, members=group_members, shard_bounds=bounds,
+                shard_owners=owners, codec=self.codec, reduce_timeout_s=self.reduce_timeout,
+            )
+            for member in group_members:
+                if member.peer_id == self.peer_id:
+                    mine = group
+                elif not current.followers[member.peer_id].reply.done():
+                    current.followers[member.peer_id].reply.set_result(group)
+        assert mine is not None
+        return mine
 
     @staticmethod
     def _redirect_followers(current: _Round, target: averaging_pb2.Redirect) -> None:

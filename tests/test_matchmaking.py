@@ -10,7 +10,8 @@ import pytest
 from lowcomm.node.config import load_config
 from lowcomm.protocol import PROTOCOL_VERSION
 from lowcomm.protocol.handshake import Identity, IncompatiblePeer
-from lowcomm.protocol.matchmaking import MatchmakingError, round_key, shard_layout
+from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
+from lowcomm.protocol.matchmaking import MatchmakingError, round_key, shard_layout, split_into_groups
 
 from .swarm_harness import MemoryDHT, Peer, start_peers, stop_peers
 
@@ -199,38 +200,42 @@ def test_client_mode_member_owns_no_shard():
     run(scenario(), 10)
 
 
-def test_group_size_caps_the_group_and_nobody_hangs():
-    timeout = 2.0
+def test_more_peers_than_group_size_split_into_balanced_remixed_groups():
+    timeout = 5.0
 
     async def scenario():
         dht = MemoryDHT()
-        peers = await start_peers(3, NUMEL, dht=dht, group_size=2)
+        peers = await start_peers(6, NUMEL, dht=dht, group_size=3)
         try:
             expected = {p.peer_id for p in peers}
             tasks = [asyncio.create_task(peers[0].form(0, expected, timeout=timeout))]
             await dht.wait_stored(round_key("test", 0), {"peer-00"})
             tasks += [asyncio.create_task(p.form(0, expected, timeout=timeout)) for p in peers[1:]]
-            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+            groups = await asyncio.gather(*tasks)
         finally:
             await stop_peers(peers)
-        groups = [o for o in outcomes if not isinstance(o, BaseException)]
-        errors = [o for o in outcomes if isinstance(o, BaseException)]
-        assert all(isinstance(e, MatchmakingError) for e in errors), errors
-        assert all(len(g.members) <= 2 for g in groups)
-        full = [g for g in groups if len(g.members) == 2]
-        assert len(full) == 2 and full[0] == full[1]  # one pair, and both halves hold the same group
-        in_pair = {m.peer_id for m in full[0].members}
-        assert "peer-00" in in_pair
-        left_out = expected - in_pair
-        assert len(left_out) == 1
-        # The third peer ends alone (solo group) or without a group; never in another pair.
-        for g in groups:
-            if len(g.members) == 1:
-                assert g.members[0].peer_id in left_out
+        by_id = {}
+        for peer, group in zip(peers, groups):
+            assert peer.peer_id in {m.peer_id for m in group.members}
+            by_id.setdefault(group.group_id, []).append(group)
+        assert len(by_id) == 2  # two groups of three, every member of a group got the same message
+        for copies in by_id.values():
+            assert len(copies) == 3 and all(c == copies[0] for c in copies)
+        assert sorted(m.peer_id for g in by_id.values() for m in g[0].members) == sorted(expected)
 
-    # Everybody returns within its matchmaking timeout (plus the JoinGroup margin).
-    run(scenario(), timeout + 6)
+    run(scenario(), 20)
 
+
+def test_split_into_groups_is_balanced_owned_and_remixed_per_step():
+    members = [averaging_pb2.Member(peer_id=f"p{i:02d}", address=f"h:{i}" if i < 4 else "") for i in range(9)]
+    partitions = []
+    for step in range(6):
+        groups = split_into_groups(members, 3, step)
+        assert sorted(len(g) for g in groups) == [3, 3, 3]
+        assert all(any(m.address for m in g) for g in groups)  # every group has a shard owner
+        partitions.append(frozenset(frozenset(m.peer_id for m in g) for g in groups))
+    assert len(set(partitions)) > 1  # partners change from round to round
+    assert [len(g) for g in split_into_groups(members[:3], 2, 0)] == [3]  # never a group of one
 
 def test_lone_peer_expecting_only_itself_gets_a_solo_group_at_once():
     async def scenario():

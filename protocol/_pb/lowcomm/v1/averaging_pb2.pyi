@@ -9,18 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("hello", "step", "address", "weight", "bandwidth_bps")
+    __slots__ = ("hello", "step", "address", "weight", "bandwidth_bps", "params_sha256")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_SHA256_FIELD_NUMBER: _ClassVar[int]
     hello: _handshake_pb2.Hello
     step: int
     address: str
     weight: float
     bandwidth_bps: float
-    def __init__(self, hello: _Optional[_Union[_handshake_pb2.Hello, _Mapping]] = ..., step: _Optional[int] = ..., address: _Optional[str] = ..., weight: _Optional[float] = ..., bandwidth_bps: _Optional[float] = ...) -> None: ...
+    params_sha256: str
+    def __init__(self, hello: _Optional[_Union[_handshake_pb2.Hello, _Mapping]] = ..., step: _Optional[int] = ..., address: _Optional[str] = ..., weight: _Optional[float] = ..., bandwidth_bps: _Optional[float] = ..., params_sha256: _Optional[str] = ...) -> None: ...
 
 class Member(_message.Message):
     __slots__ = ("peer_id", "address", "weight")
