@@ -76,8 +76,20 @@ class TrainSection(_Section):
 
 
 class SyncSection(_Section):
-    mode: Literal["allreduce"] = "allreduce"
-    """How peers average: butterfly all-reduce inside groups."""
+    mode: Literal["allreduce", "gossip"] = "allreduce"
+    """How peers average: butterfly all-reduce inside groups (identical state), or gossip with a few
+    random partners per round (states differ by design; the consensus distance is measured)."""
+    gossip_partners: int = Field(2, ge=1)
+    """Gossip mode: partners a peer averages with in each round (k)."""
+    aggregation: Literal["mean", "clipped_mean", "trimmed_mean"] = "mean"
+    """How a shard owner combines contributions: plain weighted mean, mean after clipping every
+    contribution's norm to clip_factor × the median norm, or coordinate-wise trimmed mean."""
+    clip_factor: float = Field(2.0, gt=0.0)
+    """clipped_mean: contributions are scaled down to at most this multiple of the median norm."""
+    trim_fraction: float = Field(0.2, ge=0.0, lt=0.5)
+    """trimmed_mean: share of the largest and of the smallest values dropped per coordinate."""
+    norm_bound_factor: float = Field(20.0, gt=1.0)
+    """A contribution whose norm exceeds this multiple of the median norm of its shard is rejected."""
     codec: Literal["fp32", "fp16", "bf16", "int8", "int4", "topk"] = "int8"
     """Encoding of pseudo-gradients on the wire (lossy codecs use error feedback)."""
     group_size: int = Field(16, ge=2)
@@ -111,7 +123,11 @@ class NodeSection(_Section):
     checkpoint_dir: Path = Path("lowcomm-checkpoints")
     """Directory of the atomic checkpoints (the last two are kept)."""
     run_secret_file: Path | None = None
-    """File holding the run secret that authenticates peers (not implemented yet: refused)."""
+    """File holding the run secret: with it every RPC and DHT record is authenticated (HMAC)."""
+    tls_cert: Path | None = None
+    """PEM certificate of this node's gRPC server (with tls_key): peers then connect over TLS."""
+    tls_key: Path | None = None
+    """PEM private key matching tls_cert."""
     client_mode: bool = False
     """No inbound connections: own no shard, serve no state (for peers behind NAT)."""
     max_rounds: int | None = Field(None, ge=1)
