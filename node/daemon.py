@@ -91,6 +91,8 @@ class Node:
         # (step it produced, Δ + residual we put into it): restored if that round's result loses
         # the majority vote at its step (see _majority_elsewhere).
         self.last_contribution: tuple[int, torch.Tensor] | None = None
+        self.consensus_distance = math.nan  # gossip mode: relative L2 distance to the last partners
+        self.gossip = None  # a GossipMode (node/gossip_mode.py) when [sync] mode = "gossip"
         self.tokens_since_round = 0
         self.tokens_total = 0
         self.last_loss = math.nan
@@ -197,6 +199,10 @@ class Node:
             self.config.sync.group_size, int(self.codec.id), self.trainer.numel, self.config.sync.reduce_timeout,
         )
         serve_peers = not cfg.client_mode
+        if self.config.sync.mode == "gossip":
+            from .gossip_mode import GossipMode
+
+            self.gossip = GossipMode(self)
         try:
             server, port = create_server(
                 cfg.host, cfg.grpc_port,
@@ -204,6 +210,7 @@ class Node:
                 StateServicer(self.donor) if serve_peers else None,
                 NodeInfoServicer(self.status), self.health,
                 interceptors=[HandledCounter(self.metrics.grpc_handled)],
+                extra_services=self.gossip.services() if self.gossip is not None and serve_peers else [],
             )
         except BindError as err:
             raise FatalError(f"{err}: is gRPC port {cfg.grpc_port} already in use? "
@@ -318,6 +325,8 @@ class Node:
         await self._download(target, digest, donors)
 
     def _majority_elsewhere(self, view: SwarmView) -> str | None:
+        if self.gossip is not None:
+            return None  # in gossip mode parameters differ between peers by design
         """The params hash that wins at our step when it is not ours, else None.
 
         Peers at one step can hold different parameters after a round split into several groups
@@ -440,6 +449,12 @@ class Node:
             await self.in_train_thread(self.trainer.set_params, self.state.params)
             self.tokens_since_round = 0
             self.metrics.round_failures.labels(reason="diverged").inc()
+            return
+        if self.gossip is not None:  # gossip mode: its own partner choice, states differ by design
+            report = await self.gossip.round(step, delta, float(self.tokens_since_round))
+            if report is not None:
+                report.seconds = time.monotonic() - started
+                await self._commit(report)
             return
         view = await self.refresh_view()
         if any(p.outer_step > step for p in view.peers.values()) or self._majority_elsewhere(view):
@@ -612,7 +627,7 @@ class Node:
             swarm_outer_step_max=max(self.view.max_step, state.step if state else 0),
             rounds_completed=self.rounds_completed, tokens_per_second=self.tokens_per_second, swarm=swarm,
             multiaddrs=self.multiaddrs, codec=self.config.sync.codec,
-            mode=self.config.sync.mode, consensus_distance=math.nan, version=__version__,
+            mode=self.config.sync.mode, consensus_distance=self.consensus_distance, version=__version__,
         )
 
 

@@ -115,6 +115,7 @@ def create_server(
     node_info: NodeInfoServicer,
     health_servicer: health.aio.HealthServicer,
     interceptors: list[grpc.aio.ServerInterceptor] | None = None,
+    extra_services: list[Callable[[grpc.aio.Server], None]] = (),
 ) -> tuple[grpc.aio.Server, int]:
     """A server with our services; raises BindError when ``host:port`` cannot be bound."""
     server = grpc.aio.server(
@@ -127,6 +128,8 @@ def create_server(
         state_pb2_grpc.add_StateTransferServicer_to_server(state, server)
     node_pb2_grpc.add_NodeInfoServicer_to_server(node_info, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for add_service in extra_services:  # e.g. gossip mode's own service
+        add_service(server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(address)
