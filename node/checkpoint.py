@@ -58,6 +58,14 @@ def save(directory: Path, step: int, payload: dict[str, Any]) -> Path:
     return final
 
 
+def remove_stale_temporaries(directory: Path) -> list[Path]:
+    """Delete temp files left by a process killed mid-write (call while holding the directory lock)."""
+    stale = sorted(directory.glob(".step-*.tmp")) if directory.is_dir() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
 def list_checkpoints(directory: Path) -> list[Path]:
     """Checkpoint files, oldest first."""
     if not directory.is_dir():

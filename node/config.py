@@ -99,7 +99,12 @@ class SyncSection(_Section):
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
     """Momentum of the outer step (DiLoCo: 0.9)."""
     matchmaking_timeout: float = Field(30.0, gt=0.0)
-    """Seconds a leader waits for expected peers before it closes the group with who came."""
+    """Longest a leader waits for the expected peers before it closes the group with who came."""
+    quorum: float = Field(0.67, gt=0.0, le=1.0)
+    """Share of the expected peers after which a leader stops waiting for everyone and gives the
+    rest an adaptive grace (twice the recent straggler delay, at least straggler_wait)."""
+    straggler_wait: float = Field(2.0, ge=0.0)
+    """Floor of the adaptive grace for stragglers, in seconds."""
     reduce_timeout: float = Field(60.0, gt=0.0)
     """Seconds a member waits for one shard's average before it skips that shard."""
 
@@ -164,7 +169,7 @@ class Config(_Section):
 
     def run_config(self) -> dict[str, Any]:
         """The part every peer of a run must share, as plain JSON-able data."""
-        sync = self.sync.model_dump(exclude={"matchmaking_timeout", "reduce_timeout"})
+        sync = self.sync.model_dump(exclude={"matchmaking_timeout", "reduce_timeout", "quorum", "straggler_wait"})
         return {
             "run": self.run.model_dump(),
             "model": self.model.model_dump(),

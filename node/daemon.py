@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2
 from lowcomm import __version__
 from lowcomm.protocol import PROTOCOL_VERSION, codecs
 from lowcomm.protocol._pb.lowcomm.v1 import node_pb2, state_pb2, state_pb2_grpc
+from lowcomm.protocol.auth import RunAuth, ServerAuthInterceptor, TLSConfig, client_interceptors
 from lowcomm.protocol.allreduce import ReduceRegistry, run_allreduce
 from lowcomm.protocol.handshake import Identity, IncompatiblePeer
 from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError
@@ -46,7 +47,7 @@ from .globalstate import GlobalState
 from .grpc_metrics import HandledCounter
 from .metrics import NodeMetrics, serve_metrics
 from .progress import InnerProgress
-from .swarm import HivemindDHT, PeerRecord, SwarmView, peers_key, read_swarm
+from .swarm import HivemindDHT, PeerRecord, SwarmView, peers_key, read_swarm, signed
 from .trainer import PhaseStats, Trainer
 
 log = logging.getLogger("lowcomm.node")
@@ -69,7 +70,8 @@ class RoundReport:
 
 
 class Node:
-    def __init__(self, config: Config, dht: hivemind.DHT, human: bool) -> None:
+    def __init__(self, config: Config, dht: hivemind.DHT, human: bool, run_secret: bytes | None = None,
+                 tls: TLSConfig | None = None) -> None:
         self.config = config
         self.dht = dht
         self.human = human
@@ -78,8 +80,12 @@ class Node:
         self.codec = codecs.get_codec(config.sync.codec)
         self.metrics = NodeMetrics()
         self.metrics.set_build_info(config.sync.codec, config.sync.mode)
-        self.dht_client = HivemindDHT(dht)
-        self.channels = ChannelPool()
+        # A run secret authenticates every RPC and DHT record (protocol/auth.py); TLS is separate.
+        self.auth = RunAuth(run_secret) if run_secret else None
+        self.tls = tls
+        self.dht_client = signed(HivemindDHT(dht), self.auth)
+        self.channels = ChannelPool(client_interceptors(
+            self.auth, self.peer_id, lambda: self.state.step if hasattr(self, "state") else 0) if self.auth else (), tls)
         self.train_executor = ThreadPoolExecutor(1, thread_name_prefix="lowcomm-train")
         self.codec_executor = ThreadPoolExecutor(2, thread_name_prefix="lowcomm-codec")
         self.stop_requested = asyncio.Event()
@@ -169,6 +175,8 @@ class Node:
     def _restore(self) -> GlobalState:
         """Runs in the training thread: the newest good checkpoint, or the seed's initial weights."""
         cfg = self.config
+        for stale in checkpoint.remove_stale_temporaries(cfg.node.checkpoint_dir):
+            log.info("removed %s, left by an interrupted checkpoint write", stale.name)
         found = checkpoint.load_latest(cfg.node.checkpoint_dir)
         if found is not None:
             payload, path = found
@@ -197,6 +205,7 @@ class Node:
         self.matchmaker = Matchmaker(
             self.dht_client, self.config.run.name, self.identity, "", self.channels,
             self.config.sync.group_size, int(self.codec.id), self.trainer.numel, self.config.sync.reduce_timeout,
+            quorum=self.config.sync.quorum, min_straggler_wait=self.config.sync.straggler_wait,
         )
         serve_peers = not cfg.client_mode
         if self.config.sync.mode == "gossip":
@@ -209,7 +218,10 @@ class Node:
                 AveragingServicer(self.matchmaker, self.registry) if serve_peers else None,
                 StateServicer(self.donor) if serve_peers else None,
                 NodeInfoServicer(self.status), self.health,
-                interceptors=[HandledCounter(self.metrics.grpc_handled)],
+                interceptors=[HandledCounter(self.metrics.grpc_handled)] + ([ServerAuthInterceptor(
+                    self.auth, lambda reason, *_: self.metrics.rejected_contributions.labels(reason=reason).inc())]
+                    if self.auth else []),
+                tls=self.tls,
                 extra_services=self.gossip.services() if self.gossip is not None and serve_peers else [],
             )
         except BindError as err:
@@ -418,9 +430,18 @@ class Node:
         steps = self.config.train.inner_steps
         progress = InnerProgress(steps, self.state.step, enabled=self.human)
 
+        # Fault injection for tests: LOWCOMM_FAULT_SLOW_STEP=<seconds> added to every inner step
+        # turns this node into a straggler.
+        slow = float(os.environ.get("LOWCOMM_FAULT_SLOW_STEP", "0") or 0)
+
+        def on_step(done: int, loss: float) -> None:
+            progress.update(done, loss)
+            if slow:
+                self.stop_training.wait(slow)
+
         def work() -> PhaseStats:
             try:
-                return self.trainer.train_phase(steps, self.stop_training.is_set, progress.update)
+                return self.trainer.train_phase(steps, self.stop_training.is_set, on_step)
             finally:
                 progress.close()
 
@@ -478,7 +499,7 @@ class Node:
         matchmaking_seconds = time.monotonic() - started
         self.metrics.matchmaking_duration.observe(matchmaking_seconds)
         self.rounds_attempted += 1
-        await self._fault_hold(step)
+        await self._fault_hold(step, group)
 
         if len(group.members) == 1:
             # Alone, a peer takes its own outer step only if nobody else is in the swarm: with
@@ -497,10 +518,15 @@ class Node:
         report.matchmaking_seconds = matchmaking_seconds
         await self._commit(report)
 
-    async def _fault_hold(self, step: int) -> None:
-        """Fault injection for tests: with LOWCOMM_FAULT_HOLD_ROUND=<n>, stall inside this process's
-        n-th round (after its group formed, before sending anything) until the process is killed."""
-        if os.environ.get("LOWCOMM_FAULT_HOLD_ROUND") == str(self.rounds_attempted):
+    async def _fault_hold(self, step: int, group) -> None:
+        """Fault injection for tests: stall inside a round (after the group formed, before sending
+        anything) until the process is killed. LOWCOMM_FAULT_HOLD_ROUND=<n>: in this process's
+        n-th round; LOWCOMM_FAULT_HOLD_AS_LEADER=<size>: in the first round in which this peer
+        led (and so had already sent out) a group of at least that size."""
+        as_leader = os.environ.get("LOWCOMM_FAULT_HOLD_AS_LEADER")
+        if os.environ.get("LOWCOMM_FAULT_HOLD_ROUND") == str(self.rounds_attempted) or (
+            as_leader and self.matchmaker.led_last_group and len(group.members) >= int(as_leader)
+        ):
             log.warning("fault injection: holding the round of step %d", step,
                         extra={"event": "fault_hold", "outer_step": step})
             await asyncio.Event().wait()

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol
 
@@ -116,6 +117,8 @@ class Matchmaker:
         codec: int,
         numel: int,
         reduce_timeout: float,
+        quorum: float = 0.67,
+        min_straggler_wait: float = 2.0,
     ) -> None:
         self.dht = dht
         self.run = run
@@ -127,7 +130,13 @@ class Matchmaker:
         self.codec = codec
         self.numel = numel
         self.reduce_timeout = reduce_timeout
+        self.quorum = quorum
+        self.min_straggler_wait = min_straggler_wait
+        # Seconds between reaching the quorum and the last expected arrival, over recent rounds:
+        # how long stragglers usually take, so that the leader waits for them adaptively.
+        self.straggle_history: deque[float] = deque(maxlen=20)
         self._round: _Round | None = None
+        self.led_last_group = False  # whether this peer decided the last group it was in
 
     # -- server side: somebody wants to join the group we lead ------------------------------
 
@@ -182,6 +191,7 @@ class Matchmaker:
         """Return the closed group for round ``step`` (possibly just this peer)."""
         current = _Round(step, params_hash)
         self._round = current
+        self.led_last_group = False
         deadline = time.monotonic() + timeout
         me = averaging_pb2.Member(peer_id=self.peer_id, address=self.address, weight=weight)
         request = averaging_pb2.JoinRequest(hello=self.identity.hello(), step=step, address=self.address,
@@ -269,10 +279,23 @@ class Matchmaker:
                     unreachable: set[str]) -> averaging_pb2.Group | None:
         """Wait for followers and close the group; ``None`` when this peer should follow instead."""
         lonely_since = time.monotonic()
+        quorum_at: float | None = None
         while True:
             joined = {self.peer_id, *current.followers}
             expected = await expected_peers()
-            if (expected and expected <= joined) or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if expected and expected <= joined:
+                if quorum_at is not None:
+                    self.straggle_history.append(now - quorum_at)
+                break
+            if now >= deadline:
+                break
+            if quorum_at is None and len(joined) >= max(2, int(self.quorum * len(expected))):
+                quorum_at = now
+            if quorum_at is not None and now - quorum_at >= self.straggler_wait():
+                # Not recorded in the history: only complete arrivals measure how long stragglers take.
+                log.info("closing the group of step %d with %d of %d expected peers (stragglers waited %.1fs)",
+                         current.step, len(joined), len(expected), now - quorum_at)
                 break
             # The lowest registrant leads: a leader yields to a lower registrant that showed up
             # late and sends its followers there, and a leader nobody follows joins a higher one
@@ -305,7 +328,17 @@ class Matchmaker:
                 elif not current.followers[member.peer_id].reply.done():
                     current.followers[member.peer_id].reply.set_result(group)
         assert mine is not None
+        self.led_last_group = True
         return mine
+
+    def straggler_wait(self) -> float:
+        """How long a leader with a quorum waits for the rest: twice the 90th percentile of what
+        stragglers took recently, at least ``min_straggler_wait``, never past the deadline."""
+        if not self.straggle_history:
+            return self.min_straggler_wait * 4  # no history yet: be patient (startup skews arrivals)
+        ordered = sorted(self.straggle_history)
+        p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+        return max(self.min_straggler_wait, 2 * p90)
 
     @staticmethod
     def _redirect_followers(current: _Round, target: averaging_pb2.Redirect) -> None:

@@ -1,0 +1,66 @@
+"""Fault injection through the real CLI: a leader that dies after sending the group, a straggler.
+
+In each: no round hangs past its deadlines, the survivors stay bit-identical, and the swarm goes
+on training. (A killed sender and owner, a late joiner and a killed donor are covered in
+test_swarm_cli.py, test_allreduce_faults.py and test_state_download.py.)
+"""
+
+from __future__ import annotations
+
+import signal
+
+import psutil
+import pytest
+
+from .test_swarm_cli import ROUND_WAIT, hash_at
+
+pytestmark = pytest.mark.multiprocess
+
+MATCHMAKING, REDUCE = 15, 8  # the FAST settings of conftest.py
+
+
+def test_leader_killed_after_sending_the_group(swarm):
+    env = {"LOWCOMM_FAULT_HOLD_AS_LEADER": "3"}  # whoever first leads a group of 3 stalls in it
+    first = swarm.start(0, env=env)
+    nodes = [first, swarm.start(1, [first.multiaddr], env=env), swarm.start(2, [first.multiaddr], env=env)]
+    holder = None
+    while holder is None:
+        for node in nodes:
+            try:
+                holder = node.wait_event("fault_hold", 1)
+                leader = node
+                break
+            except TimeoutError:
+                continue
+        if all(n.proc.poll() is not None for n in nodes):
+            pytest.fail("all nodes exited")
+    step = holder["outer_step"]
+    leader.signal(signal.SIGKILL)
+    survivors = [n for n in nodes if n is not leader]
+    done = [n.wait_for(lambda e: e.get("event") == "round_done" and e["outer_step"] == step + 1, ROUND_WAIT)
+            for n in survivors]
+    assert done[0]["params_sha256"] == done[1]["params_sha256"]
+    assert all(e["group_size"] == 3 and e["skipped_shards"] >= 1 for e in done)  # the leader's shard
+    assert all(e["round_seconds"] < MATCHMAKING + REDUCE * 1.5 + 10 for e in done)
+    nxt = survivors[0].wait_for(lambda e: e.get("event") == "round_done" and e["outer_step"] == step + 2, ROUND_WAIT)
+    assert hash_at(survivors[1], step + 2) == nxt["params_sha256"]
+
+
+def test_straggler_five_times_slower_does_not_hold_up_the_swarm(swarm):
+    first = swarm.start(0, extra=["--set", "sync.straggler_wait=1"])
+    fast = [first, swarm.start(1, [first.multiaddr], extra=["--set", "sync.straggler_wait=1"])]
+    # ~5x the inner-step time of the others on this machine (one tiny-model step takes ~50 ms).
+    slow = swarm.start(2, [first.multiaddr], extra=["--set", "sync.straggler_wait=1"],
+                       env={"LOWCOMM_FAULT_SLOW_STEP": "0.2"})
+    slow.ready()
+    start = len(first.rounds())
+    # The fast peers keep averaging with each other, closing without the straggler well before
+    # the matchmaking ceiling, and stay identical.
+    first.wait_for(lambda e: len([r for r in first.rounds()[start:] if r["group_size"] >= 2]) >= 3, ROUND_WAIT * 3)
+    for event in [r for r in first.rounds()[start:] if r["group_size"] >= 2][:3]:
+        assert hash_at(fast[1], event["outer_step"]) == event["params_sha256"]
+        assert event["matchmaking_seconds"] < MATCHMAKING
+    # The straggler notices it is behind, catches up from the swarm, and is still alive.
+    slow.wait_event("state_downloaded", ROUND_WAIT * 2)
+    assert slow.proc.poll() is None
+    assert all(psutil.pid_exists(n.proc.pid) for n in fast)
