@@ -44,7 +44,12 @@ def _add_join_flags(parser: argparse.ArgumentParser) -> None:
     add("--metrics-port", type=int, metavar="P", help="Prometheus /metrics port (default 7702; 0: any free port)")
     add("--identity", type=Path, metavar="PATH", help="libp2p key file (default <checkpoint-dir>/identity.key)")
     add("--checkpoint-dir", type=Path, metavar="DIR", help="checkpoint directory (default ./lowcomm-checkpoints)")
-    add("--run-secret-file", type=Path, metavar="F", help="run secret for authenticated swarms (not implemented yet)")
+    add("--run-secret-file", type=Path, metavar="F",
+        help="file holding the run's shared secret: every RPC and DHT record is then authenticated")
+    add("--tls-cert", type=Path, metavar="PEM",
+        help="serve gRPC over TLS with this certificate (with --tls-key); peers' channels trust it as root, "
+             "so a run shares one certificate or a CA appended to each peer's certificate")
+    add("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
     add("--client-mode", action="store_const", const=True, default=None,
         help="no inbound connections: own no shard, serve no state (behind NAT)")
     add("--max-rounds", type=int, metavar="N", help="exit 0 after N completed outer rounds")
@@ -94,14 +99,59 @@ def _start_dht(config: Config):
         raise RuntimeError(f"invalid --peers multiaddr: {err}") from None
 
 
+def _read_file(path: Path, what: str) -> bytes:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise RuntimeError(f"{what} {path} does not exist") from None
+    except OSError as err:
+        raise RuntimeError(f"{what} {path} is not readable: {err.strerror}") from None
+    if not data.strip():
+        raise RuntimeError(f"{what} {path} is empty")
+    return data
+
+
+def _read_tls(cert: Path | None, key: Path | None):
+    from lowcomm.protocol.auth import TLSConfig
+
+    try:
+        return TLSConfig.from_pem(_read_file(cert, "TLS certificate"), key and _read_file(key, "TLS key"))
+    except ValueError as err:
+        raise RuntimeError(f"{err} ({cert}{f', {key}' if key else ''})") from None
+
+
+def _read_credentials(node: NodeSection):
+    """(run secret or None, TLSConfig or None) from the files the config names; RuntimeError with one line."""
+    from lowcomm.protocol.auth import parse_secret
+
+    secret = None
+    if node.run_secret_file is not None:
+        data = _read_file(node.run_secret_file, "run secret file")
+        try:
+            secret = parse_secret(data)
+        except ValueError as err:
+            raise RuntimeError(f"run secret file {node.run_secret_file} {err}") from None
+    if (node.tls_cert is None) != (node.tls_key is None):
+        raise RuntimeError("--tls-cert and --tls-key go together (LOWCOMM_TLS_CERT, LOWCOMM_TLS_KEY)")
+    tls = _read_tls(node.tls_cert, node.tls_key) if node.tls_cert is not None else None
+    return secret, tls
+
+
+def _client_tls(args: argparse.Namespace):
+    """TLS of `status`/`healthcheck`: trust --tls-cert (or LOWCOMM_TLS_CERT) when given."""
+    cert = args.tls_cert or os.environ.get("LOWCOMM_TLS_CERT")
+    return _read_tls(Path(cert), None) if cert else None
+
+
 def cmd_join(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, _join_flags(args), args.overrides)
     except ConfigError as err:
         return _fail(str(err), EXIT_USAGE)
-    if config.node.run_secret_file is not None:
-        return _fail("--run-secret-file is not implemented yet: authenticated swarms are planned "
-                     "(issue #7); run without it for an open swarm", EXIT_USAGE)
+    try:
+        run_secret, tls = _read_credentials(config.node)
+    except RuntimeError as err:
+        return _fail(str(err), EXIT_USAGE)
 
     from .logs import setup_logging
 
@@ -123,7 +173,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         from .daemon import FatalError, Node
 
         try:
-            return uvloop.run(Node(config, dht, human).run())
+            return uvloop.run(Node(config, dht, human, run_secret, tls).run())
         except (FatalError, DataError) as err:
             return _fail(str(err))
     finally:
@@ -211,7 +261,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     from lowcomm.protocol.rpc import fetch_status
 
     try:
-        status = asyncio.run(fetch_status(args.target, args.timeout))
+        status = asyncio.run(fetch_status(args.target, args.timeout, _client_tls(args)))
+    except RuntimeError as err:
+        return _fail(str(err), EXIT_USAGE)
     except grpc.aio.AioRpcError as err:
         return _fail(f"no node answered at {args.target}: {err.code().name} {err.details() or ''}".rstrip())
     info = _status_dict(status)
@@ -228,7 +280,9 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
     from lowcomm.protocol.rpc import check_health
 
     try:
-        state = asyncio.run(check_health(args.target, args.timeout))
+        state = asyncio.run(check_health(args.target, args.timeout, _client_tls(args)))
+    except RuntimeError as err:
+        return _fail(str(err), EXIT_USAGE)
     except grpc.aio.AioRpcError as err:
         return _fail(f"unhealthy: no node answered at {args.target} ({err.code().name})")
     if state != "SERVING":
@@ -296,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--target", default="127.0.0.1:7701", metavar="HOST:PORT", help="the node's gRPC address")
         p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+        p.add_argument("--tls-cert", metavar="PEM", help="the node serves TLS: trust this certificate "
+                                                         "(default: LOWCOMM_TLS_CERT if set)")
         if name == "status":
             p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(func=func)

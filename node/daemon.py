@@ -81,11 +81,15 @@ class Node:
         self.metrics = NodeMetrics()
         self.metrics.set_build_info(config.sync.codec, config.sync.mode)
         # A run secret authenticates every RPC and DHT record (protocol/auth.py); TLS is separate.
+        if (run_secret is None) != (config.node.run_secret_file is None):
+            raise ValueError("pass the bytes of [node] run_secret_file as run_secret (the CLI reads the file)")
         self.auth = RunAuth(run_secret) if run_secret else None
         self.tls = tls
         self.dht_client = signed(HivemindDHT(dht), self.auth)
-        self.channels = ChannelPool(client_interceptors(
-            self.auth, self.peer_id, lambda: self.state.step if hasattr(self, "state") else 0) if self.auth else (), tls)
+        # Tokens name our outer step (0 until the state is restored).
+        tokens = client_interceptors(self.auth, self.peer_id, lambda: getattr(getattr(self, "state", None), "step", 0)
+                                     ) if self.auth else []
+        self.channels = ChannelPool(tokens, tls)
         self.train_executor = ThreadPoolExecutor(1, thread_name_prefix="lowcomm-train")
         self.codec_executor = ThreadPoolExecutor(2, thread_name_prefix="lowcomm-codec")
         self.stop_requested = asyncio.Event()
@@ -98,6 +102,7 @@ class Node:
         # the majority vote at its step (see _majority_elsewhere).
         self.last_contribution: tuple[int, torch.Tensor] | None = None
         self.consensus_distance = math.nan  # gossip mode: relative L2 distance to the last partners
+        self._nan_injected = False
         self.gossip = None  # a GossipMode (node/gossip_mode.py) when [sync] mode = "gossip"
         self.tokens_since_round = 0
         self.tokens_total = 0
@@ -229,6 +234,8 @@ class Node:
                              f"choose another with --grpc-port (or LOWCOMM_GRPC_PORT)") from None
         await server.start()
         await self.health.set(HEALTH_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("gRPC server on port %d: %s, %s", port, "TLS" if self.tls else "plaintext",
+                 "run secret required (RPCs and DHT records authenticated)" if self.auth else "open run (no secret)")
         if serve_peers:
             self.address = f"{self._announce_host()}:{port}"
             self.matchmaker.address = self.address
@@ -323,6 +330,8 @@ class Node:
         target = max(p.outer_step for p in others.values())
         if target < self.state.step:
             return
+        if self.gossip is not None and not self.gossip.needs_download(target):
+            return  # gossip mode: a peer within the step window catches up by mixing, not downloading
         digest, _ = view.majority_hash(target)
         if target == self.state.step:
             digest = self._majority_elsewhere(view)
@@ -463,11 +472,16 @@ class Node:
         self.phase = "averaging"
         step = self.state.step
         log.debug("round for step %d starts from params %s", step, self.state.params_hash[:8])
+        if os.environ.get("LOWCOMM_FAULT_NAN_ROUND") == str(self.rounds_attempted + 1) and not self._nan_injected:
+            # Fault injection for tests: the local model diverges (NaN weights) before this round.
+            self._nan_injected = True
+            await self.in_train_thread(self.trainer.set_params, torch.full_like(self.state.params, math.nan))
         delta = await self.in_train_thread(lambda: self.state.params - self.trainer.get_params())
         if not bool(torch.isfinite(delta).all()):
             # A diverged local model never sends: start over from θ_global, keep nothing of it.
-            log.error("local model diverged (non-finite weights); resetting it to the global parameters")
-            await self.in_train_thread(self.trainer.set_params, self.state.params)
+            log.error("local model diverged (non-finite weights); resetting it to the global parameters",
+                      extra={"event": "diverged", "outer_step": step})
+            await self.in_train_thread(self.trainer.reset_to, self.state.params)
             self.tokens_since_round = 0
             self.metrics.round_failures.labels(reason="diverged").inc()
             return

@@ -27,7 +27,8 @@ ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 
 # Why a round failed; a bounded set so the label stays cheap.
 FAILURE_REASONS = ("no_group", "matchmaking", "behind", "shard_skipped", "aborted", "diverged")
-REJECTION_REASONS = ("codec", "length", "non_finite", "norm", "unknown_sender", "late", "config")
+# "unauthenticated": an RPC refused for lacking a valid run-secret token (protocol/auth.py).
+REJECTION_REASONS = ("codec", "length", "non_finite", "norm", "unknown_sender", "late", "config", "unauthenticated")
 
 disable_created_metrics()
 

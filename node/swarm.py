@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 
 import hivemind
 from hivemind.utils import get_dht_time
+
+from lowcomm.protocol.auth import RunAuth
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,52 @@ class HivemindDHT:
         if found is None or not isinstance(found.value, dict):
             return {}
         return {str(subkey): item.value for subkey, item in found.value.items() if isinstance(item.value, dict)}
+
+
+class SignedDHT:
+    """The ``GroupDHT`` of a secret run: signs what it stores, returns only what this run signed.
+
+    It wraps the adapter the protocol uses, so peer records and matchmaking registrations alike
+    are signed (auth.RunAuth.sign_record) and unsigned or badly signed values are invisible to
+    matchmaking. hivemind's DHT itself stays open; only our values are authenticated.
+    """
+
+    def __init__(self, inner, auth: RunAuth) -> None:
+        self.inner = inner
+        self.auth = auth
+        self._warned: dict[str, float] = {}  # subkey -> when we last warned about it
+
+    async def store(self, key: str, subkey: str, value: dict, ttl: float) -> bool:
+        return await self.inner.store(key, subkey, self.auth.sign_record(key, subkey, value, ttl), ttl)
+
+    async def get(self, key: str) -> dict[str, dict]:
+        return (await self.get_checked(key))[0]
+
+    async def get_checked(self, key: str) -> tuple[dict[str, dict], dict[str, dict]]:
+        """(values signed by this run, the others as found): the others are logged, rate-limited."""
+        verified, unverified = {}, {}
+        for subkey, value in (await self.inner.get(key)).items():
+            plain = self.auth.verify_record(key, subkey, value)
+            if plain is not None:
+                verified[subkey] = plain
+            elif not (isinstance(value, dict) and value.get("leaving")):
+                unverified[subkey] = value
+        now = time.monotonic()
+        fresh = [s for s in unverified if now - self._warned.get(s, -math.inf) > 60.0]
+        if fresh:
+            if len(self._warned) > 1024:
+                self._warned.clear()
+            self._warned.update((s, now) for s in fresh)
+            log.warning("ignoring DHT record(s) under %s without a valid run-secret signature from %s: peers "
+                        "without the run secret or with another one (if they are your swarm, compare "
+                        "--run-secret-file)", key, ", ".join(sorted(fresh)),
+                        extra={"event": "dht_unsigned", "key": key, "senders": sorted(fresh)})
+        return verified, unverified
+
+
+def signed(dht, auth: RunAuth | None):
+    """``dht`` wrapped in SignedDHT when the run has a secret, else ``dht`` itself."""
+    return dht if auth is None else SignedDHT(dht, auth)
 
 
 @dataclass(frozen=True)
@@ -111,8 +160,11 @@ class SwarmView:
         return digest, count
 
 
-async def read_swarm(dht: HivemindDHT, run: str, fingerprint: str, protocol_version: int) -> SwarmView:
-    raw = await dht.get(peers_key(run))
+async def read_swarm(dht: HivemindDHT | SignedDHT, run: str, fingerprint: str, protocol_version: int) -> SwarmView:
+    if isinstance(dht, SignedDHT):
+        raw, unsigned = await dht.get_checked(peers_key(run))
+    else:
+        raw, unsigned = await dht.get(peers_key(run)), {}
     peers, foreign = {}, {}
     for peer_id, value in raw.items():
         record = PeerRecord.parse(peer_id, value)
@@ -120,4 +172,12 @@ async def read_swarm(dht: HivemindDHT, run: str, fingerprint: str, protocol_vers
             continue
         compatible = record.config_fingerprint == fingerprint and record.protocol_version == protocol_version
         (peers if compatible else foreign)[peer_id] = record
+    # In a secret run, records this run did not sign are foreign: never averaged with nor
+    # downloaded from. A node that sees nobody else contacts one of them once at start (the
+    # handshake), so that a peer with a wrong secret is refused (UNAUTHENTICATED, counted there)
+    # rather than silently training alone.
+    for peer_id, value in unsigned.items():
+        record = PeerRecord.parse(peer_id, value)
+        if record is not None and not record.leaving and peer_id not in peers:
+            foreign[peer_id] = record
     return SwarmView(peers, foreign, time.monotonic())

@@ -78,6 +78,11 @@ class Trainer:
                 param.copy_(flat[offset:offset + count].view_as(param))
                 offset += count
 
+    def reset_to(self, flat: torch.Tensor) -> None:
+        """Start over from ``flat`` after a divergence: the optimizer's moments may hold NaN too."""
+        self.set_params(flat)
+        self.optimizer.state.clear()
+
     # -- the inner loop ---------------------------------------------------------------------
 
     def _lr(self) -> float:

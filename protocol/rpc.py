@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,6 +17,7 @@ from ._pb.lowcomm.v1 import (
     state_pb2_grpc,
 )
 from .allreduce import CHUNK_BYTES, ReduceRegistry
+from .auth import TLSConfig
 from .handshake import IncompatiblePeer
 from .matchmaking import Matchmaker
 from .state import StateDonor, StateError
@@ -88,16 +89,31 @@ class NodeInfoServicer(node_pb2_grpc.NodeInfoServicer):
         return await self.status()
 
 
-class ChannelPool:
-    """One reusable channel per peer address; closed together at shutdown."""
+def open_channel(address: str, tls: TLSConfig | None = None,
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> grpc.aio.Channel:
+    """A channel to ``address``: over TLS trusting ``tls.cert_chain`` when given (see auth.py)."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=list(interceptors) or None)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS + tls.channel_options(),
+                                   interceptors=list(interceptors) or None)
 
-    def __init__(self) -> None:
+
+class ChannelPool:
+    """One reusable channel per peer address; closed together at shutdown.
+
+    ``interceptors`` go on every channel (a secret run's token interceptors, auth.client_interceptors);
+    with ``tls`` the channels use TLS.
+    """
+
+    def __init__(self, interceptors: Sequence[grpc.aio.ClientInterceptor] = (), tls: TLSConfig | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._interceptors = list(interceptors)
+        self._tls = tls
 
     def __call__(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = open_channel(address, self._tls, self._interceptors)
             self._channels[address] = channel
         return channel
 
@@ -116,8 +132,13 @@ def create_server(
     health_servicer: health.aio.HealthServicer,
     interceptors: list[grpc.aio.ServerInterceptor] | None = None,
     extra_services: list[Callable[[grpc.aio.Server], None]] = (),
+    tls: TLSConfig | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """A server with our services; raises BindError when ``host:port`` cannot be bound."""
+    """A server with our services; raises BindError when ``host:port`` cannot be bound.
+
+    A secret run passes an ``auth.ServerAuthInterceptor`` in ``interceptors`` (after any that
+    should see its refusals, e.g. a counter of status codes); ``tls`` serves TLS only.
+    """
     server = grpc.aio.server(
         interceptors=interceptors or [],
         options=CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)],  # a second node on the same port must fail
@@ -132,7 +153,8 @@ def create_server(
         add_service(server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = server.add_insecure_port(address) if tls is None else server.add_secure_port(
+            address, tls.server_credentials())
     except RuntimeError as err:
         raise BindError(f"cannot listen on {address}: {err}") from None
     if bound == 0:
@@ -140,15 +162,15 @@ def create_server(
     return server, bound
 
 
-async def check_health(target: str, timeout: float) -> str:
+async def check_health(target: str, timeout: float, tls: TLSConfig | None = None) -> str:
     """The serving status name of the node at ``target`` (raises grpc.aio.AioRpcError if unreachable)."""
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with open_channel(target, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         response = await stub.Check(health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
-async def fetch_status(target: str, timeout: float) -> node_pb2.NodeStatus:
-    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+async def fetch_status(target: str, timeout: float, tls: TLSConfig | None = None) -> node_pb2.NodeStatus:
+    async with open_channel(target, tls) as channel:
         stub = node_pb2_grpc.NodeInfoStub(channel)
         return await stub.GetStatus(node_pb2.StatusRequest(), timeout=timeout)

@@ -64,3 +64,18 @@ def test_straggler_five_times_slower_does_not_hold_up_the_swarm(swarm):
     slow.wait_event("state_downloaded", ROUND_WAIT * 2)
     assert slow.proc.poll() is None
     assert all(psutil.pid_exists(n.proc.pid) for n in fast)
+
+
+def test_diverged_local_model_never_sends_and_resyncs(swarm):
+    first = swarm.start(0)
+    # The second peer's local model turns to NaN before its 2nd round.
+    second = swarm.start(1, [first.multiaddr], env={"LOWCOMM_FAULT_NAN_ROUND": "2"})
+    diverged = second.wait_event("diverged", ROUND_WAIT * 2)
+    # It refused to send; afterwards it trains on from the global parameters and averages again.
+    rejoined = second.wait_for(
+        lambda e: e.get("event") == "round_done" and e["group_size"] == 2 and e["outer_step"] > diverged["outer_step"],
+        ROUND_WAIT * 2)
+    assert hash_at(first, rejoined["outer_step"]) == rejoined["params_sha256"]
+    assert all(e["eval_loss"] == e["eval_loss"] for e in first.rounds() + second.rounds())  # never NaN
+    rejected = [e for e in first.events if e.get("level") == "warning" and "non_finite" in e.get("msg", "")]
+    assert not rejected  # the NaN never even reached the wire

@@ -1,0 +1,74 @@
+"""A secret run through the real CLI: peers with the secret average, a wrong secret gets nowhere."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import time
+import urllib.request
+
+import pytest
+
+from lowcomm.protocol.rpc import check_health, fetch_status
+
+pytestmark = pytest.mark.multiprocess
+
+ROUND_WAIT = 90  # generous bound for one round on a loaded 2-core machine
+
+
+def wait_any(nodes, predicate, timeout):
+    """(node, event): the first of ``nodes`` to log an event matching ``predicate``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for node in nodes:
+            try:
+                return node, node.wait_for(predicate, 0.2)
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
+
+
+def rejected_unauthenticated(node) -> float:
+    port = node.ready()["metrics_port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    line = next(line for line in text.splitlines()
+                if line.startswith('lowcomm_rejected_contributions_total{reason="unauthenticated"}'))
+    return float(line.split()[-1])
+
+
+def test_peers_sharing_the_secret_average_and_a_wrong_secret_contributes_nothing(swarm, tmp_path):
+    secret, wrong = tmp_path / "run.secret", tmp_path / "wrong.secret"
+    for path in (secret, wrong):
+        path.write_bytes(base64.b64encode(os.urandom(32)) + b"\n")
+    first = swarm.start(0, extra=["--run-secret-file", str(secret)])
+    second = swarm.start(1, [first.multiaddr], extra=["--run-secret-file", str(secret)])
+    # The stranger knows where the swarm is: it joins the (open) DHT through both honest peers.
+    stranger = swarm.start(2, [first.multiaddr, second.multiaddr], extra=["--run-secret-file", str(wrong)])
+    honest = (first, second)
+
+    # The two peers with the secret average together (the second downloaded the state first,
+    # through authenticated StateTransfer calls), bit-identically.
+    done = second.wait_for(lambda e: e.get("event") == "round_done" and e["group_size"] == 2, ROUND_WAIT * 2)
+    mirror = first.wait_for(lambda e: e.get("event") == "round_done" and e["outer_step"] == done["outer_step"],
+                            ROUND_WAIT)
+    assert mirror["params_sha256"] == done["params_sha256"] and mirror["group_size"] == 2
+
+    # The stranger sees only records it cannot verify, says so, tried to talk to the swarm once
+    # it saw nobody it could trust, was refused, and trains alone.
+    stranger_id = stranger.ready()["peer_id"]
+    stranger.wait_event("dht_unsigned", ROUND_WAIT)
+    refused_by, warning = wait_any(
+        honest, lambda e: e.get("event") == "rpc_unauthenticated" and e.get("sender") == stranger_id, ROUND_WAIT)
+    assert "not signed with this run's secret" in warning["detail"]
+    assert rejected_unauthenticated(refused_by) >= 1
+    # Never in a group with them: honest groups hold two peers, the stranger's one.
+    assert all(e["group_size"] == 1 for e in stranger.rounds())
+    assert all(e["group_size"] <= 2 for node in honest for e in node.rounds())
+    # The honest peers, too, name the records they ignore.
+    first.wait_for(lambda e: e.get("event") == "dht_unsigned" and stranger_id in e.get("senders", []), ROUND_WAIT)
+
+    # Health and status stay reachable without the secret (what `healthcheck` and `status` call).
+    address = first.ready()["grpc_address"]
+    assert asyncio.run(check_health(address, 30.0)) == "SERVING"
+    assert asyncio.run(fetch_status(address, 30.0)).peer_id == first.ready()["peer_id"]
