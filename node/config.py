@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 CODEC_CHOICES = ("fp32", "fp16", "bf16", "int8", "int4", "topk")
 
@@ -79,6 +79,14 @@ class SyncSection(_Section):
     mode: Literal["allreduce", "gossip"] = "allreduce"
     """How peers average: butterfly all-reduce inside groups (identical state), or gossip with a few
     random partners per round (states differ by design; the consensus distance is measured)."""
+    overlap: Literal["none", "delayed", "eager"] = "none"
+    """none: training waits for each round. delayed: the round of step r runs while the inner phase
+    of step r+1 trains, and its result is applied at the next boundary (the local model is shifted
+    by the difference, so no local progress is lost). eager: as delayed, but the local model
+    continues from an outer step taken with its own pseudo-gradient as a stand-in for the average."""
+    fragments: int = Field(1, ge=1)
+    """K: the model is cut into K contiguous fragments synced in turn (Streaming DiLoCo); a round
+    then comes every inner_steps/K steps and carries about 1/K of the bytes."""
     gossip_partners: int = Field(2, ge=1)
     """Gossip mode: partners a peer averages with in each round (k)."""
     aggregation: Literal["mean", "clipped_mean", "trimmed_mean"] = "mean"
@@ -166,6 +174,12 @@ class Config(_Section):
     train: TrainSection = TrainSection()
     sync: SyncSection = SyncSection()
     node: NodeSection = NodeSection()
+
+    @model_validator(mode="after")
+    def _modes_combine(self) -> "Config":
+        if self.sync.mode == "gossip" and (self.sync.overlap != "none" or self.sync.fragments > 1):
+            raise ValueError("[sync] overlap and fragments work with mode = \"allreduce\" only")
+        return self
 
     def run_config(self) -> dict[str, Any]:
         """The part every peer of a run must share, as plain JSON-able data."""

@@ -59,6 +59,17 @@ class FatalError(Exception):
 
 
 @dataclass
+class _Pending:
+    """A round running in the background (overlap mode) and what it needs at the next boundary."""
+
+    task: asyncio.Task
+    fragment: slice
+    local_at_send: torch.Tensor  # the local model's fragment when Δ was taken
+    estimate: torch.Tensor | None  # eager mode: where the local model continued from
+    step: int
+
+
+@dataclass
 class RoundReport:
     group_size: int
     seconds: float  # the whole round: matchmaking, all-reduce, outer step
@@ -410,29 +421,130 @@ class Node:
     # -- the main loop ------------------------------------------------------------------------
 
     async def _main_loop(self) -> None:
-        max_rounds = self.config.node.max_rounds
-        while not self.stop_requested.is_set():
-            if max_rounds is not None and self.rounds_completed >= max_rounds:
-                log.info("completed %d round(s) (--max-rounds); stopping", self.rounds_completed)
-                break
+        if self.config.sync.overlap != "none":
+            await self._overlapped_loop()
+            return
+        while not self._should_stop():
             await self._catch_up()
-            stats = await self._inner_phase()
+            await self._inner_phase()
             if self.stop_requested.is_set():
                 break
-            round_task = asyncio.create_task(self._round(stats), name="round")
-            stop_task = asyncio.create_task(self.stop_requested.wait())
+            prepared = await self._prepare_round()
+            if prepared is None:
+                continue
+            fragment, delta = prepared
+            report = await self._with_grace(self._round(fragment, delta))
+            if report is not None:
+                await self._commit(report, fragment)
+
+    def _should_stop(self) -> bool:
+        max_rounds = self.config.node.max_rounds
+        if max_rounds is not None and self.rounds_completed >= max_rounds:
+            log.info("completed %d round(s) (--max-rounds); stopping", self.rounds_completed)
+            return True
+        return self.stop_requested.is_set()
+
+    async def _with_grace(self, coro) -> RoundReport | None:
+        """Run a round; on a stop request it gets the grace period, then it is abandoned."""
+        round_task = asyncio.create_task(coro, name="round")
+        stop_task = asyncio.create_task(self.stop_requested.wait())
+        try:
             await asyncio.wait({round_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
             if not round_task.done():
-                try:  # stopping: the round in flight gets the grace period, then it is abandoned
+                try:
                     await asyncio.wait_for(asyncio.shield(round_task), self.config.node.grace_period)
                 except asyncio.TimeoutError:
                     log.warning("abandoning the round in flight")
                     round_task.cancel()
                     await asyncio.gather(round_task, return_exceptions=True)
                     self.metrics.round_failures.labels(reason="aborted").inc()
+                    return None
+            return round_task.result()
+        finally:
             stop_task.cancel()
-            if round_task.done() and not round_task.cancelled() and round_task.exception() is not None:
-                raise round_task.exception()
+
+    def _next_fragment(self) -> slice:
+        """The part of the flat parameters this round syncs: all of it, or fragment (step mod K)."""
+        count = self.config.sync.fragments
+        bounds = [self.trainer.numel * i // count for i in range(count + 1)]
+        index = self.state.step % count
+        return slice(bounds[index], bounds[index + 1])
+
+    async def _prepare_round(self) -> tuple[slice, torch.Tensor] | None:
+        """Δ of the next fragment at a round boundary; None when the local model diverged."""
+        step = self.state.step
+        if os.environ.get("LOWCOMM_FAULT_NAN_ROUND") == str(self.rounds_attempted + 1) and not self._nan_injected:
+            # Fault injection for tests: the local model diverges (NaN weights) before this round.
+            self._nan_injected = True
+            await self.in_train_thread(self.trainer.set_params, torch.full_like(self.state.params, math.nan))
+        fragment = self._next_fragment()
+        local = await self.in_train_thread(self.trainer.get_params)
+        if not bool(torch.isfinite(local).all()):
+            # A diverged local model never sends: start over from θ_global, keep nothing of it.
+            log.error("local model diverged (non-finite weights); resetting it to the global parameters",
+                      extra={"event": "diverged", "outer_step": step})
+            await self.in_train_thread(self.trainer.reset_to, self.state.params)
+            self.tokens_since_round = 0
+            self.metrics.round_failures.labels(reason="diverged").inc()
+            return None
+        return fragment, self.state.params[fragment] - local[fragment]
+
+    # -- overlapped rounds (DESIGN: never wait for the network) ---------------------------------
+
+    async def _overlapped_loop(self) -> None:
+        """The round of step r runs in the background while the inner phase of step r+1 trains;
+        its result is applied at the next boundary, shifting the local model by the difference
+        between the averaged and the local update so that no local progress is lost."""
+        pending: _Pending | None = None
+        while True:
+            if pending is None:
+                await self._catch_up()
+            await self._inner_phase()  # returns at once when a stop was requested
+            if pending is not None:
+                await self._finish_overlapped(pending)
+                pending = None
+            if self._should_stop():
+                break
+            prepared = await self._prepare_round()
+            if prepared is None:
+                continue
+            fragment, delta = prepared
+            local_at_send = self.state.params[fragment] - delta
+            estimate = None
+            if self.config.sync.overlap == "eager":
+                # Eager: train on from an outer step that uses our own Δ as a stand-in for the
+                # average that is still on the wire (the shared momentum is left untouched).
+                estimate = self.state.params[fragment].clone()
+                self.state.outer.preview_slice(estimate, fragment.start, delta + self.state.residual[fragment])
+                await self.in_train_thread(self.trainer.set_params_slice, fragment, estimate)
+            task = asyncio.create_task(self._round(fragment, delta), name="background-round")
+            pending = _Pending(task, fragment, local_at_send, estimate, self.state.step)
+
+    async def _finish_overlapped(self, pending: "_Pending") -> None:
+        if not pending.task.done():
+            waited = time.monotonic()
+            log.info("the round of step %d is more than one step late; training waits for it", pending.step,
+                     extra={"event": "round_late", "outer_step": pending.step})
+            self.metrics.round_waits.inc()
+            try:
+                await asyncio.wait_for(asyncio.shield(pending.task),
+                                       None if not self.stop_requested.is_set() else self.config.node.grace_period)
+            except asyncio.TimeoutError:
+                pending.task.cancel()
+            self.metrics.round_wait_seconds.inc(time.monotonic() - waited)
+        report = None
+        if not pending.task.cancelled():
+            report = pending.task.result()
+        base = pending.estimate if pending.estimate is not None else pending.local_at_send
+        if report is None:
+            if pending.estimate is not None:  # undo the eager step: nothing was averaged
+                shift = pending.local_at_send - pending.estimate
+                await self.in_train_thread(self.trainer.add_to_slice, pending.fragment, shift)
+            return
+        # θ_global moved from what the local model started from to the averaged result.
+        shift = self.state.params[pending.fragment] - base
+        await self.in_train_thread(self.trainer.add_to_slice, pending.fragment, shift)
+        await self._commit(report, pending.fragment, reset_local=False)
 
     async def _inner_phase(self) -> PhaseStats:
         self.phase = "training"
@@ -467,30 +579,21 @@ class Node:
         self.metrics.compute_utilization.set(self.train_seconds / max(time.monotonic() - self.started, 1e-9))
         return stats
 
-    async def _round(self, stats: PhaseStats) -> None:
+    async def _round(self, fragment: slice, delta: torch.Tensor) -> RoundReport | None:
+        """Average ``delta`` (Δ of ``fragment``) and apply the outer step to θ_global[fragment].
+
+        Returns what the round did, or None when it failed before changing anything (the local
+        progress then stays in the local model and goes into the next round).
+        """
         started = time.monotonic()
         self.phase = "averaging"
         step = self.state.step
         log.debug("round for step %d starts from params %s", step, self.state.params_hash[:8])
-        if os.environ.get("LOWCOMM_FAULT_NAN_ROUND") == str(self.rounds_attempted + 1) and not self._nan_injected:
-            # Fault injection for tests: the local model diverges (NaN weights) before this round.
-            self._nan_injected = True
-            await self.in_train_thread(self.trainer.set_params, torch.full_like(self.state.params, math.nan))
-        delta = await self.in_train_thread(lambda: self.state.params - self.trainer.get_params())
-        if not bool(torch.isfinite(delta).all()):
-            # A diverged local model never sends: start over from θ_global, keep nothing of it.
-            log.error("local model diverged (non-finite weights); resetting it to the global parameters",
-                      extra={"event": "diverged", "outer_step": step})
-            await self.in_train_thread(self.trainer.reset_to, self.state.params)
-            self.tokens_since_round = 0
-            self.metrics.round_failures.labels(reason="diverged").inc()
-            return
         if self.gossip is not None:  # gossip mode: its own partner choice, states differ by design
             report = await self.gossip.round(step, delta, float(self.tokens_since_round))
             if report is not None:
                 report.seconds = time.monotonic() - started
-                await self._commit(report)
-            return
+            return report
         view = await self.refresh_view()
         if any(p.outer_step > step for p in view.peers.values()) or self._majority_elsewhere(view):
             # The swarm moved on while we trained, or holds other parameters at our step:
@@ -498,16 +601,16 @@ class Node:
             # folds it into the residual) and we catch up.
             log.info("the swarm is past our state at step %d; catching up instead of averaging", step)
             self.metrics.round_failures.labels(reason="behind").inc()
-            return
+            return None
         try:
             group = await self.matchmaker.form_group(
                 step, float(self.tokens_since_round), self.bandwidth_bps, self._expected_peers,
-                self.config.sync.matchmaking_timeout, params_hash=self.state.params_hash,
+                self.config.sync.matchmaking_timeout, params_hash=self.state.params_hash, numel=delta.numel(),
             )
         except MatchmakingError as err:
             log.warning("round for step %d failed: %s; training on", step, err)
             self.metrics.round_failures.labels(reason="matchmaking").inc()
-            return
+            return None
         except IncompatiblePeer as err:
             raise FatalError(f"refused by the swarm: {err}") from None
         matchmaking_seconds = time.monotonic() - started
@@ -524,13 +627,13 @@ class Node:
                 log.warning("nobody averaged with us at step %d although %d peer(s) are live; training on",
                             step, len(others))
                 self.metrics.round_failures.labels(reason="no_group").inc()
-                return
-            report = await self._solo_step(delta)
+                return None
+            report = await self._solo_step(fragment, delta)
         else:
-            report = await self._allreduce(group, delta)
+            report = await self._allreduce(group, fragment, delta)
         report.seconds = time.monotonic() - started
         report.matchmaking_seconds = matchmaking_seconds
-        await self._commit(report)
+        return report
 
     async def _fault_hold(self, step: int, group) -> None:
         """Fault injection for tests: stall inside a round (after the group formed, before sending
@@ -545,20 +648,22 @@ class Node:
                         extra={"event": "fault_hold", "outer_step": step})
             await asyncio.Event().wait()
 
-    async def _solo_step(self, delta: torch.Tensor) -> RoundReport:
+    async def _solo_step(self, fragment: slice, delta: torch.Tensor) -> RoundReport:
         """Alone in the swarm: the outer step uses our own Δ (plus what the residual carried)."""
         def work() -> None:
-            grad = delta + self.state.residual
-            self.state.residual.zero_()
-            self.state.outer.step_slice(self.state.params, 0, grad)
+            grad = delta + self.state.residual[fragment]
+            self.state.residual[fragment].zero_()
+            self.state.outer.step_slice(self.state.params, fragment.start, grad)
 
         await self.in_codec_pool(work)
         return RoundReport(group_size=1, seconds=0.0, bytes_sent=0, bytes_received=0, skipped_shards=0)
 
-    async def _allreduce(self, group, delta: torch.Tensor) -> RoundReport:
+    async def _allreduce(self, group, fragment: slice, delta: torch.Tensor) -> RoundReport:
         reduce_started = time.monotonic()
-        contribution = delta + self.state.residual
-        result = await run_allreduce(group, self.peer_id, delta, self.state.residual, self.state.owner_residual,
+        residual = self.state.residual[fragment]  # views: updated in place by the all-reduce
+        contribution = self.state.residual.clone()
+        contribution[fragment] += delta
+        result = await run_allreduce(group, self.peer_id, delta, residual, self.state.owner_residual[fragment],
                                      self.registry, self.channels, self.codec_executor)
         sent, received = result.bytes_sent, result.bytes_received
 
@@ -568,7 +673,7 @@ class Node:
                 if average is None:
                     skipped += 1
                     continue
-                self.state.outer.step_slice(self.state.params, sl.start, average)
+                self.state.outer.step_slice(self.state.params, fragment.start + sl.start, average)
             return skipped
 
         skipped = await self.in_codec_pool(apply)
@@ -583,18 +688,21 @@ class Node:
         self.metrics.bytes_sent.inc(sent)
         self.metrics.bytes_received.inc(received)
         if result.payload_bytes:
-            self.metrics.compression_ratio.set(4 * self.trainer.numel / result.payload_bytes)
+            self.metrics.compression_ratio.set(4 * delta.numel() / result.payload_bytes)
         if sent and seconds > 0:
             self.bandwidth_bps = sent / seconds
         if skipped:
             self.metrics.round_failures.labels(reason="shard_skipped").inc()
         return RoundReport(len(group.members), 0.0, sent, received, skipped, allreduce_seconds=seconds)
 
-    async def _commit(self, report: RoundReport) -> None:
+    async def _commit(self, report: RoundReport, fragment: slice, reset_local: bool = True) -> None:
+        """Publish the new step. Blocking rounds restart the local model of the fragment from
+        θ_global; overlapped rounds already shifted it (see _finish_overlapped)."""
         def finish() -> float:
             self.state.commit()
-            self.trainer.set_params(self.state.params)
-            return self.trainer.evaluate()
+            if reset_local:
+                self.trainer.set_params_slice(fragment, self.state.params[fragment])
+            return self.trainer.evaluate_params(self.state.params)
 
         self.last_eval = await self.in_train_thread(finish)
         self.tokens_since_round = 0
@@ -618,7 +726,8 @@ class Node:
                    "loss": self.last_loss, "eval_loss": self.last_eval, "group_size": report.group_size,
                    "round_seconds": report.seconds, "allreduce_seconds": report.allreduce_seconds,
                    "matchmaking_seconds": report.matchmaking_seconds, "bytes_sent": report.bytes_sent,
-                   "payload_bytes": self.codec.encoded_size(self.trainer.numel),
+                   "payload_bytes": self.codec.encoded_size(fragment.stop - fragment.start),
+                   "fragment": [fragment.start, fragment.stop],
                    "bytes_received": report.bytes_received, "skipped_shards": report.skipped_shards,
                    "numel": self.trainer.numel, "codec": self.codec.name},
         )

@@ -93,6 +93,13 @@ class NodeMetrics:
             "lowcomm_consensus_distance", "Relative L2 distance of this node's global parameters to its gossip partners.",
             registry=r,
         )
+        self.round_waits = Counter(
+            "lowcomm_round_waits", "Times the training thread had to wait for a background round (overlap mode).",
+            registry=r,
+        )
+        self.round_wait_seconds = Counter(
+            "lowcomm_round_wait_seconds", "Seconds the training thread waited for background rounds.", registry=r,
+        )
         self.grpc_handled = Counter(
             "grpc_server_handled", "RPCs completed on the server, by method and status code.",
             ["grpc_service", "grpc_method", "grpc_code"], registry=r,

@@ -78,6 +78,30 @@ class Trainer:
                 param.copy_(flat[offset:offset + count].view_as(param))
                 offset += count
 
+    def set_params_slice(self, fragment: slice, values: torch.Tensor) -> None:
+        """Overwrite ``fragment`` of the flat parameters (the rest keeps training)."""
+        flat = self.get_params()
+        flat[fragment] = values
+        self.set_params(flat)
+
+    def add_to_slice(self, fragment: slice, shift: torch.Tensor) -> None:
+        """Shift ``fragment`` of the flat parameters by ``shift`` (overlap mode's correction)."""
+        flat = self.get_params()
+        flat[fragment] += shift
+        self.set_params(flat)
+
+    @torch.no_grad()
+    def evaluate_params(self, flat: torch.Tensor) -> float:
+        """Eval loss of ``flat`` (θ_global) without disturbing the local model."""
+        local = self.get_params()
+        if torch.equal(local, flat):
+            return self.evaluate()
+        self.set_params(flat)
+        try:
+            return self.evaluate()
+        finally:
+            self.set_params(local)
+
     def reset_to(self, flat: torch.Tensor) -> None:
         """Start over from ``flat`` after a divergence: the optimizer's moments may hold NaN too."""
         self.set_params(flat)

@@ -55,6 +55,7 @@ class _Follower:
 class _Round:
     step: int
     params_hash: str = ""
+    numel: int = 0
     role: str = "undecided"  # "undecided" | "leader" | "follower" | "closed"
     leader: averaging_pb2.Redirect | None = None
     followers: dict[str, _Follower] = field(default_factory=dict)
@@ -187,9 +188,13 @@ class Matchmaker:
         expected_peers: Callable[[], Awaitable[set[str]]],
         timeout: float,
         params_hash: str = "",
+        numel: int | None = None,
     ) -> averaging_pb2.Group:
-        """Return the closed group for round ``step`` (possibly just this peer)."""
-        current = _Round(step, params_hash)
+        """Return the closed group for round ``step`` (possibly just this peer).
+
+        ``numel`` is the length of what this round averages (a fragment of the model, or all
+        of it by default); the leader's shard layout covers it."""
+        current = _Round(step, params_hash, self.numel if numel is None else numel)
         self._round = current
         self.led_last_group = False
         deadline = time.monotonic() + timeout
@@ -317,7 +322,7 @@ class Matchmaker:
         mine: averaging_pb2.Group | None = None
         for group_members in split_into_groups(members, self.group_size, current.step):
             owners = [i for i, m in enumerate(group_members) if m.address]
-            bounds = shard_layout(self.numel, [bandwidth[group_members[i].peer_id] for i in owners])
+            bounds = shard_layout(current.numel, [bandwidth[group_members[i].peer_id] for i in owners])
             group = averaging_pb2.Group(
                 group_id=os.urandom(16), step=current.step, members=group_members, shard_bounds=bounds,
                 shard_owners=owners, codec=self.codec, reduce_timeout_s=self.reduce_timeout,

@@ -22,6 +22,12 @@ class NesterovOuter:
     def zeros(cls, lr: float, momentum: float, numel: int) -> "NesterovOuter":
         return cls(lr, momentum, torch.zeros(numel, dtype=torch.float32))
 
+    def preview_slice(self, params_slice: torch.Tensor, start: int, grad: torch.Tensor) -> None:
+        """The step ``step_slice`` would take, applied to ``params_slice`` only: the momentum
+        buffer is not changed (eager overlap uses it to guess the next θ_global)."""
+        buf = self.buffer[start:start + grad.numel()].mul(self.momentum).add_(grad)
+        params_slice.sub_(grad.add(buf, alpha=self.momentum), alpha=self.lr)
+
     def step_slice(self, params: torch.Tensor, start: int, grad: torch.Tensor) -> None:
         """Apply one step to ``params[start:start+len(grad)]`` in place."""
         end = start + grad.numel()

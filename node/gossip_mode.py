@@ -1,0 +1,234 @@
+"""Gossip mode on the node: partner choice, the round at a peer's boundary, mixing into θ_global.
+
+A gossip round (``[sync] mode = "gossip"``) never waits for a group. At its boundary a peer
+
+1. takes its own outer step with its own Δ (plus what its residual carried), exactly, as a
+   lone all-reduce peer would;
+2. picks ``[sync] gossip_partners`` (k) partners at random among the live peers of the run that
+   have an address and whose outer step is within ``STEP_WINDOW`` of its own, and runs a
+   push-pull ``Exchange`` with each (protocol/gossip.py): its new θ goes out encoded with the run's
+   gossip codec and its parameter error-feedback residual, each partner's θ comes back. A partner
+   that fails, refuses or misses the deadline (``[sync] reduce_timeout`` for the whole exchange
+   phase) is replaced by the next candidate while time is left;
+3. mixes: θ_global ← the equal-weight mean of its own θ, the θ of the partners it reached and the
+   θ that peers who chose *it* as partner left in its inbox since its last boundary;
+4. reports the consensus distance before mixing: the mean over reached partners of
+   ||θ − θ_partner|| / ||θ|| (NaN without a partner), in ``status``, the
+   ``lowcomm_consensus_distance`` gauge and a ``gossip_round`` log event.
+
+The daemon then commits the round like any other (step + 1, model ← θ_global). A peer that
+reaches nobody still commits its own outer step: a gossip peer never waits for others (the round
+counts as ``no_group`` in ``lowcomm_round_failures`` when there were peers to reach).
+
+Mixing a partner's θ that arrived through our servicer is deferred to our next boundary, so
+θ_global never changes under the training thread. At the boundary Δ has already been taken
+from θ_global and the daemon resets the local model to the mixed θ_global when it commits, so
+the mixing shifts both by the same amount and no Δ is disturbed. Everything a round computes
+goes into θ_global in one swap at its end: a round abandoned before that leaves the state as it
+was (the daemon then folds the unsent progress into the residual as usual).
+
+Steps: in gossip mode a step counts a peer's own rounds. Partners are at most ``STEP_WINDOW``
+steps apart (a peer much further ahead or behind has a state too old or too new to average
+with); a peer more than ``STEP_WINDOW`` steps behind the swarm's furthest peer downloads state
+like a joiner instead of mixing (``needs_download``, called by the daemon's catch-up).
+
+Codec: the run's codec, except that ``topk`` gossips in int8: sparsifying suits pseudo-gradients,
+whose coordinates are mostly small, but not parameters, where every coordinate matters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from typing import TYPE_CHECKING, Callable, TypeVar
+
+import torch
+
+from lowcomm.protocol import codecs
+from lowcomm.protocol.gossip import (
+    GossipError,
+    GossipResponder,
+    Inbox,
+    Traffic,
+    exchange,
+    service,
+)
+from lowcomm.protocol.outer import NesterovOuter
+
+from .daemon import RoundReport
+
+if TYPE_CHECKING:
+    from .daemon import Node
+    from .swarm import PeerRecord
+
+log = logging.getLogger("lowcomm.node.gossip")
+T = TypeVar("T")
+
+STEP_WINDOW = 4  # partners' outer steps differ by at most this much
+
+
+def gossip_codec(codec: codecs.Codec) -> codecs.Codec:
+    """The codec parameters travel in: the run's, but dense (top-k would zero most weights)."""
+    return codecs.get_codec("int8") if codec.id == codecs.CodecId.TOPK else codec
+
+
+class GossipMode:
+    def __init__(self, node: "Node") -> None:
+        self.node = node
+        sync = node.config.sync
+        self.k = sync.gossip_partners
+        self.timeout = sync.reduce_timeout
+        self.codec = gossip_codec(node.codec)
+        self.numel = node.trainer.numel
+        self.residual = torch.zeros(self.numel)  # error feedback of the parameters this peer sends
+        self.inbox = Inbox(capacity=max(4, 2 * self.k))
+        self._lock = asyncio.Lock()  # serializes θ_global swaps and uses of the residual
+        self._rng = random.Random()
+        self.responder = GossipResponder(
+            node.identity, self.codec, self.numel, node.codec_executor, self.inbox,
+            step=lambda: node.state.step, reply=self._reply, on_reject=node._on_reject,
+            step_window=STEP_WINDOW, timeout=self.timeout, on_traffic=self._served,
+        )
+
+    def services(self) -> list[Callable]:
+        return [service(self.responder)]
+
+    def needs_download(self, target_step: int) -> bool:
+        """Whether a swarm at ``target_step`` is too far ahead to catch up with by mixing."""
+        return target_step - self.node.state.step > STEP_WINDOW
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    async def _exclusive(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` in the codec pool holding the lock, and keep the lock until it returned."""
+        async with self._lock:
+            job = asyncio.get_running_loop().run_in_executor(self.node.codec_executor, fn)
+            try:
+                return await asyncio.shield(job)
+            except asyncio.CancelledError:
+                await asyncio.wait([job])  # a thread cannot be interrupted: wait before unlocking
+                raise
+
+    async def _reply(self) -> bytes:
+        """Our current θ_global for a partner that called us, encoded with error feedback."""
+        return await self._exclusive(
+            lambda: codecs.encode_with_feedback(self.codec, self.node.state.params, self.residual)[0])
+
+    def _served(self, received: int, sent: int) -> None:
+        self.node.metrics.bytes_received.inc(received)
+        self.node.metrics.bytes_sent.inc(sent)
+
+    def _candidates(self, step: int) -> list["PeerRecord"]:
+        node = self.node
+        found = [p for p in node.view.peers.values()
+                 if p.peer_id != node.peer_id and p.address and abs(p.outer_step - step) <= STEP_WINDOW]
+        found.sort(key=lambda p: p.peer_id)
+        self._rng.shuffle(found)
+        return found
+
+    # -- the round ------------------------------------------------------------------------------
+
+    async def round(self, step: int, delta: torch.Tensor, weight: float) -> RoundReport | None:
+        """The round at our boundary; None only when our own outer step cannot be taken.
+
+        ``weight`` (tokens since the last round) is not used: gossip mixes with equal weights.
+        """
+        node, state = self.node, self.node.state
+
+        def own_step() -> tuple[torch.Tensor, torch.Tensor, bytes]:
+            params, momentum = state.params.clone(), state.outer.buffer.clone()
+            NesterovOuter(state.outer.lr, state.outer.momentum, momentum).step_slice(
+                params, 0, delta + state.residual)
+            payload, _ = codecs.encode_with_feedback(self.codec, params, self.residual)
+            return params, momentum, payload
+
+        try:
+            params, momentum, payload = await self._exclusive(own_step)
+        except codecs.CodecError as err:  # Δ was finite, so only an exploding outer step gets here
+            log.error("global parameters after the outer step are not finite (%s); skipping the round", err)
+            node.metrics.round_failures.labels(reason="diverged").inc()
+            return None
+
+        try:
+            await node.refresh_view()
+        except Exception:  # a DHT hiccup costs this round its fresh view, never the node
+            log.warning("could not refresh the swarm view; choosing partners from the last one", exc_info=True)
+        candidates = self._candidates(step)
+        others = [p for p in node.view.peers.values() if p.peer_id != node.peer_id]
+        exchange_started = time.monotonic()
+        partners, traffic = await self._exchange_all(candidates, step, payload)
+        exchange_seconds = time.monotonic() - exchange_started
+
+        inbox = self.inbox.drain()
+
+        def mix() -> float:
+            norm = float(params.norm()) or 1.0
+            distance = (sum(float((params - theta).norm()) for theta in partners.values()) / (norm * len(partners))
+                        if partners else math.nan)
+            mixed = [*partners.values(), *inbox.values()]
+            for theta in mixed:
+                params.add_(theta)
+            params.div_(1 + len(mixed))
+            # The swap: θ_global, its momentum and the spent residual change together.
+            state.params = params
+            state.outer.buffer = momentum
+            state.residual.zero_()
+            return distance
+
+        distance = await self._exclusive(mix)
+
+        node.consensus_distance = distance
+        m = node.metrics
+        m.consensus_distance.set(distance)
+        m.bytes_sent.inc(traffic.sent)
+        m.bytes_received.inc(traffic.received)
+        m.compression_ratio.set(4 * self.numel / max(len(payload), 1))
+        if traffic.sent and exchange_seconds > 0:
+            node.bandwidth_bps = traffic.sent / exchange_seconds
+        if not partners and others:
+            m.round_failures.labels(reason="no_group").inc()
+        log.info(
+            "gossip at step %d: %d partner(s), %d from the inbox, consensus distance %.4f", step, len(partners),
+            len(inbox), distance,
+            extra={"event": "gossip_round", "outer_step": step + 1, "consensus_distance": distance,
+                   "partners": sorted(partners), "inbox": sorted(inbox), "candidates": len(candidates),
+                   "bytes_sent": traffic.sent, "bytes_received": traffic.received,
+                   "exchange_seconds": exchange_seconds},
+        )
+        return RoundReport(group_size=1 + len(partners), seconds=0.0, bytes_sent=traffic.sent,
+                           bytes_received=traffic.received, skipped_shards=0, allreduce_seconds=exchange_seconds)
+
+    async def _exchange_all(self, candidates: list["PeerRecord"], step: int,
+                            payload: bytes) -> tuple[dict[str, torch.Tensor], Traffic]:
+        """Exchange with up to k candidates (a failed one is replaced by the next), by one deadline."""
+        node = self.node
+        queue = list(candidates)
+        partners: dict[str, torch.Tensor] = {}
+        traffic = Traffic()
+        deadline = time.monotonic() + self.timeout
+
+        async def worker() -> None:
+            while queue:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                peer = queue.pop()
+                try:
+                    got = await exchange(node.channels(peer.address), node.identity, self.codec, step, payload,
+                                         self.numel, node.codec_executor, remaining, STEP_WINDOW, traffic)
+                except GossipError as err:
+                    if err.reason is not None:
+                        node._on_reject(err.reason, peer.peer_id, str(err))
+                    else:
+                        log.info("gossip partner %s left out: %s", peer.peer_id, err)
+                    continue
+                partners[peer.peer_id] = got.theta
+                return
+
+        async with asyncio.TaskGroup() as tasks:
+            for _ in range(min(self.k, len(queue))):
+                tasks.create_task(worker())
+        return partners, traffic
