@@ -27,6 +27,7 @@ from lowcomm import __version__
 from lowcomm.protocol import PROTOCOL_VERSION, codecs
 from lowcomm.protocol._pb.lowcomm.v1 import node_pb2, state_pb2, state_pb2_grpc
 from lowcomm.protocol.auth import RunAuth, ServerAuthInterceptor, TLSConfig, client_interceptors
+from lowcomm.protocol.aggregation import Aggregation
 from lowcomm.protocol.allreduce import ReduceRegistry, run_allreduce
 from lowcomm.protocol.handshake import Identity, IncompatiblePeer
 from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError
@@ -215,7 +216,8 @@ class Node:
 
     async def _start_server(self) -> grpc.aio.Server:
         cfg = self.config.node
-        self.registry = ReduceRegistry(self.peer_id, self._on_reject, self.codec_executor)
+        self.registry = ReduceRegistry(self.peer_id, self._on_reject, self.codec_executor,
+                                       Aggregation.from_config(self.config.sync))
         self.donor = StateDonor(self.identity)
         # The address is known only after binding; the matchmaker reads it when a round starts.
         self.matchmaker = Matchmaker(

@@ -7,15 +7,27 @@ passed) encodes the average once, with its own error-feedback residual, and stre
 bytes back to every sender. Every member, the owner included, uses the *decoded* average, so all
 members end the round with bit-identical values.
 
-Failures: a sender that misses the owner's deadline is left out (weights renormalised) but still
-receives the average, and keeps its own part in its residual. A shard whose owner fails is
-skipped by the member that lost it: ``None`` in the result, its part kept in the residual.
+Validation and robust aggregation (DESIGN §4 "Trust"): a contribution is checked for codec,
+length and finite values as it arrives (a bad one is refused with INVALID_ARGUMENT before it
+touches the accumulator). The accumulator keeps every accepted contribution of its shard, the
+owner's own included, until the deadline; then ``aggregation.aggregate`` applies the norm bound
+(relative to the round's other contributions of that shard) and the configured rule (mean,
+clipped mean, trimmed mean). Memory: one float32 tensor per member per owned shard. Every
+rejection is reported to the registry's ``on_reject`` with its reason and sender.
+
+Failures: a sender that misses the owner's deadline, or whose contribution is rejected, is left
+out (weights renormalised) but still receives the average, and keeps its own part in its
+residual (the owner too, when its own part is rejected). A shard whose owner fails is skipped by
+the member that lost it: ``None`` in the result, its part kept in the residual. An average that
+cannot be published (it overflowed to a non-finite value, or nothing valid was left) makes the
+owner skip the shard and refuse it to every sender, so that all members still agree.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -26,6 +38,7 @@ import torch
 
 from . import codecs
 from ._pb.lowcomm.v1 import averaging_pb2, averaging_pb2_grpc
+from .aggregation import Aggregated, Aggregation, aggregate
 from .validate import ContributionRejected, check_contribution
 
 log = logging.getLogger(__name__)
@@ -56,21 +69,27 @@ class ShardAccumulator:
     codec: codecs.Codec
     executor: Executor
     owner_residual: torch.Tensor  # view into the owner's full-size residual, updated in place
-    total: torch.Tensor  # running weighted sum, starts with the owner's own exact contribution
-    weight_sum: float
-    contributors: list[str]
+    own: torch.Tensor  # the owner's own exact contribution to this shard
     expected: set[str]
     weights: dict[str, float]
+    aggregation: Aggregation = field(default_factory=Aggregation)
+    on_reject: RejectCallback | None = None
+    contributions: dict[str, torch.Tensor] = field(default_factory=dict)  # sender -> decoded, until finalize
+    contributors: list[str] = field(default_factory=list)  # after finalize: who entered the average
     finalized: asyncio.Event = field(default_factory=asyncio.Event)
     all_arrived: asyncio.Event = field(default_factory=asyncio.Event)
     result_payload: bytes = b""
-    result: torch.Tensor | None = None
+    result: torch.Tensor | None = None  # after finalize: the decoded average, None if it could not be made
+    failure: str = ""  # after finalize, when result is None: why
     bytes_in: int = 0  # contribution payload bytes received for this shard
     bytes_out: int = 0  # average payload bytes streamed back to senders
     active_streams: int = 0
     announced: set[str] = field(default_factory=set)  # senders whose header was accepted (no duplicates)
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # no Reduce stream is open
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def __post_init__(self) -> None:
+        self.contributions.setdefault(self.owner_id, self.own)
 
     def stream_opened(self) -> None:
         self.active_streams += 1
@@ -83,47 +102,76 @@ class ShardAccumulator:
 
     @property
     def numel(self) -> int:
-        return self.total.numel()
+        return self.own.numel()
 
     async def add(self, sender: str, decoded: torch.Tensor) -> bool:
-        """Accumulate a decoded contribution; False if it came after the average was computed."""
+        """Keep a validated contribution until finalize; False if it came after the average was computed."""
         async with self._lock:
             if self.finalized.is_set():
                 return False
-            weight = self.weights[sender]
-            await asyncio.get_running_loop().run_in_executor(
-                self.executor, lambda: self.total.add_(decoded, alpha=weight)
-            )
-            self.weight_sum += weight
-            self.contributors.append(sender)
+            self.contributions[sender] = decoded
             self.expected.discard(sender)
             if not self.expected:
                 self.all_arrived.set()
             return True
 
-    async def finalize(self) -> torch.Tensor:
+    def give_up(self, sender: str) -> None:
+        """Nothing (more) will come from ``sender`` this round: do not wait for it."""
+        self.expected.discard(sender)
+        if not self.expected:
+            self.all_arrived.set()
+
+    async def finalize(self) -> torch.Tensor | None:
+        """Aggregate what arrived, encode the average once; None if no average can be published."""
         async with self._lock:
             if not self.finalized.is_set():
                 loop = asyncio.get_running_loop()
-                weight_sum = self.weight_sum
+                contributions = [(s, self.weights[s], x) for s, x in self.contributions.items()]
 
-                def encode_average() -> tuple[bytes, torch.Tensor]:
-                    average = self.total.div_(weight_sum) if weight_sum > 0 else self.total
-                    return codecs.encode_with_feedback(self.codec, average, self.owner_residual)
+                def aggregate_and_encode() -> tuple[Aggregated, bytes, torch.Tensor | None, str]:
+                    try:
+                        outcome = aggregate(contributions, self.aggregation)
+                    except ValueError as err:  # malformed weights or lengths: no average rather than a crash
+                        return Aggregated(None, []), b"", None, f"the contributions cannot be aggregated: {err}"
+                    if outcome.average is None:
+                        return outcome, b"", None, "no valid contribution was left"
+                    if not bool(torch.isfinite(outcome.average).all()):
+                        return outcome, b"", None, "the average overflowed to non-finite values"
+                    try:
+                        payload, decoded = codecs.encode_with_feedback(self.codec, outcome.average, self.owner_residual)
+                    except codecs.CodecError as err:
+                        return outcome, b"", None, f"the average cannot be encoded: {err}"
+                    return outcome, payload, decoded, ""
 
-                self.result_payload, self.result = await loop.run_in_executor(self.executor, encode_average)
-                self.finalized.set()
-        assert self.result is not None
+                try:
+                    outcome, self.result_payload, self.result, self.failure = await loop.run_in_executor(
+                        self.executor, aggregate_and_encode)
+                finally:
+                    self.contributions = {}  # the memory goes back as soon as the average exists
+                    self.finalized.set()
+                self.contributors = outcome.used if self.result is not None else []
+                for rejection in outcome.rejected:
+                    self._reject(rejection.reason, rejection.sender, rejection.detail)
+                if self.result is None:
+                    log.warning("shard %d: %s; every member skips it this round", self.shard_index, self.failure)
         return self.result
+
+    def _reject(self, reason: str, sender: str, detail: str) -> None:
+        if self.on_reject is not None:
+            self.on_reject(reason, sender, detail)
+        else:
+            log.warning("rejected a contribution from %s (%s): %s", sender, reason, detail)
 
 
 class ReduceRegistry:
     """Open accumulators of the current round, found by (group id, shard index) by the RPC handler."""
 
-    def __init__(self, peer_id: str, on_reject: RejectCallback, executor: Executor) -> None:
+    def __init__(self, peer_id: str, on_reject: RejectCallback, executor: Executor,
+                 aggregation: Aggregation | None = None) -> None:
         self.peer_id = peer_id
         self.on_reject = on_reject
         self.executor = executor
+        self.aggregation = aggregation if aggregation is not None else Aggregation()
         self._open: dict[tuple[bytes, int], ShardAccumulator] = {}
         self._changed = asyncio.Event()
 
@@ -179,6 +227,33 @@ class ReduceRegistry:
             self.on_reject(reason, sender, detail)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, detail)
 
+        # The header used up this sender's one try: if its contribution does not make it into the
+        # accumulator, nothing more can come from it, and the owner stops waiting for it.
+        decoded = None
+        try:
+            decoded = await self._receive(acc, sender, header, requests, context)
+        finally:
+            if decoded is None:
+                acc.give_up(sender)
+        if not await acc.add(sender, decoded):
+            self.on_reject("late", sender, "arrived after the average was computed")
+        try:  # the owner finalizes by its deadline; the margin covers an owner that died in between
+            await asyncio.wait_for(acc.finalized.wait(), acc.group.reduce_timeout_s * 1.5)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the shard's average was never computed")
+        if acc.result is None:
+            await context.abort(grpc.StatusCode.ABORTED, f"no average for this shard this round: {acc.failure}")
+        yield averaging_pb2.ReduceMessage(result=averaging_pb2.ReduceResult(
+            codec=acc.codec.id, numel=acc.numel, payload_bytes=len(acc.result_payload), contributors=acc.contributors,
+        ))
+        for chunk in _chunks(acc.result_payload):
+            acc.bytes_out += len(chunk)
+            yield averaging_pb2.ReduceMessage(chunk=chunk)
+
+    async def _receive(self, acc: ShardAccumulator, sender: str, header: averaging_pb2.ReduceHeader,
+                       requests: AsyncIterator[averaging_pb2.ReduceMessage],
+                       context: grpc.aio.ServicerContext) -> torch.Tensor:
+        """The declared payload, decoded and checked (length, codec, finite values), or an abort."""
         payload = bytearray(header.payload_bytes)  # bounded: equals the codec's size for this shard
         filled = 0
         async for message in requests:
@@ -202,18 +277,7 @@ class ReduceRegistry:
         except ContributionRejected as err:
             self.on_reject(err.reason, sender, str(err))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        if not await acc.add(sender, decoded):
-            self.on_reject("late", sender, "arrived after the average was computed")
-        try:  # the owner finalizes by its deadline; the margin covers an owner that died in between
-            await asyncio.wait_for(acc.finalized.wait(), acc.group.reduce_timeout_s * 1.5)
-        except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the shard's average was never computed")
-        yield averaging_pb2.ReduceMessage(result=averaging_pb2.ReduceResult(
-            codec=acc.codec.id, numel=acc.numel, payload_bytes=len(acc.result_payload), contributors=acc.contributors,
-        ))
-        for chunk in _chunks(acc.result_payload):
-            acc.bytes_out += len(chunk)
-            yield averaging_pb2.ReduceMessage(chunk=chunk)
+        return decoded
 
     @staticmethod
     def _check_header(acc: ShardAccumulator, header: averaging_pb2.ReduceHeader) -> tuple[str, str] | None:
@@ -257,7 +321,7 @@ async def run_allreduce(
     """
     codec = codecs.get_codec(group.codec)
     members = list(group.members)
-    weights = {m.peer_id: (m.weight if m.weight > 0 else 1.0) for m in members}
+    weights = {m.peer_id: (m.weight if m.weight > 0 and math.isfinite(m.weight) else 1.0) for m in members}
     slices = shard_slices(group)
     owners = [members[i] for i in group.shard_owners]
     deadline = time.monotonic() + group.reduce_timeout_s
@@ -273,8 +337,8 @@ async def run_allreduce(
         residual[sl].zero_()  # our own part enters the average exactly: nothing left to carry
         mine.append(ShardAccumulator(
             group=group, shard_index=index, owner_id=peer_id, codec=codec, executor=executor,
-            owner_residual=owner_residual[sl], total=own.mul_(weights[peer_id]), weight_sum=weights[peer_id],
-            contributors=[peer_id], expected={m.peer_id for m in members} - {peer_id}, weights=weights,
+            owner_residual=owner_residual[sl], own=own, expected={m.peer_id for m in members} - {peer_id},
+            weights=weights, aggregation=registry.aggregation, on_reject=registry.on_reject,
         ))
     registry.open(mine)
     for acc in mine:
@@ -282,12 +346,14 @@ async def run_allreduce(
         if not acc.expected:
             acc.all_arrived.set()
 
-    async def own_shard(acc: ShardAccumulator) -> torch.Tensor:
+    async def own_shard(acc: ShardAccumulator) -> torch.Tensor | None:
         try:
             await asyncio.wait_for(acc.all_arrived.wait(), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             log.info("shard %d: %d member(s) missed the deadline and are left out", acc.shard_index, len(acc.expected))
         result = await acc.finalize()
+        if peer_id not in acc.contributors:  # our own part was rejected (or the shard failed): carry it
+            residual[slices[acc.shard_index]].copy_(acc.own)
         # Stay until every sender that is connected has its answer: the bytes are then counted,
         # and nothing of this round is still in flight when the caller moves on.
         try:

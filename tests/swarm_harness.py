@@ -16,6 +16,8 @@ import torch
 from grpc_health.v1 import health
 
 from lowcomm.protocol import codecs
+from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
+from lowcomm.protocol.aggregation import Aggregation
 from lowcomm.protocol.allreduce import AllReduceResult, ReduceRegistry, run_allreduce
 from lowcomm.protocol.handshake import Identity
 from lowcomm.protocol.matchmaking import Matchmaker
@@ -68,12 +70,14 @@ class Peer:
     reduce_timeout: float = 5.0
     client_mode: bool = False
     rejections: list[tuple[str, str]] = field(default_factory=list)
+    aggregation: Aggregation | None = None  # None: ReduceRegistry's default (plain mean with the norm bound)
 
     async def start(self, fingerprint: str = "f" * 64, run_config_json: str = "{}") -> None:
         self.identity = Identity(self.peer_id, fingerprint, run_config_json)
         self.executor = ThreadPoolExecutor(2)
         self.channels = ChannelPool()
-        self.registry = ReduceRegistry(self.peer_id, lambda r, s, d: self.rejections.append((r, s)), self.executor)
+        self.registry = ReduceRegistry(self.peer_id, lambda r, s, d: self.rejections.append((r, s)), self.executor,
+                                       self.aggregation)
         self.joins_seen: list[str] = []  # peer ids whose JoinGroup reached this peer, in order
         self._join_event = asyncio.Event()
         self._stopped = False
@@ -165,3 +169,53 @@ async def stop_peers(peers: list[Peer]) -> None:
 
 def digest(t: torch.Tensor) -> str:
     return params_sha256(t)
+
+
+class RewritingChannels:
+    """A peer's ``channel_for`` whose outgoing Reduce streams are rewritten, to play a malicious
+    sender that runs the honest protocol code (headers, deadlines, owner side) but puts bytes of
+    its choice on the wire: ``rewrite(header, payload) -> payload`` sees the whole encoded
+    contribution of one shard and returns what is sent instead (the header is sent unchanged).
+
+    Install with ``peer.channels = RewritingChannels(peer.channels, rewrite)`` after ``start``.
+    """
+
+    def __init__(self, channels: ChannelPool, rewrite) -> None:
+        self._channels = channels
+        self._rewrite = rewrite
+
+    def __call__(self, address: str) -> "_RewritingChannel":
+        return _RewritingChannel(self._channels(address), self._rewrite)
+
+    async def close(self) -> None:
+        await self._channels.close()
+
+
+class _RewritingChannel:
+    def __init__(self, channel, rewrite) -> None:
+        self._channel = channel
+        self._rewrite = rewrite
+
+    def __getattr__(self, name: str):
+        return getattr(self._channel, name)
+
+    def stream_stream(self, method: str, *args, **kwargs):
+        real = self._channel.stream_stream(method, *args, **kwargs)
+        if not method.endswith("/Reduce"):
+            return real
+        rewrite = self._rewrite
+
+        def call(requests, **call_kwargs):
+            async def rewritten():
+                header, payload = None, bytearray()
+                async for message in requests:
+                    if message.HasField("header"):
+                        header = message.header
+                    else:
+                        payload += message.chunk
+                yield averaging_pb2.ReduceMessage(header=header)
+                yield averaging_pb2.ReduceMessage(chunk=bytes(rewrite(header, bytes(payload))))
+
+            return real(rewritten(), **call_kwargs)
+
+        return call

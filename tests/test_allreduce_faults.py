@@ -213,24 +213,32 @@ def test_malicious_streams_are_rejected_before_the_accumulator(monkeypatch):
                 payload_bytes=codec.encoded_size(n) if payload_bytes is None else payload_bytes))
 
         async def stream(first, payload=b"", gate: asyncio.Event | None = None):
-            async def requests():
-                yield first
+            # Explicit writes instead of a request iterator: once the server has aborted, a further
+            # write fails locally and the call's own status (the server's) is what we report.
+            call = stub.Reduce(timeout=10)
+            try:
+                await call.write(first)
                 half = len(payload) // 2
-                yield averaging_pb2.ReduceMessage(chunk=payload[:half])
+                await call.write(averaging_pb2.ReduceMessage(chunk=payload[:half]))
                 if gate is not None:
                     await gate.wait()
-                yield averaging_pb2.ReduceMessage(chunk=payload[half:])
-
+                await call.write(averaging_pb2.ReduceMessage(chunk=payload[half:]))
+                await call.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+                pass  # the server already answered; its status follows
             got = bytearray()
             result = None
             try:
-                async for message in stub.Reduce(requests(), timeout=10):
+                async for message in call:
                     if message.HasField("result"):
                         result = message.result
                     else:
                         got += message.chunk
             except grpc.aio.AioRpcError as err:
                 return err.code(), None, None
+            code = await call.code()
+            if code != grpc.StatusCode.OK:
+                return code, None, None
             return grpc.StatusCode.OK, result, fp32.decode(got, numel)
 
         async def rejected(first, payload, reason, sender):
