@@ -110,6 +110,7 @@ class Node:
         self.address = ""
         self.rounds_completed = 0
         self.rounds_attempted = 0  # rounds whose group formed
+        self.group_rounds = 0  # rounds whose group had at least one other member
         # (step it produced, Δ + residual we put into it): restored if that round's result loses
         # the majority vote at its step (see _majority_elsewhere).
         self.last_contribution: tuple[int, torch.Tensor] | None = None
@@ -499,14 +500,13 @@ class Node:
         between the averaged and the local update so that no local progress is lost."""
         pending: _Pending | None = None
         while True:
-            if pending is None:
-                await self._catch_up()
             await self._inner_phase()  # returns at once when a stop was requested
             if pending is not None:
                 await self._finish_overlapped(pending)
                 pending = None
             if self._should_stop():
                 break
+            await self._catch_up()  # only here is no round in flight
             prepared = await self._prepare_round()
             if prepared is None:
                 continue
@@ -618,6 +618,8 @@ class Node:
         matchmaking_seconds = time.monotonic() - started
         self.metrics.matchmaking_duration.observe(matchmaking_seconds)
         self.rounds_attempted += 1
+        if len(group.members) > 1:
+            self.group_rounds += 1
         await self._fault_hold(step, group)
 
         if len(group.members) == 1:
@@ -640,10 +642,10 @@ class Node:
     async def _fault_hold(self, step: int, group) -> None:
         """Fault injection for tests: stall inside a round (after the group formed, before sending
         anything) until the process is killed. LOWCOMM_FAULT_HOLD_ROUND=<n>: in this process's
-        n-th round; LOWCOMM_FAULT_HOLD_AS_LEADER=<size>: in the first round in which this peer
+        n-th round with at least one partner; LOWCOMM_FAULT_HOLD_AS_LEADER=<size>: in the first round in which this peer
         led (and so had already sent out) a group of at least that size."""
         as_leader = os.environ.get("LOWCOMM_FAULT_HOLD_AS_LEADER")
-        if os.environ.get("LOWCOMM_FAULT_HOLD_ROUND") == str(self.rounds_attempted) or (
+        if (len(group.members) > 1 and os.environ.get("LOWCOMM_FAULT_HOLD_ROUND") == str(self.group_rounds)) or (
             as_leader and self.matchmaker.led_last_group and len(group.members) >= int(as_leader)
         ):
             log.warning("fault injection: holding the round of step %d", step,

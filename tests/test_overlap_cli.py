@@ -1,0 +1,71 @@
+"""Overlapped outer steps (delayed / eager) and streaming fragments through the real CLI."""
+
+from __future__ import annotations
+
+import signal
+
+import psutil
+import pytest
+
+from lowcomm.node.checkpoint import list_checkpoints
+
+from .test_swarm_cli import ROUND_WAIT, hash_at
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.mark.parametrize("overlap, fragments", [("delayed", 2), ("eager", 1)])
+def test_overlapped_rounds_stay_bit_identical(swarm, overlap, fragments):
+    extra = ["--set", f"sync.overlap={overlap}", "--set", f"sync.fragments={fragments}"]
+    first = swarm.start(0, extra=extra)
+    initial_eval = first.ready()["eval_loss"]
+    nodes = [first, swarm.start(1, [first.multiaddr], extra=extra), swarm.start(2, [first.multiaddr], extra=extra)]
+
+    def averaged_steps() -> dict[int, list[dict]]:
+        """round_done events of rounds with more than one member, by the step they produced."""
+        by_step: dict[int, list[dict]] = {}
+        for node in nodes:
+            for event in node.rounds():
+                if event["group_size"] >= 2:
+                    by_step.setdefault(event["outer_step"], []).append(event)
+        return by_step
+
+    first.wait_for(lambda _e: len(averaged_steps()) >= 4, ROUND_WAIT * 4)
+    by_step = averaged_steps()
+    for step, events in by_step.items():
+        # Every member of a round applied the same average at the boundary: identical θ_global.
+        assert len({e["params_sha256"] for e in events}) == 1, f"members disagree at step {step}"
+        for event in events:
+            start, stop = event["fragment"]
+            assert stop - start == pytest.approx(event["numel"] / fragments, abs=1)
+    if fragments > 1:  # the fragments take turns
+        assert len({tuple(e["fragment"]) for events in by_step.values() for e in events}) == fragments
+    assert first.rounds()[-1]["eval_loss"] < initial_eval
+
+
+def test_failed_background_round_costs_only_its_update_and_shutdown_is_clean(swarm):
+    extra = ["--set", "sync.overlap=delayed"]
+    first = swarm.start(0, extra=extra)
+    # The second peer stalls inside its 2nd round: the first one's background round for that
+    # step loses the stalled peer's shard and contribution, but the first peer trains on.
+    second = swarm.start(1, [first.multiaddr], extra=extra, env={"LOWCOMM_FAULT_HOLD_ROUND": "2"})
+    hold = second.wait_event("fault_hold", ROUND_WAIT * 2)
+    step = hold["outer_step"]
+    done = first.wait_for(lambda e: e.get("event") == "round_done" and e["outer_step"] == step + 1, ROUND_WAIT)
+    assert done["skipped_shards"] >= 1 and done["eval_loss"] == done["eval_loss"]
+    # The training thread had to wait for that late round, and said so.
+    first.wait_event("round_late", ROUND_WAIT)
+    # Later rounds fail (the stalled peer is still in the swarm), training goes on regardless.
+    steps_before = sum(1 for e in first.events if e.get("event") == "round_late")
+    first.wait_for(lambda e: sum(1 for x in first.events if x.get("event") == "round_late") > steps_before
+                   or e.get("level") == "warning", ROUND_WAIT)
+
+    # SIGTERM in the middle of a background round: exit 0 within the grace period, checkpoint
+    # written, no child left.
+    children = swarm.descendants(first)
+    first.signal(signal.SIGTERM)
+    assert first.wait_exit(timeout=10 + 15) == 0
+    first.wait_event("node_stopped", 5)
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    assert list_checkpoints(swarm.workdir / "peer-0")
