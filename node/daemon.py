@@ -733,7 +733,8 @@ class Node:
                    "payload_bytes": self.codec.encoded_size(fragment.stop - fragment.start),
                    "fragment": [fragment.start, fragment.stop],
                    "bytes_received": report.bytes_received, "skipped_shards": report.skipped_shards,
-                   "numel": self.trainer.numel, "codec": self.codec.name},
+                   "numel": self.trainer.numel, "codec": self.codec.name, "tokens_total": self.tokens_total,
+                   "compute_utilization": self.train_seconds / max(time.monotonic() - self.started, 1e-9)},
         )
 
     def _save_checkpoint(self) -> None:
