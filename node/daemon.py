@@ -668,7 +668,7 @@ class Node:
         contribution = self.state.residual.clone()
         contribution[fragment] += delta
         result = await run_allreduce(group, self.peer_id, delta, residual, self.state.owner_residual[fragment],
-                                     self.registry, self.channels, self.codec_executor)
+                                     self.registry, self.channels, self.codec_executor, quorum=self.config.sync.quorum)
         sent, received = result.bytes_sent, result.bytes_received
 
         def apply() -> int:

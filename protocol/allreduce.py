@@ -44,6 +44,7 @@ from .validate import ContributionRejected, check_contribution
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 2 * 2**20  # DESIGN: stream in 1-4 MiB messages
+MIN_STRAGGLER_GRACE = 1.0  # seconds an owner with a quorum of contributions still waits for the rest
 HEADER_TIMEOUT = 10.0  # seconds a server waits for the first message of a Reduce stream
 
 RejectCallback = Callable[[str, str, str], None]  # (reason, sender peer id, detail)
@@ -78,6 +79,7 @@ class ShardAccumulator:
     contributors: list[str] = field(default_factory=list)  # after finalize: who entered the average
     finalized: asyncio.Event = field(default_factory=asyncio.Event)
     all_arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    progress: asyncio.Event = field(default_factory=asyncio.Event)  # a sender arrived or was given up on
     result_payload: bytes = b""
     result: torch.Tensor | None = None  # after finalize: the decoded average, None if it could not be made
     failure: str = ""  # after finalize, when result is None: why
@@ -111,6 +113,7 @@ class ShardAccumulator:
                 return False
             self.contributions[sender] = decoded
             self.expected.discard(sender)
+            self.progress.set()
             if not self.expected:
                 self.all_arrived.set()
             return True
@@ -118,8 +121,35 @@ class ShardAccumulator:
     def give_up(self, sender: str) -> None:
         """Nothing (more) will come from ``sender`` this round: do not wait for it."""
         self.expected.discard(sender)
+        self.progress.set()
         if not self.expected:
             self.all_arrived.set()
+
+    async def wait_for_senders(self, deadline: float, quorum: float) -> None:
+        """Wait until every sender is in, or the deadline, or an adaptive grace after a quorum.
+
+        Once ``quorum`` of the expected senders have contributed, the rest get twice the time the
+        quorum took (at least MIN_STRAGGLER_GRACE): the round follows observed transfer times
+        instead of always waiting for the worst case."""
+        started = time.monotonic()
+        senders = len(self.expected)
+        needed = max(1, int(quorum * senders))
+        quorum_at: float | None = None
+        while not self.all_arrived.is_set():
+            now = time.monotonic()
+            if quorum_at is None and senders - len(self.expected) >= needed:
+                quorum_at = now
+            limit = deadline if quorum_at is None else min(
+                deadline, quorum_at + max(MIN_STRAGGLER_GRACE, 2 * (quorum_at - started)))
+            if now >= limit:
+                log.info("shard %d: %d member(s) missed the %s and are left out", self.shard_index,
+                         len(self.expected), "deadline" if quorum_at is None else "grace after the quorum")
+                return
+            self.progress.clear()
+            try:
+                await asyncio.wait_for(self.progress.wait(), limit - now)
+            except asyncio.TimeoutError:
+                pass
 
     async def finalize(self) -> torch.Tensor | None:
         """Aggregate what arrived, encode the average once; None if no average can be published."""
@@ -256,12 +286,21 @@ class ReduceRegistry:
         """The declared payload, decoded and checked (length, codec, finite values), or an abort."""
         payload = bytearray(header.payload_bytes)  # bounded: equals the codec's size for this shard
         filled = 0
-        async for message in requests:
-            if not message.HasField("chunk") or filled + len(message.chunk) > len(payload):
-                self.on_reject("length", sender, "unexpected message or more bytes than declared")
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "unexpected message or more bytes than declared")
-            payload[filled:filled + len(message.chunk)] = message.chunk
-            filled += len(message.chunk)
+        # A sender that declared its size and then stalls must not hold this buffer (nor the
+        # stream) past the round: the same margin as for the owner's average below.
+        limit = acc.group.reduce_timeout_s * 1.5
+        try:
+            async with asyncio.timeout(limit):
+                async for message in requests:
+                    if not message.HasField("chunk") or filled + len(message.chunk) > len(payload):
+                        self.on_reject("length", sender, "unexpected message or more bytes than declared")
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                            "unexpected message or more bytes than declared")
+                    payload[filled:filled + len(message.chunk)] = message.chunk
+                    filled += len(message.chunk)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"{filled} of {header.payload_bytes} declared bytes arrived within {limit:.1f}s")
         if filled != len(payload):
             self.on_reject("length", sender, f"{filled} of {len(payload)} declared bytes arrived")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{filled} of {len(payload)} declared bytes arrived")
@@ -313,6 +352,7 @@ async def run_allreduce(
     registry: ReduceRegistry,
     channel_for: Callable[[str], grpc.aio.Channel],
     executor: Executor,
+    quorum: float = 1.0,
 ) -> AllReduceResult:
     """Average ``delta`` with the group; updates ``residual`` (and ``owner_residual``) in place.
 
@@ -347,10 +387,7 @@ async def run_allreduce(
             acc.all_arrived.set()
 
     async def own_shard(acc: ShardAccumulator) -> torch.Tensor | None:
-        try:
-            await asyncio.wait_for(acc.all_arrived.wait(), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            log.info("shard %d: %d member(s) missed the deadline and are left out", acc.shard_index, len(acc.expected))
+        await acc.wait_for_senders(deadline, quorum)
         result = await acc.finalize()
         if peer_id not in acc.contributors:  # our own part was rejected (or the shard failed): carry it
             residual[slices[acc.shard_index]].copy_(acc.own)

@@ -129,10 +129,10 @@ class Peer:
 
         return await self.matchmaker.form_group(step, weight, bandwidth_bps, expected_peers, timeout)
 
-    async def reduce(self, group, delta: torch.Tensor) -> AllReduceResult:
+    async def reduce(self, group, delta: torch.Tensor, quorum: float = 1.0) -> AllReduceResult:
         """Only the all-reduce half of ``average``."""
         return await run_allreduce(group, self.peer_id, delta, self.residual, self.owner_residual,
-                                   self.registry, self.channels, self.executor)
+                                   self.registry, self.channels, self.executor, quorum=quorum)
 
     async def average(self, step: int, delta: torch.Tensor, expected: set[str], timeout: float = 10.0,
                       weight: float = 1.0) -> tuple[object, AllReduceResult | None]:

@@ -393,3 +393,32 @@ def test_more_owners_than_values_gives_empty_shards():
             await stop_peers(peers)
 
     run(scenario(), 15)
+
+
+def test_owners_stop_waiting_for_a_straggler_soon_after_a_quorum():
+    """With a quorum, the reduce deadline adapts: owners wait about twice what the quorum took,
+    not the group's whole reduce timeout, for a member that never sends."""
+    long_timeout = 60.0
+
+    async def scenario():
+        dht = MemoryDHT()
+        owners = await start_peers(3, NUMEL, "fp32", reduce_timeout=long_timeout, dht=dht)
+        silent = Peer("peer-99", NUMEL, "fp32", dht, reduce_timeout=long_timeout, client_mode=True)
+        await silent.start()
+        peers = [*owners, silent]
+        try:
+            expected = {p.peer_id for p in peers}
+            groups = await asyncio.gather(*(p.form(0, expected) for p in peers))
+            group = groups[0]
+            assert len(group.members) == 4 and len(group.shard_owners) == 3  # the silent one owns nothing
+            deltas = random_deltas(3)
+            async with asyncio.timeout(long_timeout / 3):  # far below the 60 s reduce timeout
+                results = await asyncio.gather(*(p.reduce(group, d, quorum=0.6) for p, d in zip(owners, deltas)))
+            mean = torch.stack(deltas).mean(0)
+            for i, sl in enumerate(results[0].slices):
+                assert all(torch.equal(r.averages[i], results[0].averages[i]) for r in results)
+                assert torch.allclose(results[0].averages[i], mean[sl], atol=1e-6, rtol=1e-6)
+        finally:
+            await stop_peers(peers)
+
+    run(scenario(), 40)
