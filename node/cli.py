@@ -170,7 +170,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     try:
         import uvloop
 
-        from .daemon import FatalError, Node
+        from .daemon import Node
+        from .errors import FatalError
 
         try:
             return uvloop.run(Node(config, dht, human, run_secret, tls).run())

@@ -10,12 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import grpc
@@ -28,9 +26,9 @@ from lowcomm.protocol import PROTOCOL_VERSION, codecs
 from lowcomm.protocol._pb.lowcomm.v1 import node_pb2, state_pb2, state_pb2_grpc
 from lowcomm.protocol.auth import RunAuth, ServerAuthInterceptor, TLSConfig, client_interceptors
 from lowcomm.protocol.aggregation import Aggregation
-from lowcomm.protocol.allreduce import ReduceRegistry, run_allreduce
+from lowcomm.protocol.allreduce import ReduceRegistry
 from lowcomm.protocol.handshake import Identity, IncompatiblePeer
-from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError
+from lowcomm.protocol.matchmaking import Matchmaker
 from lowcomm.protocol.rpc import (
     HEALTH_SERVICE,
     AveragingServicer,
@@ -43,45 +41,20 @@ from lowcomm.protocol.rpc import (
 from lowcomm.protocol.state import Donor, StateDonor, StateError, download_state
 
 from . import checkpoint
+from .errors import FatalError
 from .config import Config
 from .globalstate import GlobalState
 from .grpc_metrics import HandledCounter
 from .metrics import NodeMetrics, serve_metrics
-from .progress import InnerProgress
 from .swarm import HivemindDHT, PeerRecord, SwarmView, peers_key, read_swarm, signed
-from .trainer import PhaseStats, Trainer
+from .rounds import RoundLoop, RoundReport  # noqa: F401 (RoundReport is part of this module's API)
+from .trainer import Trainer
 
 log = logging.getLogger("lowcomm.node")
 T = TypeVar("T")
 
 
-class FatalError(Exception):
-    """Stops the node with a one-line message and a non-zero exit code (no traceback)."""
-
-
-@dataclass
-class _Pending:
-    """A round running in the background (overlap mode) and what it needs at the next boundary."""
-
-    task: asyncio.Task
-    fragment: slice
-    local_at_send: torch.Tensor  # the local model's fragment when Δ was taken
-    estimate: torch.Tensor | None  # eager mode: where the local model continued from
-    step: int
-
-
-@dataclass
-class RoundReport:
-    group_size: int
-    seconds: float  # the whole round: matchmaking, all-reduce, outer step
-    bytes_sent: int
-    bytes_received: int
-    skipped_shards: int
-    allreduce_seconds: float = 0.0
-    matchmaking_seconds: float = 0.0
-
-
-class Node:
+class Node(RoundLoop):
     def __init__(self, config: Config, dht: hivemind.DHT, human: bool, run_secret: bytes | None = None,
                  tls: TLSConfig | None = None) -> None:
         self.config = config
@@ -423,320 +396,6 @@ class Node:
 
     # -- the main loop ------------------------------------------------------------------------
 
-    async def _main_loop(self) -> None:
-        if self.config.sync.overlap != "none":
-            await self._overlapped_loop()
-            return
-        while not self._should_stop():
-            await self._catch_up()
-            await self._inner_phase()
-            if self.stop_requested.is_set():
-                break
-            prepared = await self._prepare_round()
-            if prepared is None:
-                continue
-            fragment, delta = prepared
-            report = await self._with_grace(self._round(fragment, delta))
-            if report is not None:
-                await self._commit(report, fragment)
-
-    def _should_stop(self) -> bool:
-        max_rounds = self.config.node.max_rounds
-        if max_rounds is not None and self.rounds_completed >= max_rounds:
-            log.info("completed %d round(s) (--max-rounds); stopping", self.rounds_completed)
-            return True
-        return self.stop_requested.is_set()
-
-    async def _with_grace(self, coro) -> RoundReport | None:
-        """Run a round; on a stop request it gets the grace period, then it is abandoned."""
-        round_task = asyncio.create_task(coro, name="round")
-        stop_task = asyncio.create_task(self.stop_requested.wait())
-        try:
-            await asyncio.wait({round_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-            if not round_task.done():
-                try:
-                    await asyncio.wait_for(asyncio.shield(round_task), self.config.node.grace_period)
-                except asyncio.TimeoutError:
-                    log.warning("abandoning the round in flight")
-                    round_task.cancel()
-                    await asyncio.gather(round_task, return_exceptions=True)
-                    self.metrics.round_failures.labels(reason="aborted").inc()
-                    return None
-            return round_task.result()
-        finally:
-            stop_task.cancel()
-
-    def _next_fragment(self) -> slice:
-        """The part of the flat parameters this round syncs: all of it, or fragment (step mod K)."""
-        count = self.config.sync.fragments
-        bounds = [self.trainer.numel * i // count for i in range(count + 1)]
-        index = self.state.step % count
-        return slice(bounds[index], bounds[index + 1])
-
-    async def _prepare_round(self) -> tuple[slice, torch.Tensor] | None:
-        """Δ of the next fragment at a round boundary; None when the local model diverged."""
-        step = self.state.step
-        if os.environ.get("LOWCOMM_FAULT_NAN_ROUND") == str(self.rounds_attempted + 1) and not self._nan_injected:
-            # Fault injection for tests: the local model diverges (NaN weights) before this round.
-            self._nan_injected = True
-            await self.in_train_thread(self.trainer.set_params, torch.full_like(self.state.params, math.nan))
-        fragment = self._next_fragment()
-        local = await self.in_train_thread(self.trainer.get_params)
-        if not bool(torch.isfinite(local).all()):
-            # A diverged local model never sends: start over from θ_global, keep nothing of it.
-            log.error("local model diverged (non-finite weights); resetting it to the global parameters",
-                      extra={"event": "diverged", "outer_step": step})
-            await self.in_train_thread(self.trainer.reset_to, self.state.params)
-            self.tokens_since_round = 0
-            self.metrics.round_failures.labels(reason="diverged").inc()
-            return None
-        return fragment, self.state.params[fragment] - local[fragment]
-
-    # -- overlapped rounds (DESIGN: never wait for the network) ---------------------------------
-
-    async def _overlapped_loop(self) -> None:
-        """The round of step r runs in the background while the inner phase of step r+1 trains;
-        its result is applied at the next boundary, shifting the local model by the difference
-        between the averaged and the local update so that no local progress is lost."""
-        pending: _Pending | None = None
-        while True:
-            await self._inner_phase()  # returns at once when a stop was requested
-            if pending is not None:
-                await self._finish_overlapped(pending)
-                pending = None
-            if self._should_stop():
-                break
-            await self._catch_up()  # only here is no round in flight
-            prepared = await self._prepare_round()
-            if prepared is None:
-                continue
-            fragment, delta = prepared
-            local_at_send = self.state.params[fragment] - delta
-            estimate = None
-            if self.config.sync.overlap == "eager":
-                # Eager: train on from an outer step that uses our own Δ as a stand-in for the
-                # average that is still on the wire (the shared momentum is left untouched).
-                estimate = self.state.params[fragment].clone()
-                self.state.outer.preview_slice(estimate, fragment.start, delta + self.state.residual[fragment])
-                await self.in_train_thread(self.trainer.set_params_slice, fragment, estimate)
-            task = asyncio.create_task(self._round(fragment, delta), name="background-round")
-            pending = _Pending(task, fragment, local_at_send, estimate, self.state.step)
-
-    async def _finish_overlapped(self, pending: "_Pending") -> None:
-        if not pending.task.done():
-            waited = time.monotonic()
-            log.info("the round of step %d is more than one step late; training waits for it", pending.step,
-                     extra={"event": "round_late", "outer_step": pending.step})
-            self.metrics.round_waits.inc()
-            try:
-                await asyncio.wait_for(asyncio.shield(pending.task),
-                                       None if not self.stop_requested.is_set() else self.config.node.grace_period)
-            except asyncio.TimeoutError:
-                pending.task.cancel()
-            self.metrics.round_wait_seconds.inc(time.monotonic() - waited)
-        report = None
-        if not pending.task.cancelled():
-            report = pending.task.result()
-        base = pending.estimate if pending.estimate is not None else pending.local_at_send
-        if report is None:
-            if pending.estimate is not None:  # undo the eager step: nothing was averaged
-                shift = pending.local_at_send - pending.estimate
-                await self.in_train_thread(self.trainer.add_to_slice, pending.fragment, shift)
-            return
-        # θ_global moved from what the local model started from to the averaged result.
-        shift = self.state.params[pending.fragment] - base
-        await self.in_train_thread(self.trainer.add_to_slice, pending.fragment, shift)
-        await self._commit(report, pending.fragment, reset_local=False)
-
-    async def _inner_phase(self) -> PhaseStats:
-        self.phase = "training"
-        steps = self.config.train.inner_steps
-        progress = InnerProgress(steps, self.state.step, enabled=self.human)
-
-        # Fault injection for tests: LOWCOMM_FAULT_SLOW_STEP=<seconds> added to every inner step
-        # turns this node into a straggler.
-        slow = float(os.environ.get("LOWCOMM_FAULT_SLOW_STEP", "0") or 0)
-
-        def on_step(done: int, loss: float) -> None:
-            progress.update(done, loss)
-            if slow:
-                self.stop_training.wait(slow)
-
-        def work() -> PhaseStats:
-            try:
-                return self.trainer.train_phase(steps, self.stop_training.is_set, on_step)
-            finally:
-                progress.close()
-
-        stats = await self.in_train_thread(work)
-        self.tokens_since_round += stats.tokens
-        self.tokens_total += stats.tokens
-        self.train_seconds += stats.seconds
-        self.metrics.inner_steps.inc(stats.steps)
-        self.metrics.tokens.inc(stats.tokens)
-        if stats.steps:
-            self.last_loss = stats.mean_loss
-            self.tokens_per_second = stats.tokens / max(stats.seconds, 1e-9)
-            self.metrics.train_loss.set(stats.mean_loss)
-        self.metrics.compute_utilization.set(self.train_seconds / max(time.monotonic() - self.started, 1e-9))
-        return stats
-
-    async def _round(self, fragment: slice, delta: torch.Tensor) -> RoundReport | None:
-        """Average ``delta`` (Δ of ``fragment``) and apply the outer step to θ_global[fragment].
-
-        Returns what the round did, or None when it failed before changing anything (the local
-        progress then stays in the local model and goes into the next round).
-        """
-        started = time.monotonic()
-        self.phase = "averaging"
-        step = self.state.step
-        log.debug("round for step %d starts from params %s", step, self.state.params_hash[:8])
-        if self.gossip is not None:  # gossip mode: its own partner choice, states differ by design
-            report = await self.gossip.round(step, delta, float(self.tokens_since_round))
-            if report is not None:
-                report.seconds = time.monotonic() - started
-            return report
-        view = await self.refresh_view()
-        if any(p.outer_step > step for p in view.peers.values()) or self._majority_elsewhere(view):
-            # The swarm moved on while we trained, or holds other parameters at our step:
-            # averaging now would fork a competing state. Our progress is kept (the catch-up
-            # folds it into the residual) and we catch up.
-            log.info("the swarm is past our state at step %d; catching up instead of averaging", step)
-            self.metrics.round_failures.labels(reason="behind").inc()
-            return None
-        try:
-            group = await self.matchmaker.form_group(
-                step, float(self.tokens_since_round), self.bandwidth_bps, self._expected_peers,
-                self.config.sync.matchmaking_timeout, params_hash=self.state.params_hash, numel=delta.numel(),
-            )
-        except MatchmakingError as err:
-            log.warning("round for step %d failed: %s; training on", step, err)
-            self.metrics.round_failures.labels(reason="matchmaking").inc()
-            return None
-        except IncompatiblePeer as err:
-            raise FatalError(f"refused by the swarm: {err}") from None
-        matchmaking_seconds = time.monotonic() - started
-        self.metrics.matchmaking_duration.observe(matchmaking_seconds)
-        self.rounds_attempted += 1
-        if len(group.members) > 1:
-            self.group_rounds += 1
-        await self._fault_hold(step, group)
-
-        if len(group.members) == 1:
-            # Alone, a peer takes its own outer step only if nobody else is in the swarm: with
-            # others present (perhaps still catching up to us) it waits for them by not moving on,
-            # and its progress goes into the next round.
-            others = [p for p in self.view.peers.values() if p.peer_id != self.peer_id]
-            if others:
-                log.warning("nobody averaged with us at step %d although %d peer(s) are live; training on",
-                            step, len(others))
-                self.metrics.round_failures.labels(reason="no_group").inc()
-                return None
-            report = await self._solo_step(fragment, delta)
-        else:
-            report = await self._allreduce(group, fragment, delta)
-        report.seconds = time.monotonic() - started
-        report.matchmaking_seconds = matchmaking_seconds
-        return report
-
-    async def _fault_hold(self, step: int, group) -> None:
-        """Fault injection for tests: stall inside a round (after the group formed, before sending
-        anything) until the process is killed. LOWCOMM_FAULT_HOLD_ROUND=<n>: in this process's
-        n-th round with at least one partner; LOWCOMM_FAULT_HOLD_AS_LEADER=<size>: in the first round in which this peer
-        led (and so had already sent out) a group of at least that size."""
-        as_leader = os.environ.get("LOWCOMM_FAULT_HOLD_AS_LEADER")
-        if (len(group.members) > 1 and os.environ.get("LOWCOMM_FAULT_HOLD_ROUND") == str(self.group_rounds)) or (
-            as_leader and self.matchmaker.led_last_group and len(group.members) >= int(as_leader)
-        ):
-            log.warning("fault injection: holding the round of step %d", step,
-                        extra={"event": "fault_hold", "outer_step": step})
-            await asyncio.Event().wait()
-
-    async def _solo_step(self, fragment: slice, delta: torch.Tensor) -> RoundReport:
-        """Alone in the swarm: the outer step uses our own Δ (plus what the residual carried)."""
-        def work() -> None:
-            grad = delta + self.state.residual[fragment]
-            self.state.residual[fragment].zero_()
-            self.state.outer.step_slice(self.state.params, fragment.start, grad)
-
-        await self.in_codec_pool(work)
-        return RoundReport(group_size=1, seconds=0.0, bytes_sent=0, bytes_received=0, skipped_shards=0)
-
-    async def _allreduce(self, group, fragment: slice, delta: torch.Tensor) -> RoundReport:
-        reduce_started = time.monotonic()
-        residual = self.state.residual[fragment]  # views: updated in place by the all-reduce
-        contribution = self.state.residual.clone()
-        contribution[fragment] += delta
-        result = await run_allreduce(group, self.peer_id, delta, residual, self.state.owner_residual[fragment],
-                                     self.registry, self.channels, self.codec_executor, quorum=self.config.sync.quorum)
-        sent, received = result.bytes_sent, result.bytes_received
-
-        def apply() -> int:
-            skipped = 0
-            for average, sl in zip(result.averages, result.slices):
-                if average is None:
-                    skipped += 1
-                    continue
-                self.state.outer.step_slice(self.state.params, fragment.start + sl.start, average)
-            return skipped
-
-        skipped = await self.in_codec_pool(apply)
-        self.last_contribution = (group.step + 1, contribution)
-        if log.isEnabledFor(logging.DEBUG):
-            from lowcomm.protocol.state import params_sha256
-            log.debug("round %s from %s: members %s bounds %s averages %s", group.group_id.hex()[:8],
-                      self.state.params_hash[:8], [m.peer_id[-4:] for m in group.members], list(group.shard_bounds),
-                      [None if a is None else params_sha256(a)[:8] for a in result.averages])
-        seconds = time.monotonic() - reduce_started
-        self.metrics.allreduce_duration.observe(seconds)
-        self.metrics.bytes_sent.inc(sent)
-        self.metrics.bytes_received.inc(received)
-        if result.payload_bytes:
-            self.metrics.compression_ratio.set(4 * delta.numel() / result.payload_bytes)
-        if sent and seconds > 0:
-            self.bandwidth_bps = sent / seconds
-        if skipped:
-            self.metrics.round_failures.labels(reason="shard_skipped").inc()
-        return RoundReport(len(group.members), 0.0, sent, received, skipped, allreduce_seconds=seconds)
-
-    async def _commit(self, report: RoundReport, fragment: slice, reset_local: bool = True) -> None:
-        """Publish the new step. Blocking rounds restart the local model of the fragment from
-        θ_global; overlapped rounds already shifted it (see _finish_overlapped)."""
-        def finish() -> float:
-            self.state.commit()
-            if reset_local:
-                self.trainer.set_params_slice(fragment, self.state.params[fragment])
-            return self.trainer.evaluate_params(self.state.params)
-
-        self.last_eval = await self.in_train_thread(finish)
-        self.tokens_since_round = 0
-        self.rounds_completed += 1
-        self.donor.publish(await self.in_codec_pool(self.state.snapshot))
-        await self.in_train_thread(self._save_checkpoint)
-        await self.publish_record()
-        m = self.metrics
-        m.rounds.inc()
-        m.round_group_size.set(report.group_size)
-        m.round_duration.observe(report.seconds)
-        m.last_sync_timestamp.set(time.time())
-        m.outer_step.set(self.state.step)
-        m.eval_loss.set(self.last_eval)
-        log.info(
-            "step %d | loss %.3f | eval %.3f | %.0f tok/s | round %.2fs | sent %s recv %s | group %d%s | %s",
-            self.state.step, self.last_loss, self.last_eval, self.tokens_per_second, report.seconds,
-            _human_bytes(report.bytes_sent), _human_bytes(report.bytes_received), report.group_size,
-            f" | {report.skipped_shards} shard(s) skipped" if report.skipped_shards else "", self.state.params_hash[:12],
-            extra={"event": "round_done", "outer_step": self.state.step, "params_sha256": self.state.params_hash,
-                   "loss": self.last_loss, "eval_loss": self.last_eval, "group_size": report.group_size,
-                   "round_seconds": report.seconds, "allreduce_seconds": report.allreduce_seconds,
-                   "matchmaking_seconds": report.matchmaking_seconds, "bytes_sent": report.bytes_sent,
-                   "payload_bytes": self.codec.encoded_size(fragment.stop - fragment.start),
-                   "fragment": [fragment.start, fragment.stop],
-                   "bytes_received": report.bytes_received, "skipped_shards": report.skipped_shards,
-                   "numel": self.trainer.numel, "codec": self.codec.name, "tokens_total": self.tokens_total,
-                   "compute_utilization": self.train_seconds / max(time.monotonic() - self.started, 1e-9)},
-        )
-
     def _save_checkpoint(self) -> None:
         payload = self.state.to_checkpoint() | {
             "config_fingerprint": self.config.run_fingerprint(),
@@ -783,11 +442,3 @@ class Node:
             multiaddrs=self.multiaddrs, codec=self.config.sync.codec,
             mode=self.config.sync.mode, consensus_distance=self.consensus_distance, version=__version__,
         )
-
-
-def _human_bytes(count: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if count < 1000 or unit == "GB":
-            return f"{count:.0f}{unit}" if unit == "B" else f"{count:.1f}{unit}"
-        count /= 1000
-    return f"{count:.1f}GB"

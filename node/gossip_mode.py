@@ -58,7 +58,7 @@ from lowcomm.protocol.gossip import (
 )
 from lowcomm.protocol.outer import NesterovOuter
 
-from .daemon import RoundReport
+from .rounds import RoundReport
 
 if TYPE_CHECKING:
     from .daemon import Node

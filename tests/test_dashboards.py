@@ -374,7 +374,7 @@ GOOD_EXPRS = [
     f"sum by (instance) (rate(lowcomm_rounds_total{M}[$__rate_interval])) * 60",
     f"histogram_quantile(0.95, sum by (le) (rate(lowcomm_round_duration_seconds_bucket{M}[$__rate_interval])))",
     f"(time() - lowcomm_last_sync_timestamp_seconds{M}) and (lowcomm_last_sync_timestamp_seconds{M} > 0)",
-    f'increase(lowcomm_rejected_contributions_total{{job=~"${{job}}", instance=~"${{instance}}", reason="norm"}}[$__rate_interval])',
+    'increase(lowcomm_rejected_contributions_total{job=~"${job}", instance=~"${instance}", reason="norm"}[$__rate_interval])',
     f"lowcomm_swarm_outer_step_max{M} - on (job, instance) lowcomm_outer_step{M} offset 1m",
 ]
 BAD_EXPRS = {

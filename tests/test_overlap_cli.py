@@ -9,7 +9,7 @@ import pytest
 
 from lowcomm.node.checkpoint import list_checkpoints
 
-from .test_swarm_cli import ROUND_WAIT, hash_at
+from .test_swarm_cli import ROUND_WAIT
 
 pytestmark = pytest.mark.multiprocess
 
