@@ -212,17 +212,20 @@ def test_malicious_streams_are_rejected_before_the_accumulator(monkeypatch):
                 group_id=group.group_id, shard_index=0, sender_peer_id=sender, codec=codec.id, numel=n,
                 payload_bytes=codec.encoded_size(n) if payload_bytes is None else payload_bytes))
 
-        async def stream(first, payload=b"", gate: asyncio.Event | None = None):
+        async def stream(first, payload=b"", gate: asyncio.Event | None = None, header_only=False):
             # Explicit writes instead of a request iterator: once the server has aborted, a further
-            # write fails locally and the call's own status (the server's) is what we report.
+            # write fails locally and the call's own status (the server's) is what we report. A
+            # stream refused at its header sends nothing after it: a write racing the server's
+            # abort can make the client core report INTERNAL instead of the server's status.
             call = stub.Reduce(timeout=10)
             try:
                 await call.write(first)
-                half = len(payload) // 2
-                await call.write(averaging_pb2.ReduceMessage(chunk=payload[:half]))
-                if gate is not None:
-                    await gate.wait()
-                await call.write(averaging_pb2.ReduceMessage(chunk=payload[half:]))
+                if not header_only:
+                    half = len(payload) // 2
+                    await call.write(averaging_pb2.ReduceMessage(chunk=payload[:half]))
+                    if gate is not None:
+                        await gate.wait()
+                    await call.write(averaging_pb2.ReduceMessage(chunk=payload[half:]))
                 await call.done_writing()
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
                 pass  # the server already answered; its status follows
@@ -241,9 +244,9 @@ def test_malicious_streams_are_rejected_before_the_accumulator(monkeypatch):
                 return code, None, None
             return grpc.StatusCode.OK, result, fp32.decode(got, numel)
 
-        async def rejected(first, payload, reason, sender):
+        async def rejected(first, payload, reason, sender, header_only=True):
             before = len(owner.rejections)
-            code, _, _ = await stream(first, payload)
+            code, _, _ = await stream(first, payload, header_only=header_only)
             assert code == grpc.StatusCode.INVALID_ARGUMENT, (reason, code)
             assert owner.rejections[before:] == [(reason, sender)]
 
@@ -264,14 +267,14 @@ def test_malicious_streams_are_rejected_before_the_accumulator(monkeypatch):
             await rejected(header(sender="peer-99"), good, "unknown_sender", "peer-99")
             await rejected(header(sender="peer-00"), good, "unknown_sender", "peer-00")  # the owner itself
             # Payload problems: a valid header (which uses up that member's one try), bad bytes.
-            await rejected(header(sender="peer-03"), fp32.encode(nan), "non_finite", "peer-03")
-            await rejected(header(sender="peer-04"), good[:-4], "length", "peer-04")
+            await rejected(header(sender="peer-03"), fp32.encode(nan), "non_finite", "peer-03", header_only=False)
+            await rejected(header(sender="peer-04"), good[:-4], "length", "peer-04", header_only=False)
             await rejected(header(sender="peer-04"), good, "unknown_sender", "peer-04")  # no second try
 
             # Duplicate while the first stream is still sending.
             gate = asyncio.Event()
             mark = len(headers)
-            first = asyncio.create_task(stream(header(), good, gate))
+            first = asyncio.create_task(stream(header(), good, gate))  # an honest stream
             while "peer-02" not in headers[mark:]:  # the hook fires when its header is checked
                 hooks["header"].clear()
                 await hooks["header"].wait()
