@@ -299,6 +299,7 @@ class ReduceRegistry:
                     payload[filled:filled + len(message.chunk)] = message.chunk
                     filled += len(message.chunk)
         except TimeoutError:
+            payload = bytearray()  # released now: the abort's exception chain keeps this frame alive
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"{filled} of {header.payload_bytes} declared bytes arrived within {limit:.1f}s")
         if filled != len(payload):

@@ -94,10 +94,16 @@ def shard_layout(numel: int, owners_bandwidth: list[float]) -> list[int]:
     """
     if not owners_bandwidth:
         return [0, numel]
-    known = sorted(b for b in owners_bandwidth if b > 0)
+    # A follower's bandwidth is whatever it declared: infinite or NaN counts as unknown, and the
+    # weights are scaled down when their sum overflows (two 1e308 would overflow).
+    known = sorted(b for b in owners_bandwidth if b > 0 and math.isfinite(b))
     default = known[len(known) // 2] if known else 1.0
-    weights = [b if b > 0 else default for b in owners_bandwidth]
+    weights = [b if b > 0 and math.isfinite(b) else default for b in owners_bandwidth]
     total = sum(weights)
+    if not math.isfinite(total):
+        top = max(weights)
+        weights = [w / top for w in weights]
+        total = sum(weights)
     bounds, acc = [0], 0.0
     for w in weights[:-1]:
         acc += w

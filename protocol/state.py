@@ -103,7 +103,7 @@ class StateDonor:
         if snap is None:
             raise StateError(f"step {step} is not held here (have {sorted(self._snapshots)})")
         end = len(snap.blob) if length == 0 else offset + length
-        if offset < 0 or length < 0 or end > len(snap.blob):
+        if offset < 0 or length < 0 or offset > end or end > len(snap.blob):  # offset past the end with length 0
             raise StateError(f"range [{offset}, {end}) outside the {len(snap.blob)}-byte state")
         view = memoryview(snap.blob)
         for start in range(offset, end, CHUNK_BYTES):
