@@ -39,9 +39,14 @@ def run_mode(mode: str, peers: int, mbit: float, rounds: int, timeout: float) ->
     at = [d[rounds - 1] for d in done if len(d) >= rounds]
     if len(at) < peers:
         raise RuntimeError(f"{mode}: only {len(at)} of {peers} peers reached {rounds} rounds in {timeout:.0f}s")
+    # Utilization over the measured window (2nd to last round), not since start-up: start-up and
+    # the first catch-up are the same in every mode and would hide the difference.
+    windowed = [(d[rounds - 1]["train_seconds"] - d[1]["train_seconds"]) / (d[rounds - 1]["ts"] - d[1]["ts"])
+                for d in done]
     return {
         "bench": "overlap", "mode": mode, "peers": peers, "mbit": mbit, "rounds": rounds,
-        "compute_utilization_median": statistics.median(e["compute_utilization"] for e in at),
+        "compute_utilization_window_median": statistics.median(windowed),
+        "compute_utilization_since_start_median": statistics.median(e["compute_utilization"] for e in at),
         "eval_loss_median": statistics.median(e["eval_loss"] for e in at),
         "outer_step_median": statistics.median(e["outer_step"] for e in at),
         "tokens_per_peer": statistics.median(e["tokens_total"] for e in at),

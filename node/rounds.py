@@ -365,7 +365,8 @@ class RoundLoop:
                    "fragment": [fragment.start, fragment.stop],
                    "bytes_received": report.bytes_received, "skipped_shards": report.skipped_shards,
                    "numel": self.trainer.numel, "codec": self.codec.name, "tokens_total": self.tokens_total,
-                   "compute_utilization": self.train_seconds / max(time.monotonic() - self.started, 1e-9)},
+                   "compute_utilization": self.train_seconds / max(time.monotonic() - self.started, 1e-9),
+                   "train_seconds": self.train_seconds},
         )
 
 
