@@ -29,8 +29,10 @@ demo: install
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The standard benchmark set (bench/README.md): codecs, convergence, slow links and transport
+# (those two need root for network namespaces), then bench/RESULTS.md and bench/plots/.
 bench: install
-	$(BIN)/python bench/codecs.py
+	$(BIN)/python bench/run_all.py
 
 # Regenerate protocol/_pb after editing proto/lowcomm/v1/*.proto.
 proto: install

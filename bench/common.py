@@ -1,0 +1,453 @@
+"""Shared pieces of the benchmarks: the workload, processes with JSON-line events, networks.
+
+Every benchmark runs real processes (the node's CLI, the baseline scripts, the transport agent)
+and reads what they print as JSON lines. A ``Network`` says where those processes run: on
+loopback (anyone, no byte counters on the wire) or one network namespace per peer made with
+``deploy/netns_cluster.py`` (root; optional ``tc tbf`` caps; the bytes each peer put on the wire
+are read from the root-side end of its veth).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import importlib.util
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from lowcomm.node.localswarm import Event, NodeProcess, node_command
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+OUT = BENCH / "out"  # JSON lines and raw logs (gitignored)
+PLOTS = BENCH / "plots"  # PNGs committed next to RESULTS.md
+PY = sys.executable
+
+
+# -- the workload every convergence method shares -----------------------------------------------
+
+
+@dataclass
+class Workload:
+    """Same model, data, tokens per peer and global batch for every method."""
+
+    peers: int = 4
+    """Data-parallel peers (processes) of the multi-peer methods."""
+    steps: int = 400
+    """Optimizer steps per peer (inner steps for DiLoCo, local steps for hivemind)."""
+    batch_size: int = 8
+    """Sequences per peer per step; the global batch is peers × batch_size (single uses it whole).
+    8, not the node's 16: half the compute, so that the standard set fits in 30 minutes on 2 cores."""
+    seq_len: int = 128
+    """Tokens (bytes) per sequence."""
+    preset: str = "tiny"
+    """Model preset of node/model.py."""
+    seed: int = 0
+    """Initial weights and data order (the node's train.seed)."""
+    eval_every: int = 25
+    """Steps between two evaluations of ddp, single and hivemind (DiLoCo evaluates every round)."""
+
+    @property
+    def global_batch(self) -> int:
+        return self.peers * self.batch_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one global step: all peers together."""
+        return self.global_batch * self.seq_len
+
+    def settings(self, batch_size: int | None = None) -> list[str]:
+        """The run-config part of the workload as ``SECTION.KEY=VALUE`` (the node's ``--set``)."""
+        return [f"model.preset={self.preset}", f"data.seq_len={self.seq_len}",
+                f"train.batch_size={batch_size or self.batch_size}", f"train.seed={self.seed}"]
+
+    def node_sets(self, extra: list[str] = ()) -> list[str]:
+        """``--set`` flags of ``lowcomm-node join``."""
+        return [arg for item in [*self.settings(), *extra] for arg in ("--set", item)]
+
+    def config(self, batch_size: int | None = None, extra: list[str] = ()):
+        """The node's own Config for this workload (the baselines build their Trainer from it)."""
+        from lowcomm.node.config import load_config
+
+        return load_config(overrides=[*self.settings(batch_size), *extra], environ={})
+
+    def cli(self) -> list[str]:
+        """The workload as flags of the baseline scripts (``workload_args``)."""
+        return ["--peers", str(self.peers), "--steps", str(self.steps), "--batch-size", str(self.batch_size),
+                "--seq-len", str(self.seq_len), "--preset", self.preset, "--seed", str(self.seed),
+                "--eval-every", str(self.eval_every)]
+
+
+def workload_args(parser) -> None:
+    """The Workload fields as flags of a benchmark script."""
+    defaults = Workload()
+    parser.add_argument("--peers", type=int, default=defaults.peers)
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps per peer")
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per peer per step")
+    parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    parser.add_argument("--preset", default=defaults.preset)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--eval-every", type=int, default=defaults.eval_every)
+
+
+def workload_from(args) -> Workload:
+    return Workload(peers=args.peers, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                    preset=args.preset, seed=args.seed, eval_every=args.eval_every)
+
+
+# -- where results go ----------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    """What RESULTS.md prints about the machine a record was measured on."""
+    import torch
+
+    model = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {"cores": os.cpu_count(), "cpu_model": model, "torch": torch.__version__,
+            "python": platform.python_version(), "kernel": platform.release(),
+            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def command_line() -> str:
+    """The command that produced a record, relative to the repository root."""
+    argv = [str(Path(sys.argv[0]).resolve().relative_to(REPO)) if Path(sys.argv[0]).resolve().is_relative_to(REPO)
+            else sys.argv[0], *sys.argv[1:]]
+    return "python " + " ".join(argv)
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            obj = json.loads(line)
+            if isinstance(obj, dict):
+                records.append(obj)
+    return records
+
+
+def handle_signals() -> None:
+    """SIGTERM and SIGINT end a benchmark through its ``finally`` blocks, so that its processes and
+    network namespaces are removed (SIGINT too when started in the background, where the shell
+    ignores it)."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
+def say(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# -- processes -------------------------------------------------------------------------------------
+
+
+class Proc(NodeProcess):
+    """A subprocess whose JSON output lines become events (NodeProcess's reader, any command).
+
+    ``argv`` is the whole command (already wrapped for a namespace where needed); ``stdin=True``
+    keeps a pipe for commands such as the baselines' start signal. ``on_event`` runs in the
+    reader thread for every event, the moment it is read.
+    """
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, stdin: bool = False,
+                 on_event: Callable[[str, Event], None] | None = None, log_path: Path | None = None) -> None:
+        self.name = name
+        self.args = argv
+        self.events: list[Event] = []
+        self.raw_lines: list[str] = []
+        self._cond = threading.Condition()
+        self._log = log_path.open("w", encoding="utf-8") if log_path else None
+
+        def echo(name: str, event: Event) -> None:
+            if on_event is not None:
+                on_event(name, event)
+
+        self._echo = echo
+        full_env = {**os.environ, "LOWCOMM_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, env=full_env, text=True, bufsize=1,
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        """NodeProcess's reader, also copying every line to the log file as it comes."""
+        assert self.proc.stdout is not None
+        try:
+            for line in self.proc.stdout:
+                line = line.rstrip("\n")
+                if self._log is not None:
+                    self._log.write(line + "\n")
+                    self._log.flush()
+                try:
+                    event = json.loads(line)
+                    if not isinstance(event, dict):
+                        raise ValueError
+                except ValueError:
+                    event = {"msg": line, "level": "raw"}
+                with self._cond:
+                    self.raw_lines.append(line)
+                    self.events.append(event)
+                    self._cond.notify_all()
+                self._echo(self.name, event)
+        finally:
+            if self._log is not None:
+                self._log.close()
+            with self._cond:
+                self._cond.notify_all()
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def find(self, name: str) -> list[Event]:
+        with self._cond:
+            return [e for e in self.events if e.get("event") == name]
+
+    def pause(self) -> None:
+        """SIGSTOP (this process only, not its children)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, then SIGKILL of the whole session if it does not exit in time."""
+        self.resume()
+        self.signal(signal.SIGTERM)
+        try:
+            return self.wait_exit(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            return None
+
+
+@contextlib.contextmanager
+def processes() -> Iterator[list[Proc]]:
+    """A list to put started processes in; every one still running is killed on exit."""
+    procs: list[Proc] = []
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.resume()
+            if proc.proc.poll() is None:
+                proc.signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for proc in procs:
+            try:
+                proc.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            proc.kill_all()  # the session: p2pd and DHT children too
+            proc._reader.join(timeout=5)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- networks ------------------------------------------------------------------------------------
+
+
+def netns_module():
+    """deploy/netns_cluster.py (not a package: loaded from its path, as the tests do)."""
+    if "netns_cluster" in sys.modules:
+        return sys.modules["netns_cluster"]
+    spec = importlib.util.spec_from_file_location("netns_cluster", REPO / "deploy" / "netns_cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["netns_cluster"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_NETNS_REASON: list[str | None] = []
+
+
+def netns_unavailable() -> str | None:
+    """Why namespaces cannot be used here (None when they can); probed once per process."""
+    if not _NETNS_REASON:
+        _NETNS_REASON.append(netns_module().unavailable_reason())
+    return _NETNS_REASON[0]
+
+
+class Network:
+    """Loopback: every peer on 127.0.0.1, nothing measured on the wire."""
+
+    kind = "loopback"
+    mbit: float | None = None
+
+    def host(self, index: int) -> str:
+        return "127.0.0.1"
+
+    def wrap(self, index: int, argv: list[str]) -> list[str]:
+        return argv
+
+    @property
+    def ifname(self) -> str:
+        return "lo"
+
+    def wire_sent(self, index: int) -> int | None:
+        """Bytes peer ``index`` has put on its link so far (None: not measurable here)."""
+        return None
+
+    def describe(self) -> str:
+        return "loopback (127.0.0.1), no cap"
+
+
+class NetnsNetwork(Network):
+    """One namespace per peer from ``netns_cluster.cluster_up(start_nodes=False)``."""
+
+    kind = "netns"
+
+    def __init__(self, state, mbit: float | None) -> None:
+        self.state = state
+        self.mbit = None
+        self.set_cap(mbit)
+
+    def host(self, index: int) -> str:
+        return self.state.peers[index].ip
+
+    def wrap(self, index: int, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.state.peers[index].netns, *argv]
+
+    @property
+    def ifname(self) -> str:
+        return "eth0"
+
+    def wire_sent(self, index: int) -> int | None:
+        # What peer i transmits on its eth0 arrives on the root-side end of its veth: read there,
+        # without entering the namespace (a sysfs read, cheap enough for every event).
+        path = Path(f"/sys/class/net/{self.state.peers[index].host_veth}/statistics/rx_bytes")
+        try:
+            return int(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def set_cap(self, mbit: float | None) -> None:
+        """Cap every peer at ``mbit`` both ways (tbf as netns_cluster sets it), or remove the caps."""
+        for peer in self.state.peers:
+            for dev in (["tc", "-n", peer.netns], ["tc"]):
+                name = "eth0" if len(dev) == 3 else peer.host_veth
+                if mbit is None:
+                    subprocess.run([*dev, "qdisc", "del", "dev", name, "root"], capture_output=True)
+                else:
+                    rate = mbit * 1e6 / 8
+                    burst = max(64 * 1024, int(rate * 0.01))
+                    subprocess.run([*dev, "qdisc", "replace", "dev", name, "root", "tbf", "rate", f"{mbit}mbit",
+                                    "burst", str(burst), "latency", "50ms"], check=True, capture_output=True)
+        self.mbit = mbit
+
+    def describe(self) -> str:
+        cap = f"tc tbf {self.mbit:g} Mbit/s per peer, both directions" if self.mbit else "no cap"
+        return f"{len(self.state.peers)} network namespaces on a bridge (veth), {cap}"
+
+
+@contextlib.contextmanager
+def network(kind: str, peers: int, mbit: float | None = None, prefix: str = "lcb") -> Iterator[Network]:
+    """``kind`` "loopback", "netns", or "auto" (netns when available and asked for a cap or root)."""
+    if kind == "auto":
+        kind = "netns" if netns_unavailable() is None else "loopback"
+    if kind == "loopback":
+        if mbit is not None:
+            raise RuntimeError("bandwidth caps need network namespaces (root)")
+        yield Network()
+        return
+    reason = netns_unavailable()
+    if reason is not None:
+        raise RuntimeError(f"network namespaces unavailable: {reason}")
+    nc = netns_module()
+    state_dir = Path(f"/tmp/lowcomm-bench-{prefix}")
+    nc.cluster_down(prefix, state_dir=state_dir)  # leftovers of an interrupted benchmark
+    state = nc.cluster_up(peers, mbit or 10_000, prefix=prefix, state_dir=state_dir, start_nodes=False)
+    try:
+        yield NetnsNetwork(state, mbit)
+    finally:
+        nc.cluster_down(prefix, state_dir=state_dir)
+
+
+IDENTITIES = BENCH / "identities"  # fixed libp2p keys: fixed peer ids, hence fixed data shards
+
+
+def identity(index: int) -> Path:
+    path = IDENTITIES / f"peer-{index}.key"
+    if not path.exists():
+        raise RuntimeError(f"{path} missing: bench/identities holds keys for {len(list(IDENTITIES.glob('*.key')))} peers")
+    return path
+
+
+def peer_key(index: int) -> str:
+    """The peer id of bench identity ``index``: the node's data-shard key, reused by the baselines
+    so that rank/peer i of every method draws the same batches."""
+    from hivemind.p2p import PeerID
+
+    return str(PeerID.from_identity(identity(index).read_bytes()))
+
+
+def wait_port(host: str, port: int, timeout: float, alive: Callable[[], bool] = lambda: True) -> None:
+    """Until something accepts TCP connections on host:port (polling: there is no event to wait on)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
+            return
+        if not alive():
+            raise RuntimeError(f"the process that should listen on {host}:{port} exited")
+        time.sleep(0.1)
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout:.0f} s")
+
+
+def node_argv(net: Network, index: int, workdir: Path, peers: list[str], extra: list[str],
+              dht_port: int | None = None) -> list[str]:
+    """``lowcomm-node join`` for peer ``index`` of ``net`` (netns_cluster's ports, or free ones)."""
+    host = net.host(index)
+    ports = ["7700", "7701", "7702"] if net.kind == "netns" else ["0", "0", "0"]
+    if dht_port is not None:
+        ports[0] = str(dht_port)
+    argv = [*node_command(), "join", "--host", host, "--announce-host", host, "--dht-port", ports[0],
+            "--grpc-port", ports[1], "--metrics-port", ports[2], "--checkpoint-dir", str(workdir / f"peer-{index}"),
+            "--identity", str(identity(index)), "--torch-threads", "1", "--log-format", "json"]
+    if peers:
+        argv += ["--peers", *peers]
+    return net.wrap(index, argv + list(extra))
+
+
+def record_base(bench: str, **fields: Any) -> dict[str, Any]:
+    return {"bench": bench, "date": now_iso(), "command": command_line(), "machine": machine(), **fields}
+
+

@@ -1,0 +1,117 @@
+#!/usr/bin/env python
+"""Convergence at equal tokens: single, ddp, diloco-<codec>-H<h> (the real node), hivemind.
+
+    python bench/convergence.py [--methods single,ddp,diloco-int8-H50,hivemind,...]
+                                [--network auto|loopback|netns] [workload flags]
+                                [--json-out bench/out/convergence.jsonl] [--time-limit S]
+
+Every method trains the `tiny` preset on the default corpus with ``--peers`` processes (one torch
+thread each), ``--steps`` optimizer steps per peer of ``--batch-size`` sequences, so all of them
+see the same tokens per peer and the same global batch (``single``: one process, the global
+batch). The global model is evaluated on the node's fixed held-out batches. Methods:
+
+    single                 one process, AdamW (bench/baselines/ddp.py --world-size 1)
+    ddp                    gradient all-reduce every step over gloo (bench/baselines/ddp.py)
+    diloco-<codec>-H<h>    `lowcomm-node join` processes, codec fp32|fp16|bf16|int8|int4|topk,
+                           h inner steps per round, steps/h rounds (--max-rounds)
+    hivemind[-H<h>]        hivemind.Optimizer, local updates, 8-bit averaging every h steps (50)
+
+``--network auto`` runs the multi-peer methods in network namespaces without a cap when this
+machine can (root), which adds the bytes each peer put on the wire; otherwise on loopback.
+One JSON line per method goes to ``--json-out``; ``python bench/results.py`` turns the latest
+run into bench/RESULTS.md and the plots in bench/plots/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+from common import OUT, append_jsonl, handle_signals, network, record_base, say, workload_args, workload_from
+from runners import run_ddp, run_diloco, run_hivemind, run_single
+
+STANDARD = ("single,ddp,diloco-fp32-H50,diloco-int8-H50,diloco-int4-H50,diloco-topk-H50,"
+            "diloco-int8-H10,diloco-int8-H200,hivemind")
+METHOD_RE = re.compile(r"^(single|ddp|hivemind(?:-H(\d+))?|diloco-(fp32|fp16|bf16|int8|int4|topk)-H(\d+))$")
+
+
+def parse_methods(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in methods if not METHOD_RE.match(m)]
+    if bad:
+        raise SystemExit(f"unknown method(s) {bad}; expected single, ddp, hivemind[-H<h>], diloco-<codec>-H<h>")
+    return methods
+
+
+def run_method(method: str, work, net, logdir: Path, time_limit: float, target: float | None = None,
+               max_steps: int | None = None, hivemind: dict | None = None) -> dict:
+    """One method on ``net``; ``max_steps`` (per peer) lets a run with a target go past work.steps;
+    ``hivemind``: keyword arguments of run_hivemind (matchmaking_time, averaging_timeout)."""
+    match = METHOD_RE.match(method)
+    if method == "single":
+        return run_single(work, logdir / method, time_limit)
+    if method == "ddp":
+        return run_ddp(work, net, logdir / method, time_limit)
+    if method.startswith("hivemind"):
+        sync_every = int(match.group(2) or 50)
+        return run_hivemind(work, net, logdir / method, sync_every=sync_every, steps=max_steps, target=target,
+                            time_limit=time_limit, **(hivemind or {}))
+    codec, h = match.group(3), int(match.group(4))
+    if work.steps % h:
+        raise SystemExit(f"{method}: --steps {work.steps} is not a multiple of H={h} (tokens would differ)")
+    return run_diloco(work, net, logdir / method, codec, h, rounds=(max_steps or work.steps) // h, target=target,
+                      time_limit=time_limit)
+
+
+def hivemind_args(parser) -> None:
+    parser.add_argument("--hivemind-matchmaking-time", type=float, default=3.0,
+                        help="hivemind.Optimizer matchmaking_time in seconds (default 3)")
+    parser.add_argument("--hivemind-averaging-timeout", type=float, default=60.0,
+                        help="hivemind.Optimizer averaging_timeout in seconds (default 60)")
+
+
+def hivemind_options(args) -> dict:
+    return {"matchmaking_time": args.hivemind_matchmaking_time, "averaging_timeout": args.hivemind_averaging_timeout}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", default=STANDARD, help=f"comma-separated (default: {STANDARD})")
+    parser.add_argument("--network", choices=["auto", "loopback", "netns"], default="auto")
+    parser.add_argument("--json-out", type=Path, default=OUT / "convergence.jsonl")
+    parser.add_argument("--time-limit", type=float, default=900, help="seconds per method before it is stopped")
+    parser.add_argument("--prefix", default="lcb", help="netns cluster prefix (namespaces <prefix>-<i>)")
+    parser.add_argument("--run-id", help="add the records to this earlier run (to repeat a method that failed); "
+                        "default: a new run")
+    hivemind_args(parser)
+    workload_args(parser)
+    args = parser.parse_args(argv)
+    handle_signals()
+    work = workload_from(args)
+    methods = parse_methods(args.methods)
+    run_id = args.run_id or time.strftime("%Y%m%dT%H%M%S")
+    logdir = args.json_out.parent / "logs" / f"convergence-{run_id}"
+    started = time.monotonic()
+    with network(args.network, work.peers, prefix=args.prefix) as net:
+        say(f"convergence: {len(methods)} method(s) on {net.describe()}; logs in {logdir}")
+        for method in methods:
+            t0 = time.monotonic()
+            say(f"{method}: starting")
+            try:
+                record = run_method(method, work, net, logdir, args.time_limit, hivemind=hivemind_options(args))
+            except Exception as err:  # one broken method must not cost the others' results
+                say(f"{method}: FAILED: {err}")
+                record = {"method": method, "network": net.kind, "ok": False, "curve": [], "error": str(err)[-2000:]}
+            record = record_base("convergence", run_id=run_id, elapsed_seconds=time.monotonic() - t0, **record)
+            append_jsonl(args.json_out, record)
+            say(f"{method}: final eval loss {record.get('final_eval_loss')}, wall {record.get('wall_seconds')}, "
+                f"{time.monotonic() - t0:.0f} s")
+    say(f"convergence: done in {time.monotonic() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

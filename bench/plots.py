@@ -1,0 +1,120 @@
+"""PNG plots of the benchmark records (matplotlib, no display needed). Called by bench/results.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+STYLE = {"single": ("black", ":"), "ddp": ("tab:blue", "-"), "hivemind": ("tab:red", "-")}
+DILOCO_COLORS = ["tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray"]
+
+
+def _style(method: str, index: int) -> dict:
+    color, line = STYLE.get(method, (DILOCO_COLORS[index % len(DILOCO_COLORS)], "--"))
+    return {"color": color, "linestyle": line, "marker": "o", "markersize": 3, "linewidth": 1.4}
+
+
+def _bytes(point: dict) -> float | None:
+    return point.get("wire_bytes_sent") if point.get("wire_bytes_sent") is not None else point.get("app_bytes_sent")
+
+
+def convergence(records: list[dict], outdir: Path) -> list[Path]:
+    """Eval loss vs tokens, vs bytes sent per peer (log x), vs wall-clock: one PNG each."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    runs = [r for r in records if r.get("curve")]
+    wire = any(p.get("wire_bytes_sent") is not None for r in runs for p in r["curve"])
+    specs = [
+        ("convergence_tokens.png", "tokens (all peers)", lambda p: p["tokens"], "linear"),
+        ("convergence_bytes.png", f"bytes sent per peer ({'on the wire' if wire else 'payload'}), log scale", _bytes,
+         "log"),
+        ("convergence_wall.png", "wall-clock (s)", lambda p: p["wall"], "linear"),
+    ]
+    paths = []
+    for name, xlabel, x_of, scale in specs:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for index, record in enumerate(runs):
+            points = [(x_of(p), p["eval_loss"]) for p in record["curve"]]
+            points = [(x, y) for x, y in points if x is not None and (scale != "log" or x > 0)]
+            if points:
+                ax.plot(*zip(*points), label=record["method"], **_style(record["method"], index))
+        ax.set_xscale(scale)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("eval loss of the global model")
+        ax.set_title(f"tiny preset, {runs[0]['peers'] if runs else '?'} peers, equal tokens")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = outdir / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def slow_links(records: list[dict], outdir: Path) -> list[Path]:
+    """Eval loss vs wall-clock per cap, with the target line."""
+    runs = [r for r in records if r.get("curve") and r.get("role") != "reference"]
+    caps = sorted({r["mbit"] for r in runs if r.get("mbit")}, reverse=True)
+    if not caps:
+        return []
+    fig, axes = plt.subplots(1, len(caps), figsize=(6 * len(caps), 4.5), squeeze=False)
+    for ax, cap in zip(axes[0], caps):
+        for index, record in enumerate(r for r in runs if r.get("mbit") == cap):
+            label = record["method"]
+            curve = record["curve"]
+            if record.get("curve_estimated"):
+                curve = record["curve_estimated"]
+                label += " (unlimited-link curve x measured s/step)"
+            points = [(p["wall"], p["eval_loss"]) for p in curve if p["wall"] > 0]
+            ax.plot(*zip(*points), label=label, **_style(record["method"], index))
+            ttt = record.get("time_to_target")
+            if ttt:
+                ax.axvline(ttt["wall"], color=_style(record["method"], index)["color"], alpha=0.5, linewidth=1)
+        target = next((r.get("target_loss") for r in runs if r.get("target_loss")), None)
+        if target:
+            ax.axhline(target, color="gray", linestyle=":", label=f"target {target:.3f}")
+        ax.set_xscale("log")
+        ax.set_xlabel("wall-clock (s), log scale; vertical lines: time to target")
+        ax.set_ylabel("eval loss of the global model")
+        ax.set_title(f"{cap:g} Mbit/s per peer")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = outdir / "slow_links.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def transport(records: list[dict], outdir: Path) -> list[Path]:
+    """Efficiency (bound / measured) per configuration, one group of bars per cap."""
+    runs = [r for r in records if r.get("efficiency") is not None]
+    if not runs:
+        return []
+    labels = sorted({(r["impl"], r["peers"], r["payload_mb"]) for r in runs})
+    caps = sorted({r["mbit"] for r in runs})
+    fig, ax = plt.subplots(figsize=(max(7, 0.7 * len(labels) * len(caps)), 4.5))
+    width = 0.8 / len(caps)
+    for ci, cap in enumerate(caps):
+        values = []
+        for impl, peers, size in labels:
+            match = next((r for r in runs if (r["impl"], r["peers"], r["payload_mb"], r["mbit"]) ==
+                          (impl, peers, size, cap)), None)
+            values.append(match["efficiency"] if match else 0)
+        ax.bar([i + ci * width for i in range(len(labels))], values, width, label=f"{cap:g} Mbit/s")
+    ax.axhline(0.8, color="gray", linestyle=":", label="goal 0.8")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))])
+    ax.set_xticklabels([f"{impl}\nN={n} S={s:g}MB" for impl, n, s in labels], fontsize=7)
+    ax.set_ylabel("bound / measured round time")
+    ax.set_title("one averaging round vs 2(N-1)/N*S/B")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = outdir / "transport.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

@@ -1,0 +1,249 @@
+#!/usr/bin/env python
+"""Transport efficiency: one averaging round of S MB among N peers on capped links, vs the bound.
+
+    python bench/transport.py [--peers 2,4,8] [--sizes-mb 4,64] [--caps 20,100,1000] [--rounds 2]
+                              [--hivemind 4x4@20,4x4@100,4x4@1000,4x64@100] [--codec fp32]
+                              [--network netns|loopback] [--json-out bench/out/transport.jsonl]
+
+One agent (bench/transport_agent.py) per network namespace; every peer is capped at C Mbit/s in
+both directions (tc tbf, as deploy/netns_cluster.py sets it). For every (C, N, S) the first N
+agents average a random float32 vector whose encoded size is S MB (10⁶ bytes) with the
+project's butterfly all-reduce (protocol/allreduce.py over gRPC, the codec of the node's
+``sync.codec``, fp32 by default so that S is also the size on the wire). A round's time is from
+the moment the last member started to the moment the last one finished; it is compared with
+the bound of a butterfly all-reduce, where every peer sends and receives 2·(N−1)/N·S:
+
+    bound = 2·(N−1)/N · S / B,  B = C·10⁶/8 bytes/s,   efficiency = bound / time
+
+``--hivemind`` lists NxS@C configurations for which hivemind's DecentralizedAverager moves the
+same payload (NoCompression) on the same links (matchmaking excluded, the all-reduce timed).
+Without root (no namespaces) use ``--network loopback``: no caps, no bound, times only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from common import (BENCH, OUT, PY, Proc, append_jsonl, handle_signals, netns_unavailable, network, processes,
+                    record_base, say)
+
+AGENT = BENCH / "transport_agent.py"
+WARMUP_NUMEL = 2**16
+
+
+def bound_seconds(peers: int, payload_bytes: float, mbit: float | None) -> float | None:
+    if not mbit:
+        return None
+    return 2 * (peers - 1) / peers * payload_bytes / (mbit * 1e6 / 8)
+
+
+def shard_bounds(numel: int, parts: int) -> list[int]:
+    return [round(numel * i / parts) for i in range(parts + 1)]
+
+
+def _ask(agents: list[Proc], cmd: dict, reply: str, timeout: float) -> list[dict]:
+    starts = [len(a.events) for a in agents]
+    line = json.dumps(cmd)
+    for agent in agents:
+        agent.send(line)
+    return [a.wait_event(reply, timeout, start=s) for a, s in zip(agents, starts)]
+
+
+def lowcomm_round(agents: list[Proc], addresses: list[str], numel: int, codec_id: int, timeout: float,
+                  step: int) -> dict:
+    n = len(agents)
+    group = {"group_id": os.urandom(8).hex(), "step": step,
+             "members": [{"peer_id": f"agent-{i}", "address": addresses[i], "weight": 1.0} for i in range(n)],
+             "shard_bounds": shard_bounds(numel, n), "shard_owners": list(range(n)), "codec": codec_id,
+             "reduce_timeout_s": timeout}
+    done = _ask(agents, {"cmd": "round", "group": group}, "round_done", timeout * 2 + 30)
+    seconds = max(d["t_end"] for d in done) - max(d["t_start"] for d in done)
+    return {"seconds": seconds, "bytes_sent": statistics.fmean(d["bytes_sent"] for d in done),
+            "skipped_shards": sum(d["skipped"] for d in done),
+            # CPU seconds all agents spent in the round per second of it: 2.0 = both cores busy.
+            "cpu_cores_busy": sum(d["cpu_seconds"] for d in done) / seconds if seconds > 0 else None}
+
+
+def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
+    from lowcomm.protocol import codecs
+
+    codec = codecs.get_codec(args.codec)
+    peers_max = max(args.peers)
+    with processes() as agents:
+        for i in range(peers_max):
+            agents.append(Proc(f"agent-{i}", net.wrap(i, [PY, str(AGENT), "lowcomm", "--index", str(i), "--host",
+                                                          net.host(i), "--port", "7701" if net.kind == "netns" else "0"]),
+                               stdin=True, log_path=logdir / f"agent-{i}.log"))
+        addresses = [a.wait_event("ready", 120)["address"] for a in agents]
+        step = 0
+        for mbit in args.caps:
+            if net.kind == "netns":
+                net.set_cap(mbit)
+            for n in args.peers:
+                members = agents[:n]
+                _ask(members, {"cmd": "setup", "numel": WARMUP_NUMEL}, "setup_done", 60)
+                step += 1
+                lowcomm_round(members, addresses, WARMUP_NUMEL, int(codec.id), 30, step)  # channels up
+                for size in args.sizes_mb:
+                    numel = _numel_for(codec, size * 1e6)
+                    payload = codec.encoded_size(numel)
+                    bound = bound_seconds(n, payload, mbit)
+                    timeout = max(60.0, 4 * (bound or 0))
+                    _ask(members, {"cmd": "setup", "numel": numel}, "setup_done", 120)
+                    rounds = 1 if bound and bound > args.single_round_above else args.rounds
+                    results = []
+                    for _ in range(rounds):
+                        wire0 = [net.wire_sent(i) for i in range(n)]
+                        step += 1
+                        result = lowcomm_round(members, addresses, numel, int(codec.id), timeout, step)
+                        wire = [None if a is None or b is None else b - a
+                                for a, b in zip(wire0, [net.wire_sent(i) for i in range(n)])]
+                        result["wire_bytes_sent"] = statistics.fmean(wire) if None not in wire else None
+                        results.append(result)
+                    seconds = statistics.median(r["seconds"] for r in results)
+                    record = record_base(
+                        "transport", run_id=run_id, impl="lowcomm", peers=n, payload_mb=size, payload_bytes=payload,
+                        numel=numel, codec=codec.name, mbit=mbit, network=net.kind, link=net.describe(),
+                        rounds=results, seconds=seconds, bound_seconds=bound,
+                        efficiency=bound / seconds if bound else None,
+                        bytes_sent_per_peer=statistics.fmean(r["bytes_sent"] for r in results),
+                        bytes_bound_per_peer=2 * (n - 1) / n * payload,
+                        wire_bytes_sent_per_peer=results[-1]["wire_bytes_sent"],
+                        ok=all(r["skipped_shards"] == 0 for r in results))
+                    append_jsonl(out, record)
+                    eff = f"{record['efficiency']:.2f}" if bound else "n/a"
+                    say(f"lowcomm N={n} S={size}MB cap={mbit}: {seconds:.2f} s, bound {bound or 0:.2f} s, "
+                        f"efficiency {eff}")
+        for agent in agents:
+            agent.send('{"cmd": "quit"}')
+
+
+def _numel_for(codec, payload_bytes: float) -> int:
+    """Largest numel whose encoded size is at most ``payload_bytes`` (bisection on the codec's size)."""
+    lo, hi = 1, int(payload_bytes)  # no codec takes less than one byte... per 8 values; fp32 is 4
+    hi = max(hi, 8 * int(payload_bytes))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if codec.encoded_size(mid) <= payload_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+HIVEMIND_RE = re.compile(r"^(\d+)x(\d+(?:\.\d+)?)@(\d+(?:\.\d+)?)$")
+
+
+def sweep_hivemind(net, args, out: Path, run_id: str, logdir: Path) -> None:
+    configs = []
+    for item in filter(None, (s.strip() for s in args.hivemind.split(","))):
+        match = HIVEMIND_RE.match(item)
+        if not match:
+            raise SystemExit(f"--hivemind {item!r}: expected NxS@C, e.g. 4x4@20")
+        configs.append((int(match.group(1)), float(match.group(2)), float(match.group(3))))
+    if not configs:
+        return
+    peers_max = max(n for n, _, _ in configs)
+    with processes() as agents:
+        first = Proc("hm-0", net.wrap(0, [PY, str(AGENT), "hivemind", "--index", "0", "--host", net.host(0)]),
+                     stdin=True, log_path=logdir / "hm-0.log")
+        agents.append(first)
+        maddrs = first.wait_event("ready", 120)["maddrs"]
+        maddr = next((m for m in maddrs if f"/{net.host(0)}/" in m), maddrs[0])
+        for i in range(1, peers_max):
+            agents.append(Proc(f"hm-{i}", net.wrap(i, [PY, str(AGENT), "hivemind", "--index", str(i), "--host",
+                                                      net.host(i), "--initial-peer", maddr]), stdin=True,
+                               log_path=logdir / f"hm-{i}.log"))
+        for agent in agents:
+            agent.wait_event("ready", 120)
+        for number, (n, size, mbit) in enumerate(sorted(configs, key=lambda c: (c[2], c[0], c[1]))):
+            if net.kind == "netns":
+                net.set_cap(mbit)
+            else:
+                mbit = None  # loopback: no cap, no bound
+            members = agents[:n]
+            numel = int(size * 1e6 // 4)
+            payload = numel * 4
+            bound = bound_seconds(n, payload, mbit)
+            timeout = max(60.0, 4 * (bound or 0))
+            _ask(members, {"cmd": "setup", "numel": numel, "group_size": n, "prefix": f"bench{number}",
+                           "timeout": timeout}, "setup_done", 120)
+            rounds = 1 if bound and bound > args.single_round_above else args.rounds
+            results = []
+            for _ in range(rounds):
+                wire0 = [net.wire_sent(i) for i in range(n)]
+                done = _ask(members, {"cmd": "round", "timeout": timeout}, "round_done", timeout * 3 + 60)
+                wire = [None if a is None or b is None else b - a
+                        for a, b in zip(wire0, [net.wire_sent(i) for i in range(n)])]
+                results.append({"seconds": max(d["t_end"] for d in done) - max(d["t_start"] for d in done),
+                                "group_sizes": [d["group_size"] for d in done],
+                                "errors": [d["error"] for d in done if d.get("error")],
+                                "wire_bytes_sent": statistics.fmean(wire) if None not in wire else None})
+            ok = [r for r in results if not r["errors"] and all(g == n for g in r["group_sizes"])]
+            seconds = statistics.median(r["seconds"] for r in ok) if ok else None
+            record = record_base(
+                "transport", run_id=run_id, impl="hivemind", peers=n, payload_mb=size, payload_bytes=payload,
+                numel=numel, codec="none (fp32)", mbit=mbit, network=net.kind, link=net.describe(), rounds=results,
+                seconds=seconds, bound_seconds=bound,
+                efficiency=bound / seconds if bound and seconds else None,
+                bytes_bound_per_peer=2 * (n - 1) / n * payload,
+                wire_bytes_sent_per_peer=results[-1]["wire_bytes_sent"], ok=bool(ok))
+            append_jsonl(out, record)
+            say(f"hivemind N={n} S={size}MB cap={mbit}: {seconds} s, bound {bound or 0:.2f} s, "
+                f"efficiency {record['efficiency']}")
+        for agent in agents:
+            agent.send('{"cmd": "quit"}')
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", type=ints, default=[2, 4, 8])
+    parser.add_argument("--sizes-mb", type=floats, default=[4, 64])
+    parser.add_argument("--caps", type=floats, default=[20, 100, 1000], help="Mbit/s per peer, both directions")
+    parser.add_argument("--rounds", type=int, default=2, help="measured rounds per configuration (median)")
+    parser.add_argument("--single-round-above", type=float, default=20.0,
+                        help="measure one round only where the bound exceeds this many seconds")
+    parser.add_argument("--codec", default="fp32")
+    parser.add_argument("--hivemind", default="4x4@20,4x4@100,4x4@1000,4x64@100",
+                        help="NxS@C configurations for hivemind's DecentralizedAverager ('' for none)")
+    parser.add_argument("--network", choices=["netns", "loopback"], default="netns")
+    parser.add_argument("--prefix", default="lct")
+    parser.add_argument("--json-out", type=Path, default=OUT / "transport.jsonl")
+    args = parser.parse_args(argv)
+    handle_signals()
+    run_id = time.strftime("%Y%m%dT%H%M%S")
+    if args.network == "netns" and (reason := netns_unavailable()) is not None:
+        say(f"transport: skipped: {reason}")
+        append_jsonl(args.json_out, record_base("transport", run_id=run_id, skipped=reason))
+        return 0
+    if args.network == "loopback":
+        args.caps = [None]
+    peers_max = max([*args.peers, *(int(c.split("x")[0]) for c in args.hivemind.split(",") if c.strip())])
+    started = time.monotonic()
+    with network(args.network, peers_max, prefix=args.prefix) as net:
+        logdir = args.json_out.parent / "logs" / f"transport-{run_id}"
+        logdir.mkdir(parents=True, exist_ok=True)
+        if args.peers and args.sizes_mb:
+            sweep_lowcomm(net, args, args.json_out, run_id, logdir)
+        sweep_hivemind(net, args, args.json_out, run_id, logdir)
+    say(f"transport: done in {time.monotonic() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
