@@ -55,7 +55,8 @@ class DataSection(_Section):
     eval_batches: int = Field(4, ge=1)
     """Batches of the fixed held-out set averaged into one eval loss."""
     shards: int = Field(64, ge=1)
-    """Contiguous shards of the training split; each peer starts on a shard chosen by its id."""
+    """Shards of the training split (each one interleaved blocks spread over the whole corpus); each peer
+    starts on a shard chosen by its id."""
 
 
 class TrainSection(_Section):

@@ -81,31 +81,43 @@ def load_corpus(pattern: str | None, eval_fraction: float, max_bytes: int = 64 *
 class ShardSampler:
     """Random windows from this peer's shard of the training split.
 
-    The training split is cut into ``shards`` contiguous pieces; a peer starts on the shard its
-    id hashes to and moves to the next one after drawing about one shard's worth of tokens, so
-    peers see different data at the same time while every byte stays reachable.
+    The training split is cut into blocks of ``BLOCK_TOKENS`` and shard ``k`` of ``shards`` is
+    every ``shards``-th block starting at ``k``: each shard is spread over the whole corpus, so
+    every peer's data looks like the held-out set (contiguous shards made each peer train on a
+    few neighbouring files, and the peers' local models drifted apart between rounds). A peer
+    starts on the shard its id hashes to and moves to the next one after drawing about one
+    shard's worth of tokens, so peers see different data at the same time while every byte
+    stays reachable.
     """
+
+    BLOCK_TOKENS = 4096
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, shards: int, peer_key: str, seed: int):
         if len(tokens) < (seq_len + 1) * 2:
             raise DataError(f"training split has {len(tokens)} bytes, too little for seq_len {seq_len}; add files")
         self.tokens = torch.from_numpy(tokens.astype(np.int64))
         self.seq_len, self.batch_size = seq_len, batch_size
-        usable = len(tokens) - seq_len - 1
-        self.shards = max(1, min(shards, usable // (seq_len * batch_size) or 1))
-        self.bounds = np.linspace(0, usable, self.shards + 1).astype(np.int64)
+        usable = len(tokens) - seq_len - 1  # window starts lie in [0, usable)
+        self.block = max(1, min(self.BLOCK_TOKENS, usable))
+        self.blocks = max(1, usable // self.block)
+        self.shards = max(1, min(shards, self.blocks))
         digest = hashlib.sha256(f"{seed}/{peer_key}".encode()).digest()
         self.shard = int.from_bytes(digest[:8], "little") % self.shards
         self.generator = torch.Generator().manual_seed(int.from_bytes(digest[8:16], "little") % 2**63)
         self.drawn = 0
 
+    def shard_blocks(self, shard: int) -> torch.Tensor:
+        """Indices of the blocks that make up ``shard``."""
+        return torch.arange(shard, self.blocks, self.shards)
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        low, high = int(self.bounds[self.shard]), int(self.bounds[self.shard + 1])
-        starts = torch.randint(low, max(high, low + 1), (self.batch_size,), generator=self.generator)
+        blocks = self.shard_blocks(self.shard)
+        chosen = blocks[torch.randint(len(blocks), (self.batch_size,), generator=self.generator)]
+        starts = chosen * self.block + torch.randint(self.block, (self.batch_size,), generator=self.generator)
         offsets = torch.arange(self.seq_len + 1)
         windows = self.tokens[starts[:, None] + offsets]
         self.drawn += self.batch_size * self.seq_len
-        if self.drawn >= high - low:
+        if self.drawn >= len(blocks) * self.block:
             self.shard, self.drawn = (self.shard + 1) % self.shards, 0
         return windows[:, :-1], windows[:, 1:]
 
