@@ -316,6 +316,11 @@ class Network:
     def host(self, index: int) -> str:
         return "127.0.0.1"
 
+    @property
+    def bootstrap_host(self) -> str:
+        """Where a harness-side process listens for the peers (root namespace)."""
+        return "127.0.0.1"
+
     def wrap(self, index: int, argv: list[str]) -> list[str]:
         return argv
 
@@ -344,6 +349,10 @@ class NetnsNetwork(Network):
     def host(self, index: int) -> str:
         return self.state.peers[index].ip
 
+    @property
+    def bootstrap_host(self) -> str:
+        return self.state.bridge_ip
+
     def wrap(self, index: int, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.state.peers[index].netns, *argv]
 
@@ -359,6 +368,22 @@ class NetnsNetwork(Network):
             return int(path.read_text())
         except (OSError, ValueError):
             return None
+
+    def link_counters(self, index: int) -> dict[str, int]:
+        """TCP segments sent and retransmitted in peer ``index``'s namespace, and the packets its
+        two tbf qdiscs (upload: its eth0, download: the root-side veth) dropped."""
+        peer = self.state.peers[index]
+        snmp = subprocess.run(["ip", "netns", "exec", peer.netns, "cat", "/proc/net/snmp"], capture_output=True,
+                              text=True).stdout.splitlines()
+        tcp = [line.split()[1:] for line in snmp if line.startswith("Tcp:")]
+        values = dict(zip(tcp[0], map(int, tcp[1]))) if len(tcp) == 2 else {}
+        drops = 0
+        for dev in (["tc", "-n", peer.netns, "-s", "-j", "qdisc", "show", "dev", "eth0"],
+                    ["tc", "-s", "-j", "qdisc", "show", "dev", peer.host_veth]):
+            with contextlib.suppress(ValueError):
+                drops += sum(q.get("drops", 0) for q in json.loads(subprocess.run(dev, capture_output=True,
+                                                                                  text=True).stdout or "[]"))
+        return {"out_segs": values.get("OutSegs", 0), "retrans_segs": values.get("RetransSegs", 0), "tbf_drops": drops}
 
     def set_cap(self, mbit: float | None) -> None:
         """Cap every peer at ``mbit`` both ways (tbf as netns_cluster sets it), or remove the caps."""
@@ -402,13 +427,39 @@ def network(kind: str, peers: int, mbit: float | None = None, prefix: str = "lcb
         nc.cluster_down(prefix, state_dir=state_dir)
 
 
+_BOOTSTRAP_DHT = r"""
+import json, sys, hivemind
+dht = hivemind.DHT(host_maddrs=[f"/ip4/{sys.argv[1]}/tcp/0"], start=True)
+print(json.dumps({"event": "bootstrap_ready", "maddrs": [str(m) for m in dht.get_visible_maddrs()]}), flush=True)
+sys.stdin.read()  # until the harness closes our stdin (or dies)
+dht.shutdown()
+"""
+
+
+@contextlib.contextmanager
+def bootstrap_dht(net: "Network") -> Iterator[str]:
+    """A plain hivemind DHT peer run by the harness (never paused) for the nodes to join; its multiaddr.
+
+    In namespaces it listens on the bridge's address in the root namespace, which every peer
+    reaches directly.
+    """
+    host = net.bootstrap_host
+    with processes() as procs:
+        proc = Proc("bootstrap-dht", [PY, "-c", _BOOTSTRAP_DHT, host], stdin=True)
+        procs.append(proc)
+        maddrs = proc.wait_event("bootstrap_ready", 120)["maddrs"]
+        yield next((m for m in maddrs if f"/{host}/" in m), maddrs[0])
+        proc.proc.stdin.close()
+
+
 IDENTITIES = BENCH / "identities"  # fixed libp2p keys: fixed peer ids, hence fixed data shards
 
 
 def identity(index: int) -> Path:
     path = IDENTITIES / f"peer-{index}.key"
     if not path.exists():
-        raise RuntimeError(f"{path} missing: bench/identities holds keys for {len(list(IDENTITIES.glob('*.key')))} peers")
+        count = len(list(IDENTITIES.glob("*.key")))
+        raise RuntimeError(f"{path} missing: bench/identities holds keys for {count} peers")
     return path
 
 

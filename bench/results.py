@@ -55,9 +55,21 @@ def mb(value) -> str:
     return f"{value / 1e3:.1f} kB"
 
 
+def _estimated(record: dict | None) -> bool:
+    return bool(record and (record.get("time_to_target") or {}).get("estimated"))
+
+
+def cell(record: dict) -> str:
+    """Notes and error of a record, on one table line."""
+    text = "; ".join(record.get("notes") or [])
+    if record.get("error"):
+        text += f" ERROR: {record['error'][-300:]}"
+    return text.replace("\n", " ").replace("|", "/")
+
+
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|",
-            *("| " + " | ".join(row) + " |" for row in rows), ""]
+    align = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"
+    return ["| " + " | ".join(header) + " |", align, *("| " + " | ".join(row) + " |" for row in rows), ""]
 
 
 def machine_section(all_records: list[dict], standard: list[dict]) -> list[str]:
@@ -100,7 +112,8 @@ def convergence_section(records: list[dict], plot_dir: Path, goals: list[str]) -
         return lines + ["Not run.", ""]
     methods = by_method(records)
     ddp = methods.get("ddp")
-    first = next(r for r in records if r.get("workload"))
+    first = next((r for r in records if r.get("workload") and r.get("peers", 1) > 1),
+                 next(r for r in records if r.get("workload")))
     w = first["workload"]
     lines += [f"`tiny` preset (445,952 parameters), default corpus, {first['peers']} peers with one torch thread each, "
               f"{w['steps']} steps per peer of {w['batch_size']} × {w['seq_len']} tokens (global batch "
@@ -111,13 +124,15 @@ def convergence_section(records: list[dict], plot_dir: Path, goals: list[str]) -
         app, wire = r.get("app_bytes_sent_per_peer"), r.get("wire_bytes_sent_per_peer")
         vs = None if not ddp or not r.get("final_eval_loss") else r["final_eval_loss"] / ddp["final_eval_loss"] - 1
         fewer_app = ddp["app_bytes_sent_per_peer"] / app if ddp and app else None
-        fewer_wire = ddp["wire_bytes_sent_per_peer"] / wire if ddp and wire and ddp.get("wire_bytes_sent_per_peer") else None
+        ddp_wire = ddp.get("wire_bytes_sent_per_peer") if ddp else None
+        fewer_wire = ddp_wire / wire if ddp_wire and wire else None
         est = "≈" if r.get("app_bytes_estimated") else ""
         rows.append([name, f(r.get("final_eval_loss"), 4), "–" if vs is None else f"{vs * 100:+.1f} %",
                      f(r.get("tokens")), est + mb(app) if app else ("0" if app == 0 else "–"), mb(wire),
-                     "–" if fewer_app is None else f"{fewer_app:,.0f}×", "–" if fewer_wire is None else f"{fewer_wire:,.0f}×",
+                     "–" if fewer_app is None else f"{fewer_app:,.0f}×",
+                     "–" if fewer_wire is None else f"{fewer_wire:,.0f}×",
                      f(r.get("wall_seconds"), 1), f(r.get("compute_utilization"), 2),
-                     "; ".join(r.get("notes") or []) + (f" ERROR: {r['error'][:200]}" if r.get("error") else "")])
+                     cell(r)])
     lines += table(["method", "final eval loss", "vs ddp", "tokens", "sent/peer (payload)", "sent/peer (wire)",
                     "fewer bytes than ddp (payload)", "(wire)", "wall-clock s", "compute util.", "notes"], rows)
     lines += ["- *payload*: what the method itself sends: the node's all-reduce counter (`round_done.bytes_sent`), "
@@ -165,7 +180,8 @@ def slow_links_section(records: list[dict], plot_dir: Path, goals: list[str]) ->
         return lines + ["Not run.", ""]
     target = next((r["target_loss"] for r in runs if r.get("target_loss")), None)
     lines += [f"Target: eval loss {f(target, 4)} (ddp's final eval loss on unlimited links, same workload). Every "
-              f"peer in its own network namespace, capped in both directions with tc tbf. {runs[0].get('link', '')}.", ""]
+              f"peer in its own network namespace ({runs[0]['peers']} peers on a bridge), capped in both directions "
+              "with tc tbf.", ""]
     rows = []
     for cap in sorted({r["mbit"] for r in runs}, reverse=True):
         here = [r for r in runs if r["mbit"] == cap]
@@ -178,8 +194,8 @@ def slow_links_section(records: list[dict], plot_dir: Path, goals: list[str]) ->
             last = r["curve"][-1] if r.get("curve") else {}
             rows.append([f"{cap:g}", r["method"], f(wall, 1), how, f(t.get("tokens") or last.get("tokens")),
                          "–" if not (ddp_t and wall) else f"{ddp_t / wall:.1f}×",
-                         f(last.get("eval_loss"), 4), f(r.get("step_seconds_median"), 3),
-                         "; ".join(r.get("notes") or []) + (f" ERROR: {r['error'][:200]}" if r.get("error") else "")])
+                         "–" if t.get("estimated") else f(last.get("eval_loss"), 4), f(r.get("step_seconds_median"), 3),
+                         cell(r)])
     lines += table(["Mbit/s", "method", "time to target s", "", "tokens then (or at the end)", "ddp time / this",
                     "last eval loss", "ddp s/step", "notes"], rows)
     for path in plots.slow_links(runs, plot_dir):
@@ -195,12 +211,13 @@ def slow_links_section(records: list[dict], plot_dir: Path, goals: list[str]) ->
         beats_hm = t(hm) is None or t(dil) < t(hm)
         goals.append(f"- **{slow[0]['mbit']:g} Mbit/s, time to target ≥10× shorter than ddp: "
                      f"{'met' if vs_ddp and vs_ddp >= GOAL_SPEEDUP else 'MISSED'}** ({dil['method']} {t(dil):.0f} s, "
-                     f"ddp {f(t(ddp), 0)} s{' (estimated)' if ddp and (ddp.get('time_to_target') or {}).get('estimated') else ''}"
+                     f"ddp {f(t(ddp), 0)} s{' (estimated)' if _estimated(ddp) else ''}"
                      f", {f(vs_ddp, 1)}×). **Shorter than hivemind: {'met' if beats_hm else 'MISSED'}** "
-                     f"(hivemind {f(t(hm), 0) if t(hm) else 'did not reach the target'} s).")
+                     + (f"(hivemind {t(hm):.0f} s)." if t(hm) else
+                        "(hivemind did not reach the target within its steps)."))
     else:
-        goals.append(f"- {slow[0]['mbit']:g} Mbit/s time to target: **MISSED**, the DiLoCo run did not reach the target "
-                     "loss within its step budget (see the table).")
+        goals.append(f"- {slow[0]['mbit']:g} Mbit/s time to target: **MISSED**, the DiLoCo run did not reach the "
+                     "target loss within its step budget (see the table).")
     return lines
 
 
@@ -223,7 +240,8 @@ def transport_section(records: list[dict], slow: list[dict], plot_dir: Path, goa
         rows.append([r["impl"], str(r["peers"]), f"{r['payload_mb']:g}", f"{r['mbit']:g}" if r["mbit"] else "none",
                      f(r.get("seconds"), 2), f(r.get("bound_seconds"), 2), f(r.get("efficiency"), 2),
                      mb(r.get("bytes_sent_per_peer")), mb(r.get("bytes_bound_per_peer")),
-                     mb(r.get("wire_bytes_sent_per_peer")), f(_cores(r), 2), str(len(r.get("rounds", []))),
+                     mb(r.get("wire_bytes_sent_per_peer")), f(_cores(r), 2), _retrans(r),
+                     f(_median(r, "tbf_drops")), str(len(r.get("rounds", []))),
                      "" if r.get("ok") else "failed or partial round(s): " + str(r.get("rounds"))[:200]])
     node_rows = [r for r in slow if r.get("method", "").startswith("diloco") and r.get("allreduce_seconds_median")]
     for r in node_rows:
@@ -231,12 +249,15 @@ def transport_section(records: list[dict], slow: list[dict], plot_dir: Path, goa
         bound = 2 * (n - 1) / n * r["payload_bytes"] / (r["mbit"] * 1e6 / 8)
         rows.append([f"node ({r['method']})", str(n), f"{r['payload_bytes'] / 1e6:.2f}", f"{r['mbit']:g}",
                      f(r["allreduce_seconds_median"], 2), f(bound, 2), f(bound / r["allreduce_seconds_median"], 2),
-                     "–", mb(2 * (n - 1) / n * r["payload_bytes"]), "–", "–", str(len(r.get("curve", []))),
+                     "–", mb(2 * (n - 1) / n * r["payload_bytes"]), "–", "–", "–", "–", str(len(r.get("curve", []))),
                      "real nodes in the slow-link run: allreduce_seconds of round_done, median"])
     lines += table(["impl", "N", "S MB", "cap Mbit/s", "round s", "bound s", "efficiency", "sent/peer", "bound/peer",
-                    "wire/peer", "CPU cores busy", "rounds", "notes"], rows)
+                    "wire/peer", "CPU cores busy", "TCP retrans.", "tbf drops", "rounds", "notes"], rows)
     lines += ["*CPU cores busy*: CPU seconds of all agents during the round per second of the round (the "
-              "machine has 2 cores; near 2 the round is CPU-bound, not link-bound).", ""]
+              "machine has 2 cores; near 2 the round is CPU-bound, not link-bound). *TCP retrans.*: share of "
+              "the TCP segments the members sent that were retransmissions (/proc/net/snmp of each namespace); "
+              "*tbf drops*: packets the members' caps dropped (both directions, `tc -s qdisc`); medians over "
+              "the rounds.", ""]
     for path in plots.transport(runs, plot_dir):
         lines.append(f"![{path.stem}](plots/{path.name})")
     lines.append("")
@@ -252,9 +273,18 @@ def transport_section(records: list[dict], slow: list[dict], plot_dir: Path, goa
     return lines
 
 
-def _cores(record: dict) -> float | None:
-    values = [r["cpu_cores_busy"] for r in record.get("rounds", []) if r.get("cpu_cores_busy") is not None]
+def _median(record: dict, key: str) -> float | None:
+    values = [r[key] for r in record.get("rounds", []) if r.get(key) is not None]
     return statistics.median(values) if values else None
+
+
+def _cores(record: dict) -> float | None:
+    return _median(record, "cpu_cores_busy")
+
+
+def _retrans(record: dict) -> str:
+    value = _median(record, "tcp_retrans_fraction")
+    return "–" if value is None else f"{value * 100:.1f} %"
 
 
 def codecs_section(records: list[dict]) -> list[str]:

@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for name in steps:
         started = time.monotonic()
-        say(f"== {name}: python {' '.join(Path(a).relative_to(BENCH.parent).as_posix() if a.startswith('/') else a for a in STANDARD[name])}")
+        shown = [Path(a).relative_to(BENCH.parent).as_posix() if a.startswith("/") else a for a in STANDARD[name]]
+        say(f"== {name}: python {' '.join(shown)}")
         code = run_codecs(STANDARD[name], run_id) if name == "codecs" else run([PY, *STANDARD[name]])
         seconds = time.monotonic() - started
         append_jsonl(OUT / "standard.jsonl", {"bench": "standard", "run_id": run_id, "date": now_iso(), "step": name,

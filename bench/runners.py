@@ -18,6 +18,7 @@ reaches it, and ``time_to_target`` says when.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 import shutil
@@ -30,7 +31,8 @@ from typing import Any
 
 import torch
 
-from common import BENCH, PY, Network, Proc, Workload, free_port, node_argv, peer_key, processes, say, wait_port
+from common import (BENCH, PY, Network, Proc, Workload, bootstrap_dht, free_port, node_argv, peer_key, processes, say,
+                    wait_port)
 
 DDP_SCRIPT = BENCH / "baselines" / "ddp.py"
 HIVEMIND_SCRIPT = BENCH / "baselines" / "hivemind_opt.py"
@@ -183,10 +185,13 @@ def run_diloco(work: Workload, net: Network, logdir: Path, codec: str, inner_ste
                extra_sets: list[str] = ()) -> dict[str, Any]:
     """``work.peers`` ``lowcomm-node join`` processes, ``rounds`` outer rounds of H inner steps.
 
-    Each node is stopped (SIGSTOP) the moment it prints its ready line and all are continued
-    together once every one is ready, so that all peers start their first inner phase at the
-    same time (the node has no "wait for N peers" option, and a lone first peer would otherwise
-    take solo outer steps while the others start up).
+    Each node is stopped (SIGSTOP, the main process only) when it logs that its gRPC server
+    listens, and all are continued together once every one got there, so that all peers start
+    their first inner phase at the same time (the node has no "wait for N peers" option, and a
+    lone first peer would otherwise take solo outer steps while the others start up). That line
+    comes after the model, the corpus and the DHT are up and before the node's first DHT call
+    from its main process. The nodes join a DHT peer of the harness, never a held node: joiners
+    of a held node sometimes failed their DHT bootstrap, again and again until it was continued.
     """
     rounds = rounds or max(1, work.steps // inner_steps)
     method = f"diloco-{codec}-H{inner_steps}"
@@ -201,7 +206,7 @@ def run_diloco(work: Workload, net: Network, logdir: Path, codec: str, inner_ste
     def on_event(name: str, event: dict) -> None:
         index = int(name.rsplit("-", 1)[1])
         kind = event.get("event")
-        if kind == "node_ready":
+        if is_hold_point(event):
             while name not in by_name:
                 time.sleep(0.001)
             by_name[name].pause()
@@ -213,7 +218,7 @@ def run_diloco(work: Workload, net: Network, logdir: Path, codec: str, inner_ste
     peers: list[Proc] = []  # the running node of every peer (a restarted joiner replaces its first try)
     retries = 0
     try:
-        with processes() as procs:
+        with processes() as procs, contextlib.ExitStack() as stack:
             def start(index: int, initial: list[str], dht_port: int | None = None) -> Proc:
                 proc = Proc(f"peer-{index}", node_argv(net, index, workdir, initial, extra, dht_port),
                             on_event=on_event, log_path=logdir / f"peer-{index}.log")
@@ -221,28 +226,26 @@ def run_diloco(work: Workload, net: Network, logdir: Path, codec: str, inner_ste
                 procs.append(proc)
                 return proc
 
-            # Peer 0's address is known in advance (fixed identity and port). Each peer starts as
-            # soon as the previous one's DHT listens, so that one loads its model while the next
-            # one joins: start-up overlaps, but no two joiners bootstrap their DHT at once (on
-            # the busy machine their bootstrap pings then time out, see JOIN_ATTEMPTS).
+            # Every node joins a plain DHT peer that the harness runs (never held), one after the
+            # other as soon as the previous one's DHT listens: start-up overlaps, and no joiner
+            # depends on a held node to answer its bootstrap.
             # In namespaces, a new DHT port per run: p2pd dials from its listening port (libp2p's
-            # SO_REUSEPORT), so a fixed port would reuse the last run's TCP 4-tuples, which may
-            # still be in TIME_WAIT.
+            # SO_REUSEPORT), so a fixed port would reuse the last run's TCP 4-tuples.
             base = 7700 + 10 * (next(_NODE_RUNS) % 100)
             ports = [base if net.kind == "netns" else free_port() for _ in range(work.peers)]
+            maddr = stack.enter_context(bootstrap_dht(net))
             launched = time.monotonic()
-            maddr = f"/ip4/{net.host(0)}/tcp/{ports[0]}/p2p/{peer_key(0)}"
             for index in range(work.peers):
-                peers.append(start(index, [maddr] if index else [], ports[index]))
+                peers.append(start(index, [maddr], ports[index]))
                 wait_port(net.host(index), ports[index], READY_TIMEOUT, lambda: peers[-1].proc.poll() is None)
             for index in range(work.peers):
                 for attempt in range(1, JOIN_ATTEMPTS + 1):
                     try:
-                        peers[index].ready(READY_TIMEOUT)
+                        peers[index].wait_for(is_hold_point, READY_TIMEOUT)
                         break
                     except TimeoutError as err:
-                        # A joiner whose DHT bootstrap ping timed out on the busy machine exits;
-                        # start it again (see RESULTS.md: reported as a node issue).
+                        # A joiner whose DHT bootstrap failed exits: start it again (not seen
+                        # since the hold point moved before the node's first DHT call).
                         if index == 0 or "bootstrap failed" not in str(err) or attempt == JOIN_ATTEMPTS:
                             raise
                         retries += 1
@@ -267,6 +270,11 @@ def run_diloco(work: Workload, net: Network, logdir: Path, codec: str, inner_ste
     record = _diloco_record(method, net, work, peers, t0, wire0, inner_steps, codec, notes)
     record.update(startup_seconds=startup, startup_retries=retries)
     return record
+
+
+def is_hold_point(event: dict) -> bool:
+    """The node's log line at which the harness holds it (see run_diloco)."""
+    return str(event.get("msg", "")).startswith("gRPC server on port")
 
 
 def _phases(proc: Proc, t0: float) -> tuple[list[float], list[float]]:

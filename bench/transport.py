@@ -44,6 +44,20 @@ def bound_seconds(peers: int, payload_bytes: float, mbit: float | None) -> float
     return 2 * (peers - 1) / peers * payload_bytes / (mbit * 1e6 / 8)
 
 
+def link_counters(net, peers: int) -> list[dict[str, int]] | None:
+    """TCP and tbf counters of the first ``peers`` namespaces (None on loopback)."""
+    return [net.link_counters(i) for i in range(peers)] if hasattr(net, "link_counters") else None
+
+
+def link_delta(after: list[dict] | None, before: list[dict] | None) -> dict:
+    """Retransmitted share of the TCP segments the members sent, and packets the caps dropped."""
+    if not after or not before:
+        return {}
+    total = {key: sum(a[key] - b[key] for a, b in zip(after, before)) for key in after[0]}
+    return {"tcp_retrans_fraction": total["retrans_segs"] / total["out_segs"] if total["out_segs"] else None,
+            "tbf_drops": total["tbf_drops"]}
+
+
 def shard_bounds(numel: int, parts: int) -> list[int]:
     return [round(numel * i / parts) for i in range(parts + 1)]
 
@@ -78,8 +92,9 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
     peers_max = max(args.peers)
     with processes() as agents:
         for i in range(peers_max):
+            port = "7701" if net.kind == "netns" else "0"
             agents.append(Proc(f"agent-{i}", net.wrap(i, [PY, str(AGENT), "lowcomm", "--index", str(i), "--host",
-                                                          net.host(i), "--port", "7701" if net.kind == "netns" else "0"]),
+                                                          net.host(i), "--port", port]),
                                stdin=True, log_path=logdir / f"agent-{i}.log"))
         addresses = [a.wait_event("ready", 120)["address"] for a in agents]
         step = 0
@@ -100,12 +115,13 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
                     rounds = 1 if bound and bound > args.single_round_above else args.rounds
                     results = []
                     for _ in range(rounds):
-                        wire0 = [net.wire_sent(i) for i in range(n)]
+                        wire0, links0 = [net.wire_sent(i) for i in range(n)], link_counters(net, n)
                         step += 1
                         result = lowcomm_round(members, addresses, numel, int(codec.id), timeout, step)
                         wire = [None if a is None or b is None else b - a
                                 for a, b in zip(wire0, [net.wire_sent(i) for i in range(n)])]
                         result["wire_bytes_sent"] = statistics.fmean(wire) if None not in wire else None
+                        result.update(link_delta(link_counters(net, n), links0))
                         results.append(result)
                     seconds = statistics.median(r["seconds"] for r in results)
                     record = record_base(
@@ -178,14 +194,15 @@ def sweep_hivemind(net, args, out: Path, run_id: str, logdir: Path) -> None:
             rounds = 1 if bound and bound > args.single_round_above else args.rounds
             results = []
             for _ in range(rounds):
-                wire0 = [net.wire_sent(i) for i in range(n)]
+                wire0, links0 = [net.wire_sent(i) for i in range(n)], link_counters(net, n)
                 done = _ask(members, {"cmd": "round", "timeout": timeout}, "round_done", timeout * 3 + 60)
                 wire = [None if a is None or b is None else b - a
                         for a, b in zip(wire0, [net.wire_sent(i) for i in range(n)])]
                 results.append({"seconds": max(d["t_end"] for d in done) - max(d["t_start"] for d in done),
                                 "group_sizes": [d["group_size"] for d in done],
                                 "errors": [d["error"] for d in done if d.get("error")],
-                                "wire_bytes_sent": statistics.fmean(wire) if None not in wire else None})
+                                "wire_bytes_sent": statistics.fmean(wire) if None not in wire else None,
+                                **link_delta(link_counters(net, n), links0)})
             ok = [r for r in results if not r["errors"] and all(g == n for g in r["group_sizes"])]
             seconds = statistics.median(r["seconds"] for r in ok) if ok else None
             record = record_base(

@@ -15,7 +15,7 @@ DiLoCo with outer learning rate 1 and no outer momentum, run asynchronously.
 
 Protocol with the harness (JSON lines on stdout, lines on stdin):
 
-    {"event": "dht_ready", "maddrs": [...]}      the DHT is up (peer 0's address is the others' --initial-peer)
+    {"event": "dht_ready", "maddrs": [...]}      the DHT is up (peer 0's is the others' --initial-peer)
     {"event": "ready"}                           optimizer built; the peer waits for "go" on stdin
     {"event": "params", "step", "epoch", "path", "wall", "compute_seconds", "sync_seconds"}
                                                  every --eval-every steps: flat float32 weights saved to path
@@ -25,10 +25,12 @@ Protocol with the harness (JSON lines on stdout, lines on stdin):
 swarm until "exit" (all peers done) and keeps joining averaging rounds with empty steps
 (``opt.step(batch_size=0)``: no data, no gradient), so that a peer still training finds partners.
 
+The peers do not evaluate: the harness averages the peers' weights saved at the same step (the
+swarm's model) and evaluates that, so no peer spends time on evaluation. Wall-clock starts at
+"go".
+
 hivemind 1.1.12's 8-bit codec does not decode under NumPy 2 (see ``patch_8bit_for_numpy2``);
-the script patches that one function when it is broken and says so in its "ready" line. The peers do not evaluate: the harness
-averages the peers' weights saved at the same step (the swarm's model) and evaluates that, so
-no peer spends time on evaluation. Wall-clock starts at "go".
+the script patches that one function when it is broken and says so in its "ready" line.
 """
 
 from __future__ import annotations
