@@ -46,6 +46,7 @@ from .config import Config
 from .globalstate import GlobalState
 from .grpc_metrics import HandledCounter
 from .metrics import NodeMetrics, serve_metrics
+from .reconnect import Reconnector
 from .swarm import HivemindDHT, PeerRecord, SwarmView, peers_key, read_swarm, signed
 from .rounds import RoundLoop, RoundReport  # noqa: F401 (RoundReport is part of this module's API)
 from .trainer import Trainer
@@ -102,6 +103,9 @@ class Node(RoundLoop):
         self.health = health.aio.HealthServicer()
         # Asked once: DHT calls block on another process, never on the event loop.
         self.multiaddrs = [str(m) for m in dht.get_visible_maddrs()]
+        # After a partition heals, hivemind alone never reintroduces the two sides (node/reconnect.py).
+        self.reconnector = Reconnector(dht, self.peer_id, config.node.peers,
+                                       interval=max(10.0, 3 * config.node.heartbeat_interval))
         self.trainer: Trainer
         self.state: GlobalState
 
@@ -286,7 +290,10 @@ class Node(RoundLoop):
         while True:
             try:
                 await self.publish_record()
-                await self.refresh_view()
+                view = await self.refresh_view()
+                answered = await self.reconnector.maybe_reconnect(view.peers.keys(), view.left)
+                if answered is not None:
+                    self.metrics.dht_rebootstraps.labels(outcome="reached" if answered else "unreachable").inc()
             except Exception:  # a heartbeat must survive any DHT hiccup
                 log.exception("heartbeat failed")
             await asyncio.sleep(self.config.node.heartbeat_interval)

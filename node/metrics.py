@@ -48,6 +48,10 @@ class NodeMetrics:
             "lowcomm_swarm_outer_step_max", "Highest outer step published in the DHT by any live peer.", registry=r
         )
         self.swarm_peers = Gauge("lowcomm_swarm_peers", "Live peers in the DHT, this node included.", registry=r)
+        self.dht_rebootstraps = Counter(
+            "lowcomm_dht_rebootstraps", "Times peers vanished from the swarm view and the DHT was re-bootstrapped.",
+            ["outcome"], registry=r,
+        )
         self.round_group_size = Gauge("lowcomm_round_group_size", "Members of this node's last averaging group.", registry=r)
         self.rounds = Counter("lowcomm_rounds", "Outer rounds this node completed.", registry=r)
         self.round_failures = Counter(

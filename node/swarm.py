@@ -141,6 +141,7 @@ class SwarmView:
     peers: dict[str, PeerRecord]
     foreign: dict[str, PeerRecord]  # live peers whose protocol or config differs
     taken_at: float
+    left: frozenset[str] = frozenset()  # peers whose last record says they are leaving
 
     @property
     def max_step(self) -> int:
@@ -165,9 +166,11 @@ async def read_swarm(dht: HivemindDHT | SignedDHT, run: str, fingerprint: str, p
         raw, unsigned = await dht.get_checked(peers_key(run))
     else:
         raw, unsigned = await dht.get(peers_key(run)), {}
-    peers, foreign = {}, {}
+    peers, foreign, left = {}, {}, set()
     for peer_id, value in raw.items():
         record = PeerRecord.parse(peer_id, value)
+        if record is not None and record.leaving:
+            left.add(peer_id)
         if record is None or record.leaving:
             continue
         compatible = record.config_fingerprint == fingerprint and record.protocol_version == protocol_version
@@ -180,4 +183,4 @@ async def read_swarm(dht: HivemindDHT | SignedDHT, run: str, fingerprint: str, p
         record = PeerRecord.parse(peer_id, value)
         if record is not None and not record.leaving and peer_id not in peers:
             foreign[peer_id] = record
-    return SwarmView(peers, foreign, time.monotonic())
+    return SwarmView(peers, foreign, time.monotonic(), frozenset(left))
