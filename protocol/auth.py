@@ -242,6 +242,8 @@ class ServerAuthInterceptor(grpc.aio.ServerInterceptor):
     them); warnings are logged here, rate-limited per claimed sender.
     """
 
+    reads_messages = True  # it checks the sender named in requests: they must arrive parsed (rpc.py)
+
     def __init__(self, auth: RunAuth, on_reject: RejectCallback | None = None,
                  open_methods: frozenset[str] = OPEN_METHODS) -> None:
         self.auth = auth

@@ -18,6 +18,7 @@ from ._pb.lowcomm.v1 import (
 )
 from .allreduce import CHUNK_BYTES, ReduceRegistry
 from .auth import TLSConfig
+from .decode import StrictDecodeInterceptor
 from .handshake import IncompatiblePeer
 from .matchmaking import Matchmaker
 from .state import StateDonor, StateError
@@ -139,8 +140,15 @@ def create_server(
     A secret run passes an ``auth.ServerAuthInterceptor`` in ``interceptors`` (after any that
     should see its refusals, e.g. a counter of status codes); ``tls`` serves TLS only.
     """
+    # Interceptors run outermost first. Request bytes are parsed by StrictDecodeInterceptor, placed
+    # before the first interceptor that reads messages (``reads_messages``, e.g. auth's sender
+    # check) and after those that only observe calls (e.g. the status-code counter, which then
+    # counts refused garbage too).
+    chain = list(interceptors or [])
+    readers = [i for i, interceptor in enumerate(chain) if getattr(interceptor, "reads_messages", False)]
+    chain.insert(readers[0] if readers else len(chain), StrictDecodeInterceptor())
     server = grpc.aio.server(
-        interceptors=interceptors or [],
+        interceptors=chain,
         options=CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)],  # a second node on the same port must fail
     )
     if averaging is not None:

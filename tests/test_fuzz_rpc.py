@@ -642,13 +642,12 @@ def test_undecodable_protobuf_bytes(node, method, raw):
             reader = asyncio.ensure_future(read_all(call))
             await write_all(call, [raw])
             code, _ = await reader
-        # Bytes that are not a protobuf message of the method's type fail in grpc's own
-        # deserializer, before any handler of ours runs: grpc.aio answers UNKNOWN for them (a
-        # known limitation, see the report); everything that parses gets one of our statuses.
+        # Bytes that are not a protobuf message of the method's type are refused as such
+        # (protocol/decode.py); everything that parses gets one of the handlers' statuses.
         if parses(path, raw):
             assert code not in NEVER, (path, raw, code)
         else:
-            assert code in {S.UNKNOWN, S.INTERNAL, S.INVALID_ARGUMENT}, (path, raw, code)
+            assert code == S.INVALID_ARGUMENT, (path, raw, code)
         node.registry.close()
         await node.healthy()
 
