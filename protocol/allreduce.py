@@ -344,6 +344,27 @@ class AllReduceResult:
     payload_bytes: int  # encoded size of this peer's whole contribution (for the compression ratio)
 
 
+MAX_WEIGHT_RATIO = 4.0
+
+
+def bounded_weights(members) -> dict[str, float]:
+    """Each member's averaging weight: its self-reported tokens, capped at MAX_WEIGHT_RATIO times
+    the group's lower median.
+
+    Weights are claims nobody can check, so one peer claiming 10¹² tokens would otherwise own
+    every average. Honest weights differ by small factors (a peer whose last round failed brings
+    two inner phases' worth), which the cap leaves alone. The lower median makes a lone liar in
+    a group of two capped by the honest member. Every member computes this from the same group
+    message, so all use the same weights.
+    """
+    claimed = {m.peer_id: (m.weight if m.weight > 0 and math.isfinite(m.weight) else 1.0) for m in members}
+    if not claimed:
+        return {}
+    ordered = sorted(claimed.values())
+    cap = MAX_WEIGHT_RATIO * ordered[(len(ordered) - 1) // 2]
+    return {peer: min(weight, cap) for peer, weight in claimed.items()}
+
+
 async def run_allreduce(
     group: averaging_pb2.Group,
     peer_id: str,
@@ -362,7 +383,7 @@ async def run_allreduce(
     """
     codec = codecs.get_codec(group.codec)
     members = list(group.members)
-    weights = {m.peer_id: (m.weight if m.weight > 0 and math.isfinite(m.weight) else 1.0) for m in members}
+    weights = bounded_weights(members)
     slices = shard_slices(group)
     owners = [members[i] for i in group.shard_owners]
     deadline = time.monotonic() + group.reduce_timeout_s

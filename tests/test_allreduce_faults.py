@@ -425,3 +425,22 @@ def test_owners_stop_waiting_for_a_straggler_soon_after_a_quorum():
             await stop_peers(peers)
 
     run(scenario(), 40)
+
+
+# -- self-reported weights ------------------------------------------------------------------------
+
+def _members(*weights: float) -> list[averaging_pb2.Member]:
+    return [averaging_pb2.Member(peer_id=f"p{i}", address="", weight=w) for i, w in enumerate(weights)]
+
+
+def test_a_peer_claiming_huge_weight_is_capped_relative_to_the_group():
+    from lowcomm.protocol.allreduce import MAX_WEIGHT_RATIO, bounded_weights
+
+    honest = 4096.0
+    weights = bounded_weights(_members(honest, honest, 1e12))
+    assert weights == {"p0": honest, "p1": honest, "p2": MAX_WEIGHT_RATIO * honest}
+    # In a group of two the honest member's weight bounds the liar.
+    assert bounded_weights(_members(1e12, honest))["p0"] == MAX_WEIGHT_RATIO * honest
+    # Honest differences (two inner phases after a failed round) and bad values.
+    assert bounded_weights(_members(honest, 2 * honest, honest)) == {"p0": honest, "p1": 2 * honest, "p2": honest}
+    assert bounded_weights(_members(float("nan"), -3.0, float("inf"))) == {"p0": 1.0, "p1": 1.0, "p2": 1.0}
