@@ -1,7 +1,8 @@
-"""Fault injection through the real CLI: a leader that dies after sending the group, a straggler.
+"""Fault injection through the real CLI: a leader that dies after sending the group, a straggler,
+a joiner that arrives while a round is in flight.
 
 In each: no round hangs past its deadlines, the survivors stay bit-identical, and the swarm goes
-on training. (A killed sender and owner, a late joiner and a killed donor are covered in
+on training. (A killed sender and owner, a joiner at an arbitrary moment and a killed donor are covered in
 test_swarm_cli.py, test_allreduce_faults.py and test_state_download.py.)
 """
 
@@ -79,3 +80,24 @@ def test_diverged_local_model_never_sends_and_resyncs(swarm):
     assert all(e["eval_loss"] == e["eval_loss"] for e in first.rounds() + second.rounds())  # never NaN
     rejected = [e for e in first.events if e.get("level") == "warning" and "non_finite" in e.get("msg", "")]
     assert not rejected  # the NaN never even reached the wire
+
+
+def test_joiner_arriving_mid_round(swarm):
+    first = swarm.start(0)
+    second = swarm.start(1, [first.multiaddr])
+    # The third peer stalls inside its first round with partners, after the group formed: from
+    # its fault_hold event until the others' reduce deadline, that round is in flight.
+    holder = swarm.start(2, [first.multiaddr], env={"LOWCOMM_FAULT_HOLD_ROUND": "1"})
+    step = holder.wait_event("fault_hold", ROUND_WAIT * 2)["outer_step"]
+    joiner = swarm.start(3, [first.multiaddr])
+    holder.signal(signal.SIGKILL)
+    done = [n.wait_for(lambda e: e.get("event") == "round_done" and e["outer_step"] == step + 1, ROUND_WAIT)
+            for n in (first, second)]
+    assert done[0]["params_sha256"] == done[1]["params_sha256"]
+    assert all(e["round_seconds"] < MATCHMAKING + REDUCE * 1.5 + 10 for e in done)
+    # The joiner gets the swarm's state, averages with the others, and they stay identical.
+    joined = joiner.wait_for(lambda e: e.get("event") == "round_done" and e["group_size"] >= 2, ROUND_WAIT * 2)
+    assert joined["outer_step"] > step + 1
+    assert hash_at(first, joined["outer_step"]) == joined["params_sha256"]
+    assert hash_at(second, joined["outer_step"]) == joined["params_sha256"]
+    assert all(e["eval_loss"] == e["eval_loss"] for n in (first, second, joiner) for e in n.rounds())
