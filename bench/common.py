@@ -118,7 +118,8 @@ def machine() -> dict[str, Any]:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    return {"cores": os.cpu_count(), "cpu_model": model, "torch": torch.__version__,
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cores": os.cpu_count(), "cpu_model": model, "torch": torch.__version__, "gpu": gpu,
             "python": platform.python_version(), "kernel": platform.release(),
             "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}
 

@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                 record = run_method(method, work, net, logdir, args.time_limit, hivemind=hivemind_options(args))
             except Exception as err:  # one broken method must not cost the others' results
                 say(f"{method}: FAILED: {err}")
-                record = {"method": method, "network": net.kind, "ok": False, "curve": [], "error": str(err)[-2000:]}
+                record = {"method": method, "network": net.kind, "ok": False, "curve": [], "error": str(err)[-2000:],
+                          "logs": str(logdir / method)}
             record = record_base("convergence", run_id=run_id, elapsed_seconds=time.monotonic() - t0, **record)
             append_jsonl(args.json_out, record)
             say(f"{method}: final eval loss {record.get('final_eval_loss')}, wall {record.get('wall_seconds')}, "

@@ -1,81 +1,132 @@
+#!/usr/bin/env python
 """Blocking vs overlapped rounds on capped links: compute utilization and eval loss at equal tokens.
 
-    sudo .venv/bin/python bench/overlap.py [--mbit 20] [--peers 3] [--rounds 8] [--json-out FILE]
+    python bench/overlap.py [--mbit 20] [--modes none,delayed,eager] [--rounds 20] [--inner-steps 20]
+                            [--peers 4] [--batch-size 8] [--codec int8] [--time-limit 600]
+                            [--json-out bench/out/overlap.jsonl] [--prefix lco]
 
-Runs the same swarm three times inside the network-namespace cluster (deploy/netns_cluster.py),
-each peer capped at --mbit both ways, with `[sync] overlap` = none, delayed and eager. For each
-mode it reports the compute utilization (share of wall time in inner steps, measured by every
-node since its start) after --rounds outer steps, and the eval loss of the global model at that
-step (equal tokens per peer across modes). Needs root (ip netns, tc).
+The same swarm (``--peers`` ``lowcomm-node join`` processes, fixed identities and seed, so the
+same data) runs once per ``[sync] overlap`` mode inside network namespaces capped at ``--mbit``
+both ways, for ``--rounds`` outer rounds of ``--inner-steps`` steps, through the harness of the
+convergence benchmark (runners.run_diloco: held at start-up and released together, every node
+joins a DHT peer of the harness). One JSON line per mode:
+
+* ``utilization_window``: per peer, (train_seconds at its last round − at its second round) /
+  (wall-clock between the two), from the nodes' ``round_done`` events; ``train_seconds`` is the
+  node's own time in inner steps. The first round is left out: start-up and the first
+  matchmaking are the same in every mode and would hide the difference. Median and minimum
+  over peers.
+* ``utilization_since_start``: the node's ``compute_utilization`` at its last round, i.e. the
+  value of its ``lowcomm_compute_utilization_ratio`` gauge then (median over peers).
+* ``eval_loss``: the global model after outer step ``--rounds`` (identical on every peer), i.e.
+  after the same tokens per peer in every mode (in the overlapped modes the nodes have trained
+  one more inner phase by then, which is not in that model); ``eval_curve``: per outer step.
+* ``round_late``: how often a node's training waited for a background round that was more than
+  one inner phase late (the node's ``round_late`` event), per peer.
+
+Root only (network namespaces); otherwise one "skipped" record says why. ``python
+bench/results.py`` turns the newest run into the section "Overlap on 20 Mbit/s links".
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
-from netns_cluster import netns_cluster, unavailable_reason  # noqa: E402
+from common import OUT, Workload, append_jsonl, handle_signals, netns_unavailable, network, record_base, say
+from runners import run_diloco
 
-SETTINGS = ["--torch-threads", "1", "--set", "train.inner_steps=20", "--set", "train.batch_size=8",
-            "--set", "sync.matchmaking_timeout=20", "--set", "sync.reduce_timeout=20",
-            "--set", "node.heartbeat_interval=1"]
+MODES = ("none", "delayed", "eager")
+# Timeouts short enough that a failed round costs seconds, not the node's 30 s / 60 s defaults.
+SETTINGS = ["sync.matchmaking_timeout=20", "sync.reduce_timeout=20", "node.heartbeat_interval=1"]
 
 
-def run_mode(mode: str, peers: int, mbit: float, rounds: int, timeout: float) -> dict:
-    prefix = {"none": "lovn", "delayed": "lovd", "eager": "love"}[mode]
-    with netns_cluster(peers, mbit, prefix=prefix, join_args=[*SETTINGS, "--set", f"sync.overlap={mode}"]) as state:
-        deadline = time.monotonic() + timeout
-        while True:
-            done = [[e for e in state.events(i) if e.get("event") == "round_done"] for i in range(peers)]
-            if all(len(d) >= rounds for d in done) or time.monotonic() > deadline:
-                break
-            time.sleep(1.0)  # a benchmark poll of the nodes' log files
-    at = [d[rounds - 1] for d in done if len(d) >= rounds]
-    if len(at) < peers:
-        raise RuntimeError(f"{mode}: only {len(at)} of {peers} peers reached {rounds} rounds in {timeout:.0f}s")
-    # Utilization over the measured window (2nd to last round), not since start-up: start-up and
-    # the first catch-up are the same in every mode and would hide the difference.
-    windowed = [(d[rounds - 1]["train_seconds"] - d[1]["train_seconds"]) / (d[rounds - 1]["ts"] - d[1]["ts"])
-                for d in done]
+def summarize(record: dict, rounds: int) -> dict:
+    """The overlap numbers of one run_diloco record (see the module docstring)."""
+    peers = record.get("peer_rounds") or []
+    windows = []
+    for events in peers:
+        if len(events) >= 3 and events[-1]["train_seconds"] is not None:
+            first, last = events[1], events[-1]
+            windows.append((last["train_seconds"] - first["train_seconds"]) / (last["wall"] - first["wall"]))
+    since = [events[-1]["compute_utilization"] for events in peers if events]
+    at_step: dict[int, float] = {}
+    for events in peers:
+        for e in events:
+            at_step.setdefault(e["outer_step"], e["eval_loss"])
+    final_step = rounds if rounds in at_step else max(at_step, default=None)
     return {
-        "bench": "overlap", "mode": mode, "peers": peers, "mbit": mbit, "rounds": rounds,
-        "compute_utilization_window_median": statistics.median(windowed),
-        "compute_utilization_since_start_median": statistics.median(e["compute_utilization"] for e in at),
-        "eval_loss_median": statistics.median(e["eval_loss"] for e in at),
-        "outer_step_median": statistics.median(e["outer_step"] for e in at),
-        "tokens_per_peer": statistics.median(e["tokens_total"] for e in at),
-        "round_seconds_median": statistics.median(e["round_seconds"] for d in done for e in d[1:rounds]),
-        "group_sizes": sorted({e["group_size"] for d in done for e in d[:rounds]}),
-        "machine": f"{platform.machine()}, python {platform.python_version()}",
-        "date": time.strftime("%Y-%m-%d"),
+        "utilization_window_median": statistics.median(windows) if windows else None,
+        "utilization_window_min": min(windows) if windows else None,
+        "utilization_window_per_peer": windows,
+        "utilization_since_start_median": statistics.median(since) if since else None,
+        "eval_outer_step": final_step,
+        "eval_loss": at_step.get(final_step),
+        "eval_curve": [{"outer_step": s, "eval_loss": at_step[s]} for s in sorted(at_step)],
+        "round_seconds_median": record.get("round_seconds_median"),
+        "round_late": record.get("round_late"),
+        "rounds_done_per_peer": [len(events) for events in peers],
+        "group_sizes": sorted({e["group_size"] for events in peers for e in events}),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mbit", type=float, default=20.0)
-    parser.add_argument("--peers", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--modes", default="none,delayed,eager")
-    parser.add_argument("--timeout", type=float, default=600.0)
-    parser.add_argument("--json-out", type=Path)
+    parser.add_argument("--mbit", type=float, default=20.0, help="cap per peer, both directions")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--rounds", type=int, default=20, help="outer rounds per mode (20 × H=20: the 400 steps per peer of the convergence benchmark)")
+    parser.add_argument("--inner-steps", type=int, default=20, help="H")
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per peer per step")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--codec", default="int8")
+    parser.add_argument("--time-limit", type=float, default=600, help="seconds per mode before it is stopped")
+    parser.add_argument("--json-out", type=Path, default=OUT / "overlap.jsonl")
+    parser.add_argument("--prefix", default="lco", help="netns cluster prefix")
     args = parser.parse_args(argv)
-    reason = unavailable_reason()
-    if reason:
-        print(f"skipped: {reason}", file=sys.stderr)
-        return 2
-    for mode in args.modes.split(","):
-        line = json.dumps(run_mode(mode, args.peers, args.mbit, args.rounds, args.timeout))
-        print(line, flush=True)
-        if args.json_out:
-            with args.json_out.open("a") as fh:
-                fh.write(line + "\n")
+    handle_signals()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if bad := [m for m in modes if m not in MODES]:
+        raise SystemExit(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    if args.rounds < 3:
+        raise SystemExit("--rounds must be at least 3 (the window runs from the second round to the last)")
+    run_id = time.strftime("%Y%m%dT%H%M%S")
+    reason = netns_unavailable()
+    if reason is not None:
+        say(f"overlap: skipped: {reason}")
+        append_jsonl(args.json_out, record_base("overlap", run_id=run_id, skipped=reason))
+        return 0
+    work = Workload(peers=args.peers, steps=args.rounds * args.inner_steps, batch_size=args.batch_size,
+                    seq_len=args.seq_len, seed=args.seed)
+    logdir = args.json_out.parent / "logs" / f"overlap-{run_id}"
+    started = time.monotonic()
+    with network("netns", work.peers, mbit=args.mbit, prefix=args.prefix) as net:
+        say(f"overlap: modes {modes} on {net.describe()}; logs in {logdir}")
+        for mode in modes:
+            t0 = time.monotonic()
+            say(f"overlap={mode}: starting")
+            base = {"mode": mode, "mbit": args.mbit, "peers": work.peers, "rounds": args.rounds,
+                    "inner_steps": args.inner_steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                    "codec": args.codec, "logs": str(logdir / mode)}
+            try:
+                run = run_diloco(work, net, logdir / mode, args.codec, args.inner_steps, rounds=args.rounds,
+                                 time_limit=args.time_limit, extra_sets=[f"sync.overlap={mode}", *SETTINGS])
+                record = {**base, **summarize(run, args.rounds), "ok": run["ok"], "notes": run["notes"],
+                          "wall_seconds": run["wall_seconds"], "startup_seconds": run.get("startup_seconds"),
+                          "tokens_per_peer_in_eval_model": args.rounds * args.inner_steps * args.batch_size
+                          * args.seq_len, "peer_rounds": run["peer_rounds"]}
+            except Exception as err:  # one broken mode must not cost the others' results
+                say(f"overlap={mode}: FAILED: {err}")
+                record = {**base, "ok": False, "error": str(err)[-2000:]}
+            record = record_base("overlap", run_id=run_id, elapsed_seconds=time.monotonic() - t0, **record)
+            append_jsonl(args.json_out, record)
+            say(f"overlap={mode}: utilization (window) {record.get('utilization_window_median')}, eval loss "
+                f"{record.get('eval_loss')}, round_late {record.get('round_late')}, {time.monotonic() - t0:.0f} s")
+    say(f"overlap: done in {time.monotonic() - started:.0f} s")
     return 0
 
 

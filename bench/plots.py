@@ -44,7 +44,8 @@ def convergence(records: list[dict], outdir: Path) -> list[Path]:
         ax.set_xscale(scale)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("eval loss of the global model")
-        ax.set_title(f"tiny preset, {runs[0]['peers'] if runs else '?'} peers, equal tokens")
+        peers = max((r.get("peers") or 0 for r in runs), default=0)  # not single's 1
+        ax.set_title(f"tiny preset, {peers or '?'} peers, equal tokens")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -115,6 +116,44 @@ def transport(records: list[dict], outdir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = outdir / "transport.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def overlap(records: list[dict], outdir: Path) -> list[Path]:
+    """Compute utilization per overlap mode (bars) and eval loss per outer step (lines)."""
+    runs = [r for r in records if r.get("mode") and r.get("eval_curve")]
+    if not runs:
+        return []
+    outdir.mkdir(parents=True, exist_ok=True)
+    colors = {"none": "tab:blue", "delayed": "tab:green", "eager": "tab:orange"}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    names = [r["mode"] for r in runs]
+    window = [r.get("utilization_window_median") or 0 for r in runs]
+    since = [r.get("utilization_since_start_median") or 0 for r in runs]
+    xs = range(len(runs))
+    left.bar([x - 0.2 for x in xs], window, 0.4, label="measured window (2nd to last round)",
+             color=[colors.get(n, "gray") for n in names])
+    left.bar([x + 0.2 for x in xs], since, 0.4, label="since start (node's gauge)", color="lightgray")
+    left.axhline(0.95, color="gray", linestyle=":", label="goal 0.95")
+    left.set_xticks(list(xs))
+    left.set_xticklabels([f"overlap={n}" for n in names])
+    left.set_ylim(0, 1.05)
+    left.set_ylabel("compute utilization (median over peers)")
+    left.legend(fontsize=8, loc="lower right")
+    left.grid(True, axis="y", alpha=0.3)
+    for r in runs:
+        points = [(p["outer_step"], p["eval_loss"]) for p in r["eval_curve"]]
+        right.plot(*zip(*points), label=f"overlap={r['mode']}", color=colors.get(r["mode"], "gray"), marker="o",
+                   markersize=3, linewidth=1.4)
+    right.set_xlabel("outer step (equal tokens per peer in the global model)")
+    right.set_ylabel("eval loss of the global model")
+    right.grid(True, alpha=0.3)
+    right.legend(fontsize=8)
+    fig.suptitle(f"{runs[0]['peers']} peers, {runs[0]['mbit']:g} Mbit/s per peer, H={runs[0]['inner_steps']}")
+    fig.tight_layout()
+    path = outdir / "overlap.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return [path]

@@ -4,7 +4,7 @@
     python bench/results.py [--in-dir bench/out] [--out bench/RESULTS.md] [--plots bench/plots]
 
 Takes the newest run (``run_id``) of each benchmark in ``--in-dir`` (convergence.jsonl,
-slow_links.jsonl, transport.jsonl, codecs.jsonl, standard.jsonl), writes the tables, checks
+slow_links.jsonl, transport.jsonl, codecs.jsonl, overlap.jsonl, standard.jsonl), writes the tables, checks
 the issue's goals against the numbers (met / missed, never asserted), draws the plots, and
 appends bench/analysis.md (the hand-written reading of the profile of the committed run).
 """
@@ -23,6 +23,8 @@ GOAL_LOSS = 0.04
 GOAL_BYTES = 190
 GOAL_EFFICIENCY = 0.8
 GOAL_SPEEDUP = 10
+GOAL_UTILIZATION = 0.95
+GOAL_OVERLAP_PENALTY = 0.01
 
 
 def newest(records: list[dict]) -> list[dict]:
@@ -67,6 +69,34 @@ def cell(record: dict) -> str:
     return text.replace("\n", " ").replace("|", "/")
 
 
+def failures(records: list[dict]) -> list[str]:
+    """One line per failed run: what failed, the end of its error, where its logs are."""
+    lines = []
+    for r in records:
+        if r.get("error"):
+            what = r.get("method") or r.get("mode") or r.get("impl") or r.get("bench")
+            where = f" at {r['mbit']:g} Mbit/s" if r.get("mbit") else ""
+            last = r["error"].strip().splitlines()
+            shown = last if len(last) <= 3 else [last[0], "…", *last[-2:]]
+            lines.append(f"- **FAILED: {what}{where}** — {' / '.join(shown)[:400]}"
+                         + (f" (logs: `{r['logs']}`)" if r.get("logs") else ""))
+    return ["Runs that failed (the other runs of the set went on):", "", *lines, ""] if lines else []
+
+
+def skip_note(records: list[dict], goals: list[str], goal: str) -> list[str] | None:
+    """Where a benchmark was skipped (no namespaces here): the goal line and the section's text."""
+    skipped = next((r["skipped"] for r in records if r.get("skipped")), None)
+    if skipped is None:
+        return None
+    goals.append(f"- {goal}: not measured here ({skipped}).")
+    return [f"Skipped: {skipped}.", ""]
+
+
+def images(paths: list[Path]) -> list[str]:
+    """Markdown image lines of the plots (relative to RESULTS.md), then a blank line."""
+    return [*(f"![{path.stem}](plots/{path.name})" for path in paths), ""]
+
+
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
     align = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"
     return ["| " + " | ".join(header) + " |", align, *("| " + " | ".join(row) + " |" for row in rows), ""]
@@ -78,7 +108,8 @@ def machine_section(all_records: list[dict], standard: list[dict]) -> list[str]:
     if source:
         m = source["machine"]
         lines += [f"- Machine: {m['cores']} cores, CPU `{m['cpu_model']}`, Linux {m['kernel']}, Python {m['python']}, "
-                  f"torch {m['torch']}, no GPU. Load average when the runs started: "
+                  f"torch {m['torch']}, {'GPU ' + m['gpu'] if m.get('gpu') else 'no GPU'}. "
+                  "Load average (1, 5, 15 min) when the runs started: "
                   + ", ".join(f"{r['bench']} {r['machine']['loadavg_at_start']}" for r in _first_per_bench(all_records))
                   + " (the machine is shared: other processes ran at the same time)."]
     runs: dict[tuple, str] = {}
@@ -109,11 +140,16 @@ def _first_per_bench(records: list[dict]) -> list[dict]:
 def convergence_section(records: list[dict], plot_dir: Path, goals: list[str]) -> list[str]:
     lines = ["## 1. Convergence at equal tokens", ""]
     if not records:
+        goals.append("- diloco-int8-H50 vs ddp: not measured (no convergence run in bench/out).")
         return lines + ["Not run.", ""]
     methods = by_method(records)
-    ddp = methods.get("ddp")
-    first = next((r for r in records if r.get("workload") and r.get("peers", 1) > 1),
-                 next(r for r in records if r.get("workload")))
+    ddp = methods.get("ddp") if (methods.get("ddp") or {}).get("final_eval_loss") else None
+    # The peer count of a multi-peer method (single's record says 1).
+    first = next((r for r in records if r.get("workload") and r.get("peers", 1) > 1), None) or next(
+        (r for r in records if r.get("workload")), None)
+    if first is None:
+        goals.append("- diloco-int8-H50 vs ddp: not measured (every convergence run failed).")
+        return lines + ["Every method failed.", "", *failures(records)]
     w = first["workload"]
     lines += [f"`tiny` preset (445,952 parameters), default corpus, {first['peers']} peers with one torch thread each, "
               f"{w['steps']} steps per peer of {w['batch_size']} × {w['seq_len']} tokens (global batch "
@@ -149,9 +185,8 @@ def convergence_section(records: list[dict], plot_dir: Path, goals: list[str]) -
               "line that starts a round; hivemind: outside steps in which the epoch moved). Four peers share "
               "two cores, so every process is also descheduled about half the time; that is not separated.",
               ""]
-    for path in plots.convergence(records, plot_dir):
-        lines.append(f"![{path.stem}](plots/{path.name})")
-    lines.append("")
+    lines += failures(records)
+    lines += images(plots.convergence(records, plot_dir))
     target = methods.get("diloco-int8-H50")
     if ddp and target and target.get("final_eval_loss"):
         gap = target["final_eval_loss"] / ddp["final_eval_loss"] - 1
@@ -165,22 +200,25 @@ def convergence_section(records: list[dict], plot_dir: Path, goals: list[str]) -
                      f"**≥190× fewer bytes per peer: {'met' if bytes_ok else 'MISSED'}** ({f(ratio_app, 0)}× fewer "
                      f"payload bytes" + (f", {ratio_wire:.0f}× fewer bytes on the wire" if ratio_wire else "") + ").")
     else:
-        goals.append("- diloco-int8-H50 vs ddp: not measured (one of the two runs is missing or failed).")
+        missing = [m for m, r in (("ddp", ddp), ("diloco-int8-H50", target))
+                   if not (r and r.get("final_eval_loss"))]
+        goals.append(f"- diloco-int8-H50 vs ddp: **not measured** ({', '.join(missing)} missing or failed; "
+                     "see section 1).")
     return lines
 
 
 def slow_links_section(records: list[dict], plot_dir: Path, goals: list[str]) -> list[str]:
     lines = ["## 2. Slow links: wall-clock to the target loss", ""]
-    skipped = next((r for r in records if r.get("skipped")), None)
-    if skipped:
-        goals.append(f"- 20 Mbit/s time to target: not measured here ({skipped['skipped']}).")
-        return lines + [f"Skipped: {skipped['skipped']}.", ""]
+    if (skipped := skip_note(records, goals, "20 Mbit/s time to target")) is not None:
+        return lines + skipped
     runs = [r for r in records if r.get("method") and r.get("role") != "reference"]
     if not runs:
+        goals.append("- Time to target on slow links: not measured (no slow-links run in bench/out).")
         return lines + ["Not run.", ""]
     target = next((r["target_loss"] for r in runs if r.get("target_loss")), None)
     lines += [f"Target: eval loss {f(target, 4)} (ddp's final eval loss on unlimited links, same workload). Every "
-              f"peer in its own network namespace ({runs[0]['peers']} peers on a bridge), capped in both directions "
+              f"peer in its own network namespace ({max(r.get('peers') or 0 for r in runs)} peers on a bridge), "
+              "capped in both directions "
               "with tc tbf.", ""]
     rows = []
     for cap in sorted({r["mbit"] for r in runs}, reverse=True):
@@ -196,17 +234,19 @@ def slow_links_section(records: list[dict], plot_dir: Path, goals: list[str]) ->
                          "–" if not (ddp_t and wall) else f"{ddp_t / wall:.1f}×",
                          "–" if t.get("estimated") else f(last.get("eval_loss"), 4), f(r.get("step_seconds_median"), 3),
                          cell(r)])
-    lines += table(["Mbit/s", "method", "time to target s", "", "tokens then (or at the end)", "ddp time / this",
+    lines += table(["Mbit/s", "method", "time to target s", "how", "tokens then (or at the end)", "ddp time / this",
                     "last eval loss", "ddp s/step", "notes"], rows)
-    for path in plots.slow_links(runs, plot_dir):
-        lines.append(f"![{path.stem}](plots/{path.name})")
-    lines.append("")
+    lines += failures(runs)
+    lines += images(plots.slow_links(runs, plot_dir))
     slow = [r for r in runs if r["mbit"] == min(r["mbit"] for r in runs)]
     dil = next((r for r in slow if r["method"].startswith("diloco")), None)
     ddp = next((r for r in slow if r["method"] == "ddp"), None)
     hm = next((r for r in slow if r["method"] == "hivemind"), None)
     t = lambda r: (r.get("time_to_target") or {}).get("wall") if r else None  # noqa: E731
-    if dil and t(dil):
+    if dil and dil.get("error"):
+        goals.append(f"- {slow[0]['mbit']:g} Mbit/s time to target: **not measured**, the DiLoCo run failed "
+                     "(see section 2).")
+    elif dil and t(dil):
         vs_ddp = t(ddp) / t(dil) if t(ddp) else None
         beats_hm = t(hm) is None or t(dil) < t(hm)
         goals.append(f"- **{slow[0]['mbit']:g} Mbit/s, time to target ≥10× shorter than ddp: "
@@ -214,6 +254,7 @@ def slow_links_section(records: list[dict], plot_dir: Path, goals: list[str]) ->
                      f"ddp {f(t(ddp), 0)} s{' (estimated)' if _estimated(ddp) else ''}"
                      f", {f(vs_ddp, 1)}×). **Shorter than hivemind: {'met' if beats_hm else 'MISSED'}** "
                      + (f"(hivemind {t(hm):.0f} s)." if t(hm) else
+                        "(hivemind failed, see section 2)." if hm and hm.get("error") else
                         "(hivemind did not reach the target within its steps)."))
     else:
         goals.append(f"- {slow[0]['mbit']:g} Mbit/s time to target: **MISSED**, the DiLoCo run did not reach the "
@@ -223,13 +264,13 @@ def slow_links_section(records: list[dict], plot_dir: Path, goals: list[str]) ->
 
 def transport_section(records: list[dict], slow: list[dict], plot_dir: Path, goals: list[str]) -> list[str]:
     lines = ["## 3. Transport efficiency: one averaging round vs 2·(N−1)/N·S/B", ""]
-    skipped = next((r for r in records if r.get("skipped")), None)
-    if skipped:
-        goals.append(f"- Transport ≥80 % of the bound: not measured here ({skipped['skipped']}).")
-        return lines + [f"Skipped: {skipped['skipped']}.", ""]
-    runs = [r for r in records if r.get("impl")]
+    if (skipped := skip_note(records, goals, "Transport ≥80 % of the bound")) is not None:
+        return lines + skipped
+    broken = [r for r in records if r.get("error")]
+    runs = [r for r in records if r.get("impl") and not r.get("error")]
     if not runs:
-        return lines + ["Not run.", ""]
+        goals.append("- Transport ≥80 % of the bound: **not measured** (see section 3).")
+        return lines + (failures(broken) or ["Not run.", ""])
     lines += ["One agent per network namespace (bench/transport_agent.py), every peer capped at B in both "
               "directions. `lowcomm`: the node's butterfly all-reduce (protocol/allreduce.py, gRPC streams, "
               f"codec {runs[0]['codec']}), group given by the harness. `hivemind`: DecentralizedAverager, "
@@ -258,9 +299,8 @@ def transport_section(records: list[dict], slow: list[dict], plot_dir: Path, goa
               "the TCP segments the members sent that were retransmissions (/proc/net/snmp of each namespace); "
               "*tbf drops*: packets the members' caps dropped (both directions, `tc -s qdisc`); medians over "
               "the rounds.", ""]
-    for path in plots.transport(runs, plot_dir):
-        lines.append(f"![{path.stem}](plots/{path.name})")
-    lines.append("")
+    lines += failures(broken)
+    lines += images(plots.transport(runs, plot_dir))
     capped = [r for r in runs if r["impl"] == "lowcomm" and r.get("efficiency") is not None]
     if capped:
         below = [r for r in capped if r["efficiency"] < GOAL_EFFICIENCY]
@@ -268,8 +308,62 @@ def transport_section(records: list[dict], slow: list[dict], plot_dir: Path, goa
         goals.append(f"- **Transport ≥80 % of the bound on capped links: {'met' if not below else 'MISSED'}** "
                      f"(median {median:.2f}, range {min(r['efficiency'] for r in capped):.2f}–"
                      f"{max(r['efficiency'] for r in capped):.2f} over {len(capped)} configurations"
-                     + (f"; below 0.8: " + ", ".join(f"N={r['peers']} S={r['payload_mb']:g} MB at {r['mbit']:g} Mbit/s "
+                     + ("; below 0.8: " + ", ".join(f"N={r['peers']} S={r['payload_mb']:g} MB at {r['mbit']:g} Mbit/s "
                                                    f"({r['efficiency']:.2f})" for r in below) if below else "") + ").")
+    return lines
+
+
+def overlap_section(records: list[dict], plot_dir: Path, goals: list[str]) -> list[str]:
+    lines = ["## 5. Overlap on 20 Mbit/s links", ""]
+    if (skipped := skip_note(records, goals, "Overlap utilization ≥0.95")) is not None:
+        return lines + skipped
+    runs = [r for r in records if r.get("mode")]
+    if not runs:
+        goals.append("- Overlap utilization ≥0.95: not measured (no `python bench/overlap.py` run in bench/out).")
+        return lines + ["Not run (`python bench/overlap.py`, not part of `make bench`; see bench/README.md).", ""]
+    r0 = runs[0]
+    if r0["mbit"] != 20:
+        lines[0] = f"## 5. Overlap on {r0['mbit']:g} Mbit/s links"
+    lines += [f"`lowcomm-node join` × {r0['peers']} in network namespaces, every peer capped at {r0['mbit']:g} "
+              f"Mbit/s both ways; H={r0['inner_steps']}, {r0['batch_size']} × {r0['seq_len']} tokens per step, "
+              f"codec {r0['codec']}, {r0['rounds']} outer rounds per mode; the same identities, seed and data in "
+              "every mode. Only `[sync] overlap` differs.", ""]
+    blocking = next((r for r in runs if r["mode"] == "none" and r.get("eval_loss")), None)
+    rows = []
+    for r in runs:
+        penalty = (r["eval_loss"] / blocking["eval_loss"] - 1) if blocking and r.get("eval_loss") else None
+        rows.append([r["mode"], f(r.get("utilization_window_median"), 3), f(r.get("utilization_window_min"), 3),
+                     f(r.get("utilization_since_start_median"), 3), f(r.get("eval_outer_step")),
+                     f(r.get("eval_loss"), 4), "–" if penalty is None else f"{penalty * 100:+.2f} %",
+                     f(r.get("round_seconds_median"), 2), str(sum(r.get("round_late") or [])),
+                     f(r.get("wall_seconds"), 1), cell(r)])
+    lines += table(["overlap", "compute util. (window, median)", "(window, min peer)", "since start (gauge)",
+                    "outer step", "eval loss", "vs none", "round s (median)", "round_late", "wall-clock s",
+                    "notes"], rows)
+    lines += ["- *compute util. (window)*: per peer, seconds in inner steps (`round_done.train_seconds`) between "
+              "its second and its last round per second of wall-clock; the first round (start-up, first "
+              "matchmaking) is left out. *since start*: the node's `lowcomm_compute_utilization_ratio` at its last "
+              "round (`round_done.compute_utilization`), which counts from the node's start, i.e. includes its "
+              "start-up and the time the harness held it until all peers were up.",
+              "- *eval loss*: the global model after the same outer step, i.e. the same tokens per peer, in every "
+              "mode; *vs none*: relative to blocking rounds. *round_late*: times a node's training waited for a "
+              "background round (all peers together; blocking rounds never log it).", ""]
+    lines += failures(runs)
+    lines += images(plots.overlap(runs, plot_dir))
+    none_u = blocking.get("utilization_window_median") if blocking else None
+    for r in runs:
+        if r["mode"] == "none":
+            continue
+        u = r.get("utilization_window_median")
+        if u is None:
+            goals.append(f"- Overlap `{r['mode']}`: **not measured** (the run failed; see section 5).")
+            continue
+        penalty = (r["eval_loss"] / blocking["eval_loss"] - 1) if blocking and r.get("eval_loss") else None
+        goals.append(f"- **Overlap `{r['mode']}` at {r['mbit']:g} Mbit/s, compute utilization ≥0.95: "
+                     f"{'met' if u >= GOAL_UTILIZATION else 'MISSED'}** ({u:.3f}; blocking rounds: {f(none_u, 3)}). "
+                     f"**Eval-loss penalty at equal tokens ≤1 %: "
+                     + ("not measured**" if penalty is None else
+                        f"{'met' if penalty <= GOAL_OVERLAP_PENALTY else 'MISSED'}** ({penalty * 100:+.2f} %)") + ".")
     return lines
 
 
@@ -311,19 +405,21 @@ def main(argv: list[str] | None = None) -> int:
     slow = newest(read_jsonl(args.in_dir / "slow_links.jsonl"))
     trans = newest(read_jsonl(args.in_dir / "transport.jsonl"))
     cod = newest(read_jsonl(args.in_dir / "codecs.jsonl"))
+    over = newest(read_jsonl(args.in_dir / "overlap.jsonl"))
     standard = newest(read_jsonl(args.in_dir / "standard.jsonl"))
     goals: list[str] = []
     body = (convergence_section(conv, plot_dir, goals) + slow_links_section(slow, plot_dir, goals)
-            + transport_section(trans, slow, plot_dir, goals) + codecs_section(cod))
+            + transport_section(trans, slow, plot_dir, goals) + codecs_section(cod)
+            + overlap_section(over, plot_dir, goals))
     lines = ["# Benchmark results", "",
              "Generated from the JSON lines in bench/out/ by `python bench/results.py`; how each number is "
              "measured is in bench/README.md. Goals are reported, not asserted.", ""]
-    lines += machine_section(conv + slow + trans + cod, standard)
+    lines += machine_section(conv + slow + trans + cod + over, standard)
     lines += ["## Goals", "", *goals, ""]
     lines += body
     if args.analysis.exists():
         lines += ["## Analysis", "", args.analysis.read_text().strip(), ""]
-    args.out.write_text("\n".join(lines))
+    args.out.write_text("\n".join(lines).rstrip("\n") + "\n")
     print(f"wrote {args.out} and plots in {plot_dir}", file=sys.stderr)
     return 0
 

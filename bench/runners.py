@@ -246,7 +246,7 @@ def run_diloco(work: Workload, net: Network, logdir: Path, codec: str, inner_ste
                     except TimeoutError as err:
                         # A joiner whose DHT bootstrap failed exits: start it again (not seen
                         # since the hold point moved before the node's first DHT call).
-                        if index == 0 or "bootstrap failed" not in str(err) or attempt == JOIN_ATTEMPTS:
+                        if "bootstrap failed" not in str(err) or attempt == JOIN_ATTEMPTS:
                             raise
                         retries += 1
                         say(f"{method}: peer {index} failed its DHT bootstrap (attempt {attempt}); restarting it")
@@ -332,13 +332,23 @@ def _diloco_record(method: str, net: Network, work: Workload, procs: list[Proc],
             span = peer_rounds[-1]["ts"] - t0
             utilization.append(sum(durations) / span if span > 0 else None)
     all_rounds = [e for r in rounds for e in r]
+    # What each node reported at the end of its rounds (the overlap benchmark's window and
+    # losses); compute_utilization is the value of the node's lowcomm_compute_utilization_ratio
+    # gauge then (same formula), train_seconds the node's seconds in inner steps since it started.
+    peer_rounds = [[{"outer_step": e["outer_step"], "wall": e["ts"] - t0, "eval_loss": e["eval_loss"],
+                     "train_seconds": e.get("train_seconds"), "compute_utilization": e.get("compute_utilization"),
+                     "round_seconds": e.get("round_seconds"), "group_size": e.get("group_size")}
+                    for e in peer] for peer in rounds]
+    late = [sum(1 for e in p.events if e.get("event") == "round_late") for p in procs]
+    over = [sum(1 for e in p.events if ROUND_OVER_RE.search(str(e.get("msg", "")))) for p in procs]
     return _record(
         method, net, work, curve, codec=codec, inner_steps=inner_steps,
         compute_utilization=_mean(utilization),
         allreduce_seconds_median=statistics.median(e["allreduce_seconds"] for e in all_rounds) if all_rounds else None,
         round_seconds_median=statistics.median(e["round_seconds"] for e in all_rounds) if all_rounds else None,
         payload_bytes=all_rounds[0]["payload_bytes"] if all_rounds else None,
-        numel=all_rounds[0]["numel"] if all_rounds else None, notes=notes,
+        numel=all_rounds[0]["numel"] if all_rounds else None, notes=notes, peer_rounds=peer_rounds,
+        round_late=late, rounds_without_result=over,
         ok=bool(curve) and not inconsistent,
     )
 

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as err:
                     say(f"{name} at {mbit:g} Mbit/s: FAILED: {err}")
                     record = {"method": name, "mbit": mbit, "ok": False, "curve": [], "error": str(err)[-2000:],
-                              "target_loss": target, "time_to_target": None}
+                              "target_loss": target, "time_to_target": None, "peers": work.peers, "logs": str(logdir)}
                 record = record_base("slow_links", run_id=run_id, elapsed_seconds=time.monotonic() - t0,
                                      ddp_reference_steps=ref_steps, **record)
                 append_jsonl(args.json_out, record)

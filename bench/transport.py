@@ -255,9 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     with network(args.network, peers_max, prefix=args.prefix) as net:
         logdir = args.json_out.parent / "logs" / f"transport-{run_id}"
         logdir.mkdir(parents=True, exist_ok=True)
-        if args.peers and args.sizes_mb:
-            sweep_lowcomm(net, args, args.json_out, run_id, logdir)
-        sweep_hivemind(net, args, args.json_out, run_id, logdir)
+        sweeps = [("lowcomm", sweep_lowcomm)] if args.peers and args.sizes_mb else []
+        for impl, sweep in [*sweeps, ("hivemind", sweep_hivemind)]:
+            try:
+                sweep(net, args, args.json_out, run_id, logdir)
+            except Exception as err:  # the configurations measured so far are written; go on with the next
+                say(f"transport: {impl} sweep FAILED: {err}")
+                append_jsonl(args.json_out, record_base("transport", run_id=run_id, impl=impl, ok=False,
+                                                        error=str(err)[-2000:], logs=str(logdir)))
     say(f"transport: done in {time.monotonic() - started:.0f} s")
     return 0
 
