@@ -1,0 +1,190 @@
+"""Every benchmark of bench/ at its smallest size, so that the harness cannot rot.
+
+Each benchmark runs as the documented command (a subprocess) with tiny arguments and writes its
+JSON lines into a temporary directory; the assertions are about the records' shape and
+consistency, never about speed (DESIGN §7). The benchmarks that need network namespaces (slow
+links, overlap) are skipped with the reason where they are unavailable; transport then runs on
+loopback. results.py regenerates RESULTS.md into a temporary directory, never bench/RESULTS.md.
+
+Every benchmark process (and everything it starts: nodes, p2pd, baselines, agents) carries a
+marker in its environment; the last test checks that none of them outlived its benchmark and
+that no namespace of these tests is left.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+# Two peers, ten steps of four sequences: seconds of compute, every code path of the harness.
+TINY = ["--peers", "2", "--steps", "10", "--batch-size", "4", "--eval-every", "5"]
+HIVEMIND_FAST = ["--hivemind-matchmaking-time", "1", "--hivemind-averaging-timeout", "10"]
+PREFIXES = ("lcsmk", "lctsmk", "lcosmk")  # netns prefixes of these tests
+MARKER = "LOWCOMM_BENCH_SMOKE"
+RUN_MARK = uuid.uuid4().hex
+
+
+@pytest.fixture(scope="module")
+def netns_reason() -> str | None:
+    """Why network namespaces cannot be used here, or None (deploy/netns_cluster.py's probe)."""
+    name = "netns_cluster_bench_smoke"
+    spec = importlib.util.spec_from_file_location(name, REPO / "deploy" / "netns_cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        return module.unavailable_reason()
+    finally:
+        sys.modules.pop(name, None)
+
+
+def bench(script: str, *args: str, timeout: float = 270) -> subprocess.CompletedProcess:
+    env = {**os.environ, MARKER: RUN_MARK}
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("bench-out")
+
+
+def test_codecs(out):
+    bench("codecs.py", "--numel", "4096", "--repeat", "1", "--json-out", str(out / "codecs.jsonl"))
+    got = records(out / "codecs.jsonl")
+    assert {r["codec"] for r in got} >= {"fp32", "int8", "int4", "topk"}
+    assert all(r["ratio"] >= 1 and r["encode_MBps"] > 0 for r in got)
+
+
+def test_convergence(out):
+    # Loopback: the namespaced variant of the same runners is covered by the slow-link test.
+    bench("convergence.py", "--methods", "single,ddp,diloco-int8-H5,hivemind-H5", "--network", "loopback", *TINY,
+          *HIVEMIND_FAST, "--time-limit", "120", "--json-out", str(out / "convergence.jsonl"))
+    got = {r["method"]: r for r in records(out / "convergence.jsonl")}
+    assert set(got) == {"single", "ddp", "diloco-int8-H5", "hivemind"}
+    assert len({r["run_id"] for r in got.values()}) == 1
+    for method, record in got.items():
+        assert record["ok"], (method, record.get("error"), record.get("notes"))
+        assert record["final_eval_loss"] < 6, method  # ln(256) = 5.55: the model learned something
+        assert record["tokens"] == 10 * 2 * 4 * 128, method  # equal tokens for every method
+        assert [p["step"] for p in record["curve"]] == [5, 10], method
+        assert record["peers"] == (1 if method == "single" else 2), method
+        assert record["machine"]["cores"] and record["command"].startswith("python bench/convergence.py")
+    diloco = got["diloco-int8-H5"]
+    assert diloco["notes"] == [] and diloco["app_bytes_sent_per_peer"] > 0
+    assert [len(p) for p in diloco["peer_rounds"]] == [2, 2] and diloco["round_late"] == [0, 0]
+    # int8 sends about 4x fewer payload bytes per round than fp32 gradients, and DiLoCo rounds are H apart.
+    assert diloco["app_bytes_sent_per_peer"] < got["ddp"]["app_bytes_sent_per_peer"] / 5
+
+
+def test_slow_links(out, netns_reason):
+    if netns_reason is not None:
+        pytest.skip(f"slow links need network namespaces: {netns_reason}")
+    # Without hivemind: its runner is the convergence test's, and the namespace wrapping is ddp's.
+    bench("slow_links.py", "--caps", "50", "--methods", "ddp,diloco", "--diloco", "int8-H5", "--ddp-steps", "4",
+          "--max-factor", "1", "--time-limit", "120", *TINY, "--convergence", str(out / "convergence.jsonl"),
+          "--json-out", str(out / "slow_links.jsonl"), "--prefix", "lcsmk")
+    got = [r for r in records(out / "slow_links.jsonl") if r.get("role") != "reference"]
+    assert {r["method"] for r in got} == {"ddp", "diloco-int8-H5"}
+    for record in got:
+        assert record["mbit"] == 50 and record["target_loss"] > 0, record["method"]
+        assert record.get("error") is None, record.get("error")
+    ddp = next(r for r in got if r["method"] == "ddp")
+    assert ddp["time_to_target"]["estimated"] and ddp["step_seconds_median"] > 0
+    diloco = next(r for r in got if r["method"] == "diloco-int8-H5")
+    assert diloco["wire_bytes_sent_per_peer"] >= diloco["app_bytes_sent_per_peer"] > 0
+
+
+def test_transport(out, netns_reason):
+    network = ["--network", "loopback"] if netns_reason is not None else ["--caps", "100", "--prefix", "lctsmk"]
+    bench("transport.py", "--peers", "2,3", "--sizes-mb", "0.5", "--rounds", "1", "--hivemind",
+          "2x0.5@100", *network, "--json-out", str(out / "transport.jsonl"))
+    got = records(out / "transport.jsonl")
+    assert {(r["impl"], r["peers"]) for r in got} == {("lowcomm", 2), ("lowcomm", 3), ("hivemind", 2)}
+    for record in got:
+        assert record["ok"] and record["seconds"] > 0, record
+    for record in (r for r in got if r["impl"] == "lowcomm"):
+        # What the all-reduce counted equals the butterfly volume 2(N-1)/N*S (fp32 shards, exact split).
+        assert record["bytes_sent_per_peer"] == pytest.approx(record["bytes_bound_per_peer"], rel=1e-3)
+        if netns_reason is None:
+            assert record["efficiency"] > 0 and 0 <= record["rounds"][0]["tcp_retrans_fraction"] <= 1
+
+
+def test_overlap(out, netns_reason):
+    if netns_reason is not None:
+        pytest.skip(f"the overlap benchmark needs network namespaces: {netns_reason}")
+    # Blocking and one overlapped mode: the harness does the same for every mode (only
+    # sync.overlap differs); the modes themselves are tested in test_overlap_cli.py.
+    bench("overlap.py", "--modes", "none,eager", "--peers", "2", "--rounds", "3", "--inner-steps", "5",
+          "--batch-size", "4",
+          "--time-limit", "90", "--prefix", "lcosmk", "--json-out", str(out / "overlap.jsonl"))
+    got = {r["mode"]: r for r in records(out / "overlap.jsonl")}
+    assert set(got) == {"none", "eager"}
+    for mode, record in got.items():
+        assert record["ok"] and record.get("error") is None, (mode, record.get("error"), record.get("notes"))
+        assert record["rounds_done_per_peer"] == [3, 3] and record["group_sizes"] == [2], mode
+        assert record["eval_outer_step"] == 3 and 0 < record["eval_loss"] < 6, mode
+        assert [p["outer_step"] for p in record["eval_curve"]] == [1, 2, 3], mode
+        assert 0 < record["utilization_window_median"] <= 1, mode
+        assert 0 < record["utilization_since_start_median"] <= 1, mode
+        assert len(record["round_late"]) == 2 and record["mbit"] == 20, mode
+    assert got["none"]["round_late"] == [0, 0]  # blocking rounds never wait for a background round
+
+
+def test_results(out, tmp_path):
+    """RESULTS.md and the plots from whatever the tests above left (all of it when run in order),
+    plus one failed run, which must be listed as failed without hiding the others."""
+    conv = out / "convergence.jsonl"
+    if conv.exists():
+        run_id = records(conv)[0]["run_id"]
+        with conv.open("a") as fh:
+            fh.write(json.dumps({"bench": "convergence", "run_id": run_id, "method": "diloco-topk-H5", "ok": False,
+                                 "curve": [], "error": "peer-1: expected event did not come\nboom: it broke",
+                                 "logs": "bench/out/logs/x", "date": "2000-01-01T00:00:00+00:00"}) + "\n")
+    bench("results.py", "--in-dir", str(out), "--out", str(tmp_path / "RESULTS.md"))
+    text = (tmp_path / "RESULTS.md").read_text()
+    for heading in ("## Goals", "## 1. Convergence", "## 2. Slow links", "## 3. Transport", "## 4. Codecs",
+                    "## 5. Overlap"):
+        assert heading in text
+    assert not (tmp_path / "plots").exists() or (tmp_path / "plots").is_dir()
+    if conv.exists():
+        assert "| diloco-int8-H5 |" in text and ", 2 peers with one torch thread each" in text
+        assert "**FAILED: diloco-topk-H5** — peer-1: expected event did not come / boom: it broke" in text
+        assert all((tmp_path / "plots" / name).stat().st_size > 0
+                   for name in ("convergence_tokens.png", "convergence_bytes.png", "convergence_wall.png"))
+    if (out / "overlap.jsonl").exists():
+        assert "| eager |" in text and (tmp_path / "plots" / "overlap.png").stat().st_size > 0
+        assert "Overlap `eager` at 20 Mbit/s, compute utilization ≥0.95" in text
+
+
+def test_nothing_left_behind(netns_reason):
+    """No process started by a benchmark above is still running, no namespace of theirs is left."""
+    left = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.environ().get(MARKER) == RUN_MARK:
+                left.append((proc.pid, " ".join(proc.info["cmdline"] or [])[:200]))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    assert not left, f"benchmark processes still running: {left}"
+    if netns_reason is None:
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        assert not [n for n in names if n.split("-")[0] in PREFIXES], names
