@@ -78,6 +78,9 @@ class NodeMetrics:
             "lowcomm_compression_ratio", "float32 bytes divided by encoded bytes of the last round's payload.", registry=r
         )
         self.inner_steps = Counter("lowcomm_inner_steps", "Inner optimizer steps this node ran.", registry=r)
+        self.inner_phase_cuts = Counter(
+            "lowcomm_inner_phase_cuts", "Inner phases ended early to join a round the swarm was already in.", registry=r
+        )
         self.tokens = Counter("lowcomm_tokens", "Tokens this node trained on.", registry=r)
         self.train_loss = Gauge("lowcomm_train_loss", "Mean training loss of the last inner phase.", registry=r)
         self.eval_loss = Gauge("lowcomm_eval_loss", "Held-out loss of the global parameters after the last round.", registry=r)

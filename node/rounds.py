@@ -13,6 +13,7 @@ import asyncio
 import logging
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -60,7 +61,7 @@ class RoundLoop:
             return
         while not self._should_stop():
             await self._catch_up()
-            await self._inner_phase()
+            await self._inner_phase(cut_when_outpaced=True)
             if self.stop_requested.is_set():
                 break
             prepared = await self._prepare_round()
@@ -179,27 +180,51 @@ class RoundLoop:
         await self.in_train_thread(self.trainer.add_to_slice, pending.fragment, shift)
         await self._commit(report, pending.fragment, reset_local=False)
 
-    async def _inner_phase(self) -> PhaseStats:
+    async def _inner_phase(self, cut_when_outpaced: bool = False) -> PhaseStats:
+        """Up to H inner steps. With ``cut_when_outpaced`` (blocking rounds) the phase ends early
+        once enough peers at our step finished theirs that the round could close without us:
+        a slower peer then joins that round with the steps it did (its weight is its tokens)
+        instead of arriving after it closed, catching up, and never averaging at all."""
         self.phase = "training"
         steps = self.config.train.inner_steps
         progress = InnerProgress(steps, self.state.step, enabled=self.human)
+        cut = threading.Event()
+        done_steps = 0
 
         # Fault injection for tests: LOWCOMM_FAULT_SLOW_STEP=<seconds> added to every inner step
         # turns this node into a straggler.
         slow = float(os.environ.get("LOWCOMM_FAULT_SLOW_STEP", "0") or 0)
 
         def on_step(done: int, loss: float) -> None:
+            nonlocal done_steps
+            done_steps = done
             progress.update(done, loss)
             if slow:
                 self.stop_training.wait(slow)
 
+        def should_stop() -> bool:
+            return self.stop_training.is_set() or (cut.is_set() and done_steps > 0)
+
         def work() -> PhaseStats:
             try:
-                return self.trainer.train_phase(steps, self.stop_training.is_set, on_step)
+                return self.trainer.train_phase(steps, should_stop, on_step)
             finally:
                 progress.close()
 
-        stats = await self.in_train_thread(work)
+        watcher = None
+        if cut_when_outpaced:
+            self._publish_phase_soon()  # a failed round may have left "averaging" in our record
+            watcher = asyncio.create_task(self._watch_pace(cut))
+        try:
+            stats = await self.in_train_thread(work)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        if stats.steps < steps and cut.is_set() and not self.stop_training.is_set():
+            log.info("the swarm finished its inner phase of step %d first; joining its round after %d of %d steps",
+                     self.state.step, stats.steps, steps,
+                     extra={"event": "inner_phase_cut", "outer_step": self.state.step, "steps": stats.steps})
+            self.metrics.inner_phase_cuts.inc()
         self.tokens_since_round += stats.tokens
         self.tokens_total += stats.tokens
         self.train_seconds += stats.seconds
@@ -212,6 +237,33 @@ class RoundLoop:
         self.metrics.compute_utilization.set(self.train_seconds / max(time.monotonic() - self.started, 1e-9))
         return stats
 
+    def _publish_phase_soon(self) -> None:
+        """Publish our record (with the current phase) in the background, now."""
+        async def publish() -> None:
+            try:
+                await self.publish_record()
+            except Exception as err:  # the heartbeat publishes again soon
+                log.debug("publishing the phase failed: %r", err)
+
+        self._phase_task = asyncio.create_task(publish())  # referenced, so it is not collected early
+
+    async def _watch_pace(self, cut: threading.Event) -> None:
+        """Set ``cut`` when ``_outpaced`` says so; reads the view the heartbeat keeps fresh."""
+        while True:
+            await asyncio.sleep(min(1.0, self.config.node.heartbeat_interval))
+            if self._outpaced(self.view):
+                cut.set()
+                return
+
+    def _outpaced(self, view) -> bool:
+        """Whether peers at our step with our parameters already averaging, together with us,
+        make a quorum of those peers: then the leader may close the round at any moment."""
+        step, digest = self.state.step, self.state.params_hash
+        others = [p for p in view.at_step(step) if p.peer_id != self.peer_id and p.params_sha256 == digest]
+        averaging = sum(p.phase == "averaging" for p in others)
+        needed = max(1, math.ceil(self.config.sync.quorum * (len(others) + 1)) - 1)
+        return bool(others) and averaging >= needed
+
     async def _round(self, fragment: slice, delta: torch.Tensor) -> RoundReport | None:
         """Average ``delta`` (Δ of ``fragment``) and apply the outer step to θ_global[fragment].
 
@@ -221,6 +273,9 @@ class RoundLoop:
         started = time.monotonic()
         self.phase = "averaging"
         step = self.state.step
+        if self.config.sync.overlap == "none":
+            # Say so now rather than at the next heartbeat: slower peers cut their inner phase on it.
+            self._publish_phase_soon()
         log.debug("round for step %d starts from params %s", step, self.state.params_hash[:8])
         if self.gossip is not None:  # gossip mode: its own partner choice, states differ by design
             report = await self.gossip.round(step, delta, float(self.tokens_since_round))
@@ -344,6 +399,10 @@ class RoundLoop:
         self.rounds_completed += 1
         self.donor.publish(await self.in_codec_pool(self.state.snapshot))
         await self.in_train_thread(self._save_checkpoint)
+        if reset_local:
+            # Blocking rounds: next comes the inner phase of the new step. Never publish the new
+            # step as "averaging": peers at that step would take it for a finished inner phase.
+            self.phase = "training"
         await self.publish_record()
         m = self.metrics
         m.rounds.inc()
