@@ -18,9 +18,14 @@ joins a DHT peer of the harness). One JSON line per mode:
   over peers.
 * ``utilization_since_start``: the node's ``compute_utilization`` at its last round, i.e. the
   value of its ``lowcomm_compute_utilization_ratio`` gauge then (median over peers).
-* ``eval_loss``: the global model after outer step ``--rounds`` (identical on every peer), i.e.
-  after the same tokens per peer in every mode (in the overlapped modes the nodes have trained
-  one more inner phase by then, which is not in that model); ``eval_curve``: per outer step.
+* ``eval_curve``: per outer step, the eval loss of the global model (identical on every peer)
+  and ``tokens_in_model``, the tokens the peers had trained when they sent that round's Δ,
+  summed over the peers of the round: ``round_done.tokens_total``, less the one inner phase an
+  overlapped node trains while its round is in flight. A round a peer missed ("nobody averaged
+  with us", counted in ``rounds_without_result``) leaves its progress for its next Δ, so the
+  same outer step can hold more tokens in one mode than in another; results.py therefore
+  compares the modes at equal ``tokens_in_model`` (interpolated), not at equal outer steps.
+  ``eval_loss``: after outer step ``--rounds``.
 * ``round_late``: how often a node's training waited for a background round that was more than
   one inner phase late (the node's ``round_late`` event), per peer.
 
@@ -44,7 +49,7 @@ MODES = ("none", "delayed", "eager")
 SETTINGS = ["sync.matchmaking_timeout=20", "sync.reduce_timeout=20", "node.heartbeat_interval=1"]
 
 
-def summarize(record: dict, rounds: int) -> dict:
+def summarize(record: dict, mode: str, rounds: int, phase_tokens: int) -> dict:
     """The overlap numbers of one run_diloco record (see the module docstring)."""
     peers = record.get("peer_rounds") or []
     windows = []
@@ -53,10 +58,15 @@ def summarize(record: dict, rounds: int) -> dict:
             first, last = events[1], events[-1]
             windows.append((last["train_seconds"] - first["train_seconds"]) / (last["wall"] - first["wall"]))
     since = [events[-1]["compute_utilization"] for events in peers if events]
+    # Tokens in the global model after each outer step (see the module docstring).
+    in_flight = 0 if mode == "none" else phase_tokens
     at_step: dict[int, float] = {}
+    tokens: dict[int, int] = {}
     for events in peers:
         for e in events:
             at_step.setdefault(e["outer_step"], e["eval_loss"])
+            if e.get("tokens_total") is not None:
+                tokens[e["outer_step"]] = tokens.get(e["outer_step"], 0) + e["tokens_total"] - in_flight
     final_step = rounds if rounds in at_step else max(at_step, default=None)
     return {
         "utilization_window_median": statistics.median(windows) if windows else None,
@@ -65,7 +75,10 @@ def summarize(record: dict, rounds: int) -> dict:
         "utilization_since_start_median": statistics.median(since) if since else None,
         "eval_outer_step": final_step,
         "eval_loss": at_step.get(final_step),
-        "eval_curve": [{"outer_step": s, "eval_loss": at_step[s]} for s in sorted(at_step)],
+        "tokens_in_model": tokens.get(final_step),
+        "eval_curve": [{"outer_step": s, "eval_loss": at_step[s], "tokens_in_model": tokens.get(s)}
+                       for s in sorted(at_step)],
+        "rounds_without_result": record.get("rounds_without_result"),
         "round_seconds_median": record.get("round_seconds_median"),
         "round_late": record.get("round_late"),
         "rounds_done_per_peer": [len(events) for events in peers],
@@ -115,10 +128,11 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 run = run_diloco(work, net, logdir / mode, args.codec, args.inner_steps, rounds=args.rounds,
                                  time_limit=args.time_limit, extra_sets=[f"sync.overlap={mode}", *SETTINGS])
-                record = {**base, **summarize(run, args.rounds), "ok": run["ok"], "notes": run["notes"],
-                          "wall_seconds": run["wall_seconds"], "startup_seconds": run.get("startup_seconds"),
-                          "tokens_per_peer_in_eval_model": args.rounds * args.inner_steps * args.batch_size
-                          * args.seq_len, "peer_rounds": run["peer_rounds"]}
+                phase_tokens = args.inner_steps * args.batch_size * args.seq_len
+                record = {**base, **summarize(run, mode, args.rounds, phase_tokens), "ok": run["ok"],
+                          "notes": run["notes"], "wall_seconds": run["wall_seconds"],
+                          "startup_seconds": run.get("startup_seconds"), "peer_rounds": run["peer_rounds"],
+                          "tokens_planned": work.peers * args.rounds * phase_tokens}
             except Exception as err:  # one broken mode must not cost the others' results
                 say(f"overlap={mode}: FAILED: {err}")
                 record = {**base, "ok": False, "error": str(err)[-2000:]}

@@ -139,15 +139,17 @@ def overlap(records: list[dict], outdir: Path) -> list[Path]:
     left.axhline(0.95, color="gray", linestyle=":", label="goal 0.95")
     left.set_xticks(list(xs))
     left.set_xticklabels([f"overlap={n}" for n in names])
-    left.set_ylim(0, 1.05)
+    left.set_ylim(0, 1.3)  # room for the legend above the bars
+    left.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
     left.set_ylabel("compute utilization (median over peers)")
-    left.legend(fontsize=8, loc="lower right")
+    left.legend(fontsize=8, loc="upper left")
     left.grid(True, axis="y", alpha=0.3)
     for r in runs:
-        points = [(p["outer_step"], p["eval_loss"]) for p in r["eval_curve"]]
-        right.plot(*zip(*points), label=f"overlap={r['mode']}", color=colors.get(r["mode"], "gray"), marker="o",
-                   markersize=3, linewidth=1.4)
-    right.set_xlabel("outer step (equal tokens per peer in the global model)")
+        points = [(p["tokens_in_model"], p["eval_loss"]) for p in r["eval_curve"] if p.get("tokens_in_model")]
+        if points:
+            right.plot(*zip(*points), label=f"overlap={r['mode']}", color=colors.get(r["mode"], "gray"),
+                       marker="o", markersize=3, linewidth=1.4)
+    right.set_xlabel("tokens in the global model (all peers), one point per outer step")
     right.set_ylabel("eval loss of the global model")
     right.grid(True, alpha=0.3)
     right.legend(fontsize=8)

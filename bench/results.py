@@ -328,28 +328,42 @@ def overlap_section(records: list[dict], plot_dir: Path, goals: list[str]) -> li
               f"Mbit/s both ways; H={r0['inner_steps']}, {r0['batch_size']} × {r0['seq_len']} tokens per step, "
               f"codec {r0['codec']}, {r0['rounds']} outer rounds per mode; the same identities, seed and data in "
               "every mode. Only `[sync] overlap` differs.", ""]
-    blocking = next((r for r in runs if r["mode"] == "none" and r.get("eval_loss")), None)
+    # Equal tokens: the most tokens every mode's global model reached (a skipped round puts more
+    # tokens into a later outer step), each mode's eval loss interpolated there.
+    curves = {r["mode"]: [(p["tokens_in_model"], p["eval_loss"]) for p in r.get("eval_curve") or []
+                          if p.get("tokens_in_model")] for r in runs}
+    common = min((max(t for t, _ in c) for c in curves.values() if c), default=None)
+    at_common = {mode: loss_at(c, common) for mode, c in curves.items()}
+    base = at_common.get("none")
+    penalties = {mode: (loss / base - 1 if loss is not None and base else None) for mode, loss in at_common.items()}
     rows = []
     for r in runs:
-        penalty = (r["eval_loss"] / blocking["eval_loss"] - 1) if blocking and r.get("eval_loss") else None
+        penalty = penalties.get(r["mode"])
         rows.append([r["mode"], f(r.get("utilization_window_median"), 3), f(r.get("utilization_window_min"), 3),
                      f(r.get("utilization_since_start_median"), 3), f(r.get("eval_outer_step")),
-                     f(r.get("eval_loss"), 4), "–" if penalty is None else f"{penalty * 100:+.2f} %",
-                     f(r.get("round_seconds_median"), 2), str(sum(r.get("round_late") or [])),
+                     f(r.get("eval_loss"), 4), f(r.get("tokens_in_model")), f(at_common.get(r["mode"]), 4),
+                     "–" if penalty is None else f"{penalty * 100:+.2f} %", f(r.get("round_seconds_median"), 2),
+                     str(sum(r.get("round_late") or [])), str(sum(r.get("rounds_without_result") or [])),
                      f(r.get("wall_seconds"), 1), cell(r)])
     lines += table(["overlap", "compute util. (window, median)", "(window, min peer)", "since start (gauge)",
-                    "outer step", "eval loss", "vs none", "round s (median)", "round_late", "wall-clock s",
-                    "notes"], rows)
+                    "outer step", "eval loss", "tokens in model", f"eval loss at {f(common)} tokens", "vs none",
+                    "round s (median)", "round_late", "rounds without result", "wall-clock s", "notes"], rows)
     lines += ["- *compute util. (window)*: per peer, seconds in inner steps (`round_done.train_seconds`) between "
               "its second and its last round per second of wall-clock; the first round (start-up, first "
               "matchmaking) is left out. *since start*: the node's `lowcomm_compute_utilization_ratio` at its last "
               "round (`round_done.compute_utilization`), which counts from the node's start, i.e. includes its "
               "start-up and the time the harness held it until all peers were up.",
-              "- *eval loss*: the global model after the same outer step, i.e. the same tokens per peer, in every "
-              "mode; *vs none*: relative to blocking rounds. *round_late*: times a node's training waited for a "
-              "background round (all peers together; blocking rounds never log it).", ""]
+              "- *eval loss*: the global model after the last outer step; *tokens in model*: what the peers had "
+              "trained when they sent their Δ of that round (`round_done.tokens_total`, less the phase an "
+              "overlapped node trains while its round is in flight), all peers together. A round a peer left "
+              "without result (*rounds without result*: 'nobody averaged with us', a failed round, catching up) "
+              "puts its progress into its next Δ, so modes can differ in tokens at the same outer step: the "
+              "penalty (*vs none*) compares the eval loss at equal tokens, linearly interpolated between outer "
+              "steps. *round_late*: times a node's training waited for a background round (all peers together; "
+              "blocking rounds never log it).", ""]
     lines += failures(runs)
     lines += images(plots.overlap(runs, plot_dir))
+    blocking = next((r for r in runs if r["mode"] == "none"), None)
     none_u = blocking.get("utilization_window_median") if blocking else None
     for r in runs:
         if r["mode"] == "none":
@@ -358,13 +372,24 @@ def overlap_section(records: list[dict], plot_dir: Path, goals: list[str]) -> li
         if u is None:
             goals.append(f"- Overlap `{r['mode']}`: **not measured** (the run failed; see section 5).")
             continue
-        penalty = (r["eval_loss"] / blocking["eval_loss"] - 1) if blocking and r.get("eval_loss") else None
+        penalty = penalties.get(r["mode"])
         goals.append(f"- **Overlap `{r['mode']}` at {r['mbit']:g} Mbit/s, compute utilization ≥0.95: "
                      f"{'met' if u >= GOAL_UTILIZATION else 'MISSED'}** ({u:.3f}; blocking rounds: {f(none_u, 3)}). "
                      f"**Eval-loss penalty at equal tokens ≤1 %: "
                      + ("not measured**" if penalty is None else
                         f"{'met' if penalty <= GOAL_OVERLAP_PENALTY else 'MISSED'}** ({penalty * 100:+.2f} %)") + ".")
     return lines
+
+
+def loss_at(curve: list[tuple[float, float]], tokens: float | None) -> float | None:
+    """The eval loss at ``tokens`` on a (tokens, loss) curve, linearly interpolated; None outside it."""
+    points = sorted(curve)
+    if tokens is None or not points or not points[0][0] <= tokens <= points[-1][0]:
+        return None
+    for (t0, l0), (t1, l1) in zip(points, points[1:]):
+        if t0 <= tokens <= t1:
+            return l0 if t1 == t0 else l0 + (l1 - l0) * (tokens - t0) / (t1 - t0)
+    return points[-1][1]
 
 
 def _median(record: dict, key: str) -> float | None:

@@ -337,7 +337,8 @@ def _diloco_record(method: str, net: Network, work: Workload, procs: list[Proc],
     # gauge then (same formula), train_seconds the node's seconds in inner steps since it started.
     peer_rounds = [[{"outer_step": e["outer_step"], "wall": e["ts"] - t0, "eval_loss": e["eval_loss"],
                      "train_seconds": e.get("train_seconds"), "compute_utilization": e.get("compute_utilization"),
-                     "round_seconds": e.get("round_seconds"), "group_size": e.get("group_size")}
+                     "round_seconds": e.get("round_seconds"), "group_size": e.get("group_size"),
+                     "tokens_total": e.get("tokens_total")}
                     for e in peer] for peer in rounds]
     late = [sum(1 for e in p.events if e.get("event") == "round_late") for p in procs]
     over = [sum(1 for e in p.events if ROUND_OVER_RE.search(str(e.get("msg", "")))) for p in procs]

@@ -143,6 +143,9 @@ def test_overlap(out, netns_reason):
         assert record["rounds_done_per_peer"] == [3, 3] and record["group_sizes"] == [2], mode
         assert record["eval_outer_step"] == 3 and 0 < record["eval_loss"] < 6, mode
         assert [p["outer_step"] for p in record["eval_curve"]] == [1, 2, 3], mode
+        tokens = [p["tokens_in_model"] for p in record["eval_curve"]]
+        assert 0 < tokens[0] < tokens[1] < tokens[2] == record["tokens_in_model"], (mode, tokens)
+        assert len(record["rounds_without_result"]) == 2, mode
         assert 0 < record["utilization_window_median"] <= 1, mode
         assert 0 < record["utilization_since_start_median"] <= 1, mode
         assert len(record["round_late"]) == 2 and record["mbit"] == 20, mode
