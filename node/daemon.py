@@ -340,14 +340,14 @@ class Node(RoundLoop):
         await self._download(target, digest, donors)
 
     def _majority_elsewhere(self, view: SwarmView) -> str | None:
-        if self.gossip is not None:
-            return None  # in gossip mode parameters differ between peers by design
         """The params hash that wins at our step when it is not ours, else None.
 
         Peers at one step can hold different parameters after a round split into several groups
         (or after a partial failure); the hash most peers hold wins (ties: the smallest hash),
         and the others adopt it, so the swarm never drifts apart.
         """
+        if self.gossip is not None:
+            return None  # in gossip mode parameters differ between peers by design
         step, mine = self.state.step, self.state.params_hash
         counts: dict[str, int] = {mine: 1}
         for peer in view.peers.values():
