@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
@@ -21,6 +22,7 @@ from .auth import TLSConfig
 from .decode import StrictDecodeInterceptor
 from .handshake import IncompatiblePeer
 from .matchmaking import Matchmaker
+from .slots import SlotsBusy
 from .state import StateDonor, StateError
 
 log = logging.getLogger(__name__)
@@ -73,13 +75,22 @@ class StateServicer(state_pb2_grpc.StateTransferServicer):
     async def DownloadState(self, request: state_pb2.StateRequest,
                             context: grpc.aio.ServicerContext) -> AsyncIterator[state_pb2.StateChunk]:
         await self._check(request.hello, context)
-        async with self.donor.slots:  # donors serve a bounded number of downloads at once
-            try:
-                chunks = list(self.donor.chunks(request.step, request.offset, request.length))
-            except StateError as err:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-            for chunk in chunks:
-                yield chunk
+        try:
+            chunks = self.donor.chunks(request.step, request.offset, request.length)
+            first = next(chunks, None)  # range errors surface here, before a slot is taken
+        except StateError as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        try:
+            # Donors serve a bounded number of ranges at once, each for a bounded time (slots.py).
+            async with self.donor.slots.lease() as lease:
+                for chunk in itertools.chain([first] if first is not None else [], chunks):
+                    if lease.expired():
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                            f"range not read within {self.donor.slots.lease_seconds:.0f}s; "
+                                            f"the slot went to another downloader")
+                    yield chunk
+        except SlotsBusy as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"donor busy: {err}")
 
 
 class NodeInfoServicer(node_pb2_grpc.NodeInfoServicer):

@@ -20,6 +20,7 @@ import torch
 
 from ._pb.lowcomm.v1 import state_pb2, state_pb2_grpc
 from .handshake import Identity, IncompatiblePeer
+from .slots import DownloadSlots
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +79,11 @@ def parse_blob(blob: bytes | bytearray) -> tuple[int, torch.Tensor, torch.Tensor
 class StateDonor:
     """Serves the last two committed snapshots; limits how many downloads run at once."""
 
-    def __init__(self, identity: Identity, max_concurrent: int = 4) -> None:
+    def __init__(self, identity: Identity, max_concurrent: int = 4, lease_seconds: float = 120.0,
+                 wait_seconds: float = 10.0) -> None:
         self.identity = identity
         self._snapshots: dict[int, Snapshot] = {}
-        self._slots = asyncio.Semaphore(max_concurrent)
+        self._slots = DownloadSlots(max_concurrent, lease_seconds, wait_seconds)
 
     def publish(self, snapshot: Snapshot) -> None:
         self._snapshots[snapshot.step] = snapshot
@@ -111,7 +113,7 @@ class StateDonor:
             yield state_pb2.StateChunk(offset=start, data=data, sha256=hashlib.sha256(data).hexdigest())
 
     @property
-    def slots(self) -> asyncio.Semaphore:
+    def slots(self) -> DownloadSlots:
         return self._slots
 
 

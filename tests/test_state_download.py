@@ -445,3 +445,26 @@ def test_refusal_plus_unreachable_donor_is_still_incompatible():
             await swarm.close()
 
     run(scenario())
+
+
+def test_a_downloader_that_stops_reading_does_not_keep_others_out():
+    """One slot, a short lease: a stream whose reader stalls stops counting after its lease, so
+    the next joiner is served in full while the stalled stream is still open."""
+    params, momentum = make_state()
+    snap = Snapshot.build(STEP, params, momentum)
+
+    async def scenario():
+        swarm = Swarm()
+        try:
+            donor = await swarm.add(donor_with(snap, "d0", max_concurrent=1, lease_seconds=0.5, wait_seconds=10))
+            stub = state.state_pb2_grpc.StateTransferStub(swarm.channels(donor.address))
+            hello = identity("slow").hello()
+            stalled = stub.DownloadState(state.state_pb2.StateRequest(hello=hello, step=STEP, offset=0, length=0))
+            await stalled.read()  # one chunk, then nothing: it keeps the stream (and once, the slot)
+            got = await swarm.download(snap.params_sha256)
+            assert_same_state(got, params, momentum)
+            stalled.cancel()
+        finally:
+            await swarm.close()
+
+    run(scenario())
