@@ -277,28 +277,35 @@ def is_hold_point(event: dict) -> bool:
     return str(event.get("msg", "")).startswith("gRPC server on port")
 
 
-def _phases(proc: Proc, t0: float) -> tuple[list[float], list[float]]:
-    """(timestamps at which each inner phase ended, its duration) from the node's debug lines."""
-    ends, durations = [], []
+def _phases(proc: Proc, t0: float, inner_steps: int) -> tuple[list[float], list[float], list[int]]:
+    """(timestamps at which each inner phase ended, its duration, its steps) from the node's lines:
+    a phase has H steps unless the node logged that it cut it short (``inner_phase_cut``: the
+    swarm was already averaging, so a slower blocking peer joins with the steps it did)."""
+    ends, durations, steps = [], [], []
     last_end = t0
+    cut: int | None = None
     for event in proc.events:
         msg = str(event.get("msg", ""))
         ts = event.get("ts")
         if ts is None or ts < t0:
             continue
-        if msg.startswith("round for step") and "failed" not in msg:
+        if event.get("event") == "inner_phase_cut":
+            cut = int(event["steps"])
+        elif msg.startswith("round for step") and "failed" not in msg:
             ends.append(ts)
             durations.append(ts - last_end)
+            steps.append(inner_steps if cut is None else cut)
+            cut = None
         elif event.get("event") in ("round_done", "state_downloaded") or ROUND_OVER_RE.search(msg):
             last_end = ts  # a round (or a failed attempt) ended: the next inner phase starts here
-    return ends, durations
+    return ends, durations, steps
 
 
 def _diloco_record(method: str, net: Network, work: Workload, procs: list[Proc], t0: float,
                    wire0: list[int | None], inner_steps: int, codec: str, notes: list[str]) -> dict[str, Any]:
-    tokens_per_phase = inner_steps * work.batch_size * work.seq_len
+    tokens_per_step = work.batch_size * work.seq_len
     rounds = [p.rounds() for p in procs]
-    phases = [_phases(p, t0) for p in procs]
+    phases = [_phases(p, t0, inner_steps) for p in procs]
     by_step: dict[int, list[dict]] = {}
     for peer_rounds in rounds:
         for event in peer_rounds:
@@ -316,10 +323,10 @@ def _diloco_record(method: str, net: Network, work: Workload, procs: list[Proc],
             partial.append(step)
         # Tokens: every inner phase any peer finished before this round's end (failed rounds too).
         done_ts = max(e["ts"] for e in events)
-        phases_done = sum(sum(1 for end in ends if end <= done_ts) for ends, _ in phases)
+        steps_done = sum(n for ends, _, steps in phases for end, n in zip(ends, steps) if end <= done_ts)
         wires = [None if e.get("_wire") is None or wire0[i] is None else e["_wire"] - wire0[i]
                  for i, peer_rounds in enumerate(rounds) for e in peer_rounds if e["outer_step"] == step]
-        curve.append({"step": step * inner_steps, "outer_step": step, "tokens": phases_done * tokens_per_phase,
+        curve.append({"step": step * inner_steps, "outer_step": step, "tokens": steps_done * tokens_per_step,
                       "eval_loss": events[0]["eval_loss"], "wall": done_ts - t0,
                       "app_bytes_sent": statistics.fmean(cumulative_app), "wire_bytes_sent": _mean(wires)})
     if inconsistent:
@@ -327,7 +334,11 @@ def _diloco_record(method: str, net: Network, work: Workload, procs: list[Proc],
     if partial:
         notes.append(f"outer steps {partial} were not averaged by all {len(procs)} peers together")
     utilization = []
-    for (ends, durations), peer_rounds in zip(phases, rounds):
+    cuts = [sum(1 for e in p.events if e.get("event") == "inner_phase_cut") for p in procs]
+    if any(cuts):
+        notes.append(f"inner phases cut short (the swarm was already averaging), per peer: {cuts}; "
+                     "fewer tokens than planned")
+    for (ends, durations, _), peer_rounds in zip(phases, rounds):
         if peer_rounds:
             span = peer_rounds[-1]["ts"] - t0
             utilization.append(sum(durations) / span if span > 0 else None)
@@ -349,7 +360,7 @@ def _diloco_record(method: str, net: Network, work: Workload, procs: list[Proc],
         round_seconds_median=statistics.median(e["round_seconds"] for e in all_rounds) if all_rounds else None,
         payload_bytes=all_rounds[0]["payload_bytes"] if all_rounds else None,
         numel=all_rounds[0]["numel"] if all_rounds else None, notes=notes, peer_rounds=peer_rounds,
-        round_late=late, rounds_without_result=over,
+        round_late=late, rounds_without_result=over, inner_phase_cuts=cuts,
         ok=bool(curve) and not inconsistent,
     )
 
