@@ -98,7 +98,9 @@ class Node(RoundLoop):
         self.tokens_per_second = 0.0
         self.bandwidth_bps = 0.0
         self.train_seconds = 0.0
-        self.started = time.monotonic()
+        # Compute utilization counts from here: set again when training starts (after start-up,
+        # the DHT join and the first catch-up), so that start-up is not counted as idle time.
+        self.training_since = time.monotonic()
         self.view = SwarmView({}, {}, 0.0)
         self.health = health.aio.HealthServicer()
         # Asked once: DHT calls block on another process, never on the event loop.
@@ -151,6 +153,7 @@ class Node(RoundLoop):
             try:
                 await self._catch_up(initial=True)
                 await self.health.set(HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+                self.training_since = time.monotonic()
                 await self._main_loop()
             finally:
                 heartbeat.cancel()

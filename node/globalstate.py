@@ -39,9 +39,11 @@ class GlobalState:
         self.owner_residual.zero_()
         self.params_hash = params_sha256(self.params)
 
-    def commit(self) -> None:
-        self.step += 1
-        self.params_hash = params_sha256(self.params)
+    def commit(self, params_hash: str | None = None) -> None:
+        """The next step: θ_global now holds its result. ``params_hash`` when already computed
+        (elsewhere, off the event loop), so that step and hash change together."""
+        digest = params_hash or params_sha256(self.params)
+        self.step, self.params_hash = self.step + 1, digest
 
     def snapshot(self) -> Snapshot:
         return Snapshot.build(self.step, self.params, self.outer.buffer)

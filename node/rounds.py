@@ -22,6 +22,7 @@ import torch
 from lowcomm.protocol.allreduce import run_allreduce
 from lowcomm.protocol.handshake import IncompatiblePeer
 from lowcomm.protocol.matchmaking import MatchmakingError
+from lowcomm.protocol.state import params_sha256
 
 from .errors import FatalError
 from .progress import InnerProgress
@@ -34,11 +35,12 @@ log = logging.getLogger("lowcomm.node")
 class _Pending:
     """A round running in the background (overlap mode) and what it needs at the next boundary."""
 
-    task: asyncio.Task
+    task: asyncio.Task  # the round; it commits θ_global as soon as it is done (_round_then_commit)
     fragment: slice
     local_at_send: torch.Tensor  # the local model's fragment when Δ was taken
     estimate: torch.Tensor | None  # eager mode: where the local model continued from
     step: int
+    weight: float  # tokens the round's Δ stands for (given back to the next round if it fails)
 
 
 @dataclass
@@ -68,9 +70,11 @@ class RoundLoop:
             if prepared is None:
                 continue
             fragment, delta = prepared
-            report = await self._with_grace(self._round(fragment, delta))
+            report = await self._with_grace(self._round(fragment, delta, float(self.tokens_since_round)))
             if report is not None:
-                await self._commit(report, fragment)
+                self.tokens_since_round = 0
+                await self._commit_global()
+                await self._finish_commit(report, fragment, reset_local=True)
 
     def _should_stop(self) -> bool:
         max_rounds = self.config.node.max_rounds
@@ -151,8 +155,19 @@ class RoundLoop:
                 estimate = self.state.params[fragment].clone()
                 self.state.outer.preview_slice(estimate, fragment.start, delta + self.state.residual[fragment])
                 await self.in_train_thread(self.trainer.set_params_slice, fragment, estimate)
-            task = asyncio.create_task(self._round(fragment, delta), name="background-round")
-            pending = _Pending(task, fragment, local_at_send, estimate, self.state.step)
+            # The tokens of the phase just ended go with this Δ; the next phase counts afresh.
+            weight, self.tokens_since_round = float(self.tokens_since_round), 0
+            task = asyncio.create_task(self._round_then_commit(fragment, delta, weight), name="background-round")
+            pending = _Pending(task, fragment, local_at_send, estimate, self.state.step, weight)
+
+    async def _round_then_commit(self, fragment: slice, delta: torch.Tensor, weight: float) -> RoundReport | None:
+        """A background round that commits θ_global the moment it is done, not at the next
+        boundary: peers that reach their boundary first then see us at the new step, with the
+        new hash, and wait for us to join the next round instead of averaging without us."""
+        report = await self._round(fragment, delta, weight)
+        if report is not None:
+            await self._commit_global()
+        return report
 
     async def _finish_overlapped(self, pending: "_Pending") -> None:
         if not pending.task.done():
@@ -171,6 +186,7 @@ class RoundLoop:
             report = pending.task.result()
         base = pending.estimate if pending.estimate is not None else pending.local_at_send
         if report is None:
+            self.tokens_since_round += pending.weight  # the local model keeps that progress
             if pending.estimate is not None:  # undo the eager step: nothing was averaged
                 shift = pending.local_at_send - pending.estimate
                 await self.in_train_thread(self.trainer.add_to_slice, pending.fragment, shift)
@@ -178,7 +194,7 @@ class RoundLoop:
         # θ_global moved from what the local model started from to the averaged result.
         shift = self.state.params[pending.fragment] - base
         await self.in_train_thread(self.trainer.add_to_slice, pending.fragment, shift)
-        await self._commit(report, pending.fragment, reset_local=False)
+        await self._finish_commit(report, pending.fragment, reset_local=False)
 
     async def _inner_phase(self, cut_when_outpaced: bool = False) -> PhaseStats:
         """Up to H inner steps. With ``cut_when_outpaced`` (blocking rounds) the phase ends early
@@ -234,7 +250,7 @@ class RoundLoop:
             self.last_loss = stats.mean_loss
             self.tokens_per_second = stats.tokens / max(stats.seconds, 1e-9)
             self.metrics.train_loss.set(stats.mean_loss)
-        self.metrics.compute_utilization.set(self.train_seconds / max(time.monotonic() - self.started, 1e-9))
+        self.metrics.compute_utilization.set(self.train_seconds / max(time.monotonic() - self.training_since, 1e-9))
         return stats
 
     def _publish_phase_soon(self) -> None:
@@ -264,8 +280,9 @@ class RoundLoop:
         needed = max(1, math.ceil(self.config.sync.quorum * (len(others) + 1)) - 1)
         return bool(others) and averaging >= needed
 
-    async def _round(self, fragment: slice, delta: torch.Tensor) -> RoundReport | None:
-        """Average ``delta`` (Δ of ``fragment``) and apply the outer step to θ_global[fragment].
+    async def _round(self, fragment: slice, delta: torch.Tensor, weight: float) -> RoundReport | None:
+        """Average ``delta`` (Δ of ``fragment``, trained on ``weight`` tokens) and apply the outer
+        step to θ_global[fragment].
 
         Returns what the round did, or None when it failed before changing anything (the local
         progress then stays in the local model and goes into the next round).
@@ -278,7 +295,7 @@ class RoundLoop:
             self._publish_phase_soon()
         log.debug("round for step %d starts from params %s", step, self.state.params_hash[:8])
         if self.gossip is not None:  # gossip mode: its own partner choice, states differ by design
-            report = await self.gossip.round(step, delta, float(self.tokens_since_round))
+            report = await self.gossip.round(step, delta, weight)
             if report is not None:
                 report.seconds = time.monotonic() - started
             return report
@@ -292,7 +309,7 @@ class RoundLoop:
             return None
         try:
             group = await self.matchmaker.form_group(
-                step, float(self.tokens_since_round), self.bandwidth_bps, self._expected_peers,
+                step, weight, self.bandwidth_bps, self._expected_peers,
                 self.config.sync.matchmaking_timeout, params_hash=self.state.params_hash, numel=delta.numel(),
             )
         except MatchmakingError as err:
@@ -385,25 +402,30 @@ class RoundLoop:
             self.metrics.round_failures.labels(reason="shard_skipped").inc()
         return RoundReport(len(group.members), 0.0, sent, received, skipped, allreduce_seconds=seconds)
 
-    async def _commit(self, report: RoundReport, fragment: slice, reset_local: bool = True) -> None:
-        """Publish the new step. Blocking rounds restart the local model of the fragment from
-        θ_global; overlapped rounds already shifted it (see _finish_overlapped)."""
+    async def _commit_global(self) -> None:
+        """The round's result becomes our state: new step and hash, served to joiners, published.
+
+        The record says "training": a committed peer is on to its next inner phase (or, when
+        overlapped, already in it), and peers at the new step must not take it for a finished one.
+        """
+        digest = await self.in_codec_pool(params_sha256, self.state.params)
+        self.state.commit(digest)
+        self.donor.publish(await self.in_codec_pool(self.state.snapshot))
+        self.phase = "training"
+        await self.publish_record()
+
+    async def _finish_commit(self, report: RoundReport, fragment: slice, reset_local: bool) -> None:
+        """After ``_commit_global``: evaluate, checkpoint, report. Blocking rounds restart the local
+        model of the fragment from θ_global; overlapped rounds already shifted it
+        (see _finish_overlapped)."""
         def finish() -> float:
-            self.state.commit()
             if reset_local:
                 self.trainer.set_params_slice(fragment, self.state.params[fragment])
             return self.trainer.evaluate_params(self.state.params)
 
         self.last_eval = await self.in_train_thread(finish)
-        self.tokens_since_round = 0
         self.rounds_completed += 1
-        self.donor.publish(await self.in_codec_pool(self.state.snapshot))
         await self.in_train_thread(self._save_checkpoint)
-        if reset_local:
-            # Blocking rounds: next comes the inner phase of the new step. Never publish the new
-            # step as "averaging": peers at that step would take it for a finished inner phase.
-            self.phase = "training"
-        await self.publish_record()
         m = self.metrics
         m.rounds.inc()
         m.round_group_size.set(report.group_size)
@@ -424,7 +446,7 @@ class RoundLoop:
                    "fragment": [fragment.start, fragment.stop],
                    "bytes_received": report.bytes_received, "skipped_shards": report.skipped_shards,
                    "numel": self.trainer.numel, "codec": self.codec.name, "tokens_total": self.tokens_total,
-                   "compute_utilization": self.train_seconds / max(time.monotonic() - self.started, 1e-9),
+                   "compute_utilization": self.train_seconds / max(time.monotonic() - self.training_since, 1e-9),
                    "train_seconds": self.train_seconds},
         )
 
