@@ -323,6 +323,8 @@ class RoundLoop:
         self.rounds_attempted += 1
         if len(group.members) > 1:
             self.group_rounds += 1
+        log.debug("group of %d formed for step %d", len(group.members), step,
+                  extra={"event": "group_formed", "outer_step": step, "group_size": len(group.members)})
         await self._fault_hold(step, group)
 
         if len(group.members) == 1:

@@ -42,6 +42,10 @@ class Swarm:
     def cleanup(self) -> None:
         for node in self.nodes:
             node.kill_all()
+        # Every node's output next to its data, so that a failed run can be read afterwards
+        # (pytest keeps the last few base temp directories).
+        for number, node in enumerate(self.nodes):
+            (self.workdir / f"{number:02d}-{node.name}.log").write_text("\n".join(node.raw_lines) + "\n")
 
 
 @pytest.fixture

@@ -22,8 +22,9 @@ MATCHMAKING, REDUCE = 15, 8  # the FAST settings of conftest.py
 
 def test_leader_killed_after_sending_the_group(swarm):
     env = {"LOWCOMM_FAULT_HOLD_AS_LEADER": "3"}  # whoever first leads a group of 3 stalls in it
-    first = swarm.start(0, env=env)
-    nodes = [first, swarm.start(1, [first.multiaddr], env=env), swarm.start(2, [first.multiaddr], env=env)]
+    debug = ["--log-level", "debug"]  # group_formed events
+    first = swarm.start(0, extra=debug, env=env)
+    nodes = [first, *(swarm.start(i, [first.multiaddr], extra=debug, env=env) for i in (1, 2))]
     holder = None
     while holder is None:
         for node in nodes:
@@ -36,8 +37,12 @@ def test_leader_killed_after_sending_the_group(swarm):
         if all(n.proc.poll() is not None for n in nodes):
             pytest.fail("all nodes exited")
     step = holder["outer_step"]
-    leader.signal(signal.SIGKILL)
     survivors = [n for n in nodes if n is not leader]
+    # "After sending the group": the leader's replies may still be in flight when it holds, so
+    # kill it only once both members have the group.
+    for node in survivors:
+        node.wait_for(lambda e: e.get("event") == "group_formed" and e["outer_step"] == step, ROUND_WAIT)
+    leader.signal(signal.SIGKILL)
     done = [n.wait_for(lambda e: e.get("event") == "round_done" and e["outer_step"] == step + 1, ROUND_WAIT)
             for n in survivors]
     assert done[0]["params_sha256"] == done[1]["params_sha256"]
@@ -87,12 +92,14 @@ def test_diverged_local_model_never_sends_and_resyncs(swarm):
 
 
 def test_joiner_arriving_mid_round(swarm):
-    first = swarm.start(0)
-    second = swarm.start(1, [first.multiaddr])
+    first = swarm.start(0, extra=["--log-level", "debug"])  # group_formed events
+    second = swarm.start(1, [first.multiaddr], extra=["--log-level", "debug"])
     # The third peer stalls inside its first round with partners, after the group formed: from
     # its fault_hold event until the others' reduce deadline, that round is in flight.
     holder = swarm.start(2, [first.multiaddr], env={"LOWCOMM_FAULT_HOLD_ROUND": "1"})
     step = holder.wait_event("fault_hold", ROUND_WAIT * 2)["outer_step"]
+    for node in (first, second):  # the round is in flight for them too
+        node.wait_for(lambda e: e.get("event") == "group_formed" and e["outer_step"] == step, ROUND_WAIT)
     joiner = swarm.start(3, [first.multiaddr])
     holder.signal(signal.SIGKILL)
     done = [n.wait_for(lambda e: e.get("event") == "round_done" and e["outer_step"] == step + 1, ROUND_WAIT)

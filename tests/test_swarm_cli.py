@@ -73,12 +73,16 @@ def test_three_peers_train_in_sync_and_a_late_joiner_catches_up(swarm):
 
 
 def test_killed_peer_does_not_stall_the_round_and_rejoins_after_restart(swarm):
-    first = swarm.start(0)
-    second = swarm.start(1, [first.multiaddr])
+    first = swarm.start(0, extra=["--log-level", "debug"])  # group_formed events
+    second = swarm.start(1, [first.multiaddr], extra=["--log-level", "debug"])
     # The victim stalls inside its 2nd round (after the group formed), and is then SIGKILLed.
     victim = swarm.start(2, [first.multiaddr], env={"LOWCOMM_FAULT_HOLD_ROUND": "2"})
     hold = victim.wait_event("fault_hold", ROUND_WAIT * 3)
     step = hold["outer_step"]
+    # When the victim leads, its replies may still be in flight as it holds: kill it only once
+    # the others have the group.
+    for node in (first, second):
+        node.wait_for(lambda e: e.get("event") == "group_formed" and e["outer_step"] == step, ROUND_WAIT)
     # SIGKILL the node process alone: its DHT process and p2pd must not outlive it.
     orphans = swarm.descendants(victim)
     victim.signal(signal.SIGKILL)
