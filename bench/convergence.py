@@ -47,7 +47,7 @@ def parse_methods(text: str) -> list[str]:
 
 
 def run_method(method: str, work, net, logdir: Path, time_limit: float, target: float | None = None,
-               max_steps: int | None = None, hivemind: dict | None = None) -> dict:
+               max_steps: int | None = None, hivemind: dict | None = None, node_sets: list[str] = ()) -> dict:
     """One method on ``net``; ``max_steps`` (per peer) lets a run with a target go past work.steps;
     ``hivemind``: keyword arguments of run_hivemind (matchmaking_time, averaging_timeout)."""
     match = METHOD_RE.match(method)
@@ -63,7 +63,7 @@ def run_method(method: str, work, net, logdir: Path, time_limit: float, target: 
     if work.steps % h:
         raise SystemExit(f"{method}: --steps {work.steps} is not a multiple of H={h} (tokens would differ)")
     return run_diloco(work, net, logdir / method, codec, h, rounds=(max_steps or work.steps) // h, target=target,
-                      time_limit=time_limit)
+                      time_limit=time_limit, extra_sets=list(node_sets))
 
 
 def hivemind_args(parser) -> None:
@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", default="lcb", help="netns cluster prefix (namespaces <prefix>-<i>)")
     parser.add_argument("--run-id", help="add the records to this earlier run (to repeat a method that failed); "
                         "default: a new run")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra node setting for the diloco methods, e.g. sync.outer_momentum=0.5 (repeatable; "
+                             "kept in the record as node_sets; use another --json-out for such sweeps)")
     hivemind_args(parser)
     workload_args(parser)
     args = parser.parse_args(argv)
@@ -101,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             say(f"{method}: starting")
             try:
-                record = run_method(method, work, net, logdir, args.time_limit, hivemind=hivemind_options(args))
+                record = run_method(method, work, net, logdir, args.time_limit, hivemind=hivemind_options(args),
+                                    node_sets=args.sets)
+                if args.sets and method.startswith("diloco"):
+                    record["node_sets"] = args.sets
             except Exception as err:  # one broken method must not cost the others' results
                 say(f"{method}: FAILED: {err}")
                 record = {"method": method, "network": net.kind, "ok": False, "curve": [], "error": str(err)[-2000:],

@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=600, help="seconds per mode before it is stopped")
     parser.add_argument("--json-out", type=Path, default=OUT / "overlap.jsonl")
     parser.add_argument("--prefix", default="lco", help="netns cluster prefix")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra node setting for every mode, e.g. sync.outer_momentum=0.5 (repeatable; "
+                             "kept in the record as node_sets)")
     args = parser.parse_args(argv)
     handle_signals()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -124,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
             say(f"overlap={mode}: starting")
             base = {"mode": mode, "mbit": args.mbit, "peers": work.peers, "rounds": args.rounds,
                     "inner_steps": args.inner_steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                    "codec": args.codec, "logs": str(logdir / mode)}
+                    "codec": args.codec, "logs": str(logdir / mode), "node_sets": args.sets}
             try:
                 run = run_diloco(work, net, logdir / mode, args.codec, args.inner_steps, rounds=args.rounds,
-                                 time_limit=args.time_limit, extra_sets=[f"sync.overlap={mode}", *SETTINGS])
+                                 time_limit=args.time_limit, extra_sets=[f"sync.overlap={mode}", *SETTINGS, *args.sets])
                 phase_tokens = args.inner_steps * args.batch_size * args.seq_len
                 record = {**base, **summarize(run, mode, args.rounds, phase_tokens), "ok": run["ok"],
                           "notes": run["notes"], "wall_seconds": run["wall_seconds"],

@@ -111,7 +111,7 @@ def machine_section(all_records: list[dict], standard: list[dict]) -> list[str]:
                   f"torch {m['torch']}, {'GPU ' + m['gpu'] if m.get('gpu') else 'no GPU'}. "
                   "Load average (1, 5, 15 min) when the runs started: "
                   + ", ".join(f"{r['bench']} {r['machine']['loadavg_at_start']}" for r in _first_per_bench(all_records))
-                  + " (the machine is shared: other processes ran at the same time)."]
+                  + "."]
     runs: dict[tuple, str] = {}
     for r in all_records:
         if r.get("command"):

@@ -2,7 +2,7 @@
 """Slow links: wall-clock to a fixed target eval loss for ddp, hivemind and the best DiLoCo setting.
 
     python bench/slow_links.py [--caps 100,20] [--diloco auto|int8-H50] [--target auto|LOSS]
-                               [--ddp-steps 30] [--ddp-full] [--max-factor 1.5] [workload flags]
+                               [--ddp-steps 30] [--ddp-full] [--max-factor 2] [workload flags]
                                [--json-out bench/out/slow_links.jsonl]
 
 Every peer sits in its own network namespace capped at C Mbit/s in both directions (tc tbf,
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default="auto", help="target eval loss, or auto (ddp on unlimited links)")
     parser.add_argument("--ddp-steps", type=int, default=30, help="steps ddp runs on a capped link (timing only)")
     parser.add_argument("--ddp-full", action="store_true", help="run ddp on capped links until the target")
-    parser.add_argument("--max-factor", type=float, default=1.5,
+    parser.add_argument("--max-factor", type=float, default=2.0,
                         help="hivemind and diloco may run up to this × --steps steps per peer to reach the target")
     parser.add_argument("--time-limit", type=float, default=600, help="seconds per run before it is stopped")
     parser.add_argument("--convergence", type=Path, default=OUT / "convergence.jsonl")
