@@ -351,8 +351,8 @@ def overlap_section(records: list[dict], plot_dir: Path, goals: list[str]) -> li
     lines += ["- *compute util. (window)*: per peer, seconds in inner steps (`round_done.train_seconds`) between "
               "its second and its last round per second of wall-clock; the first round (start-up, first "
               "matchmaking) is left out. *since start*: the node's `lowcomm_compute_utilization_ratio` at its last "
-              "round (`round_done.compute_utilization`), which counts from the node's start, i.e. includes its "
-              "start-up and the time the harness held it until all peers were up.",
+              "round (`round_done.compute_utilization`), which counts from the moment the node starts training "
+              "(after start-up and its first catch-up), so its first matchmaking is in it.",
               "- *eval loss*: the global model after the last outer step; *tokens in model*: what the peers had "
               "trained when they sent their Δ of that round (`round_done.tokens_total`, less the phase an "
               "overlapped node trains while its round is in flight), all peers together. A round a peer left "
