@@ -108,6 +108,7 @@ class Node(RoundLoop):
         # After a partition heals, hivemind alone never reintroduces the two sides (node/reconnect.py).
         self.reconnector = Reconnector(dht, self.peer_id, config.node.peers,
                                        interval=max(10.0, 3 * config.node.heartbeat_interval))
+        self._reconnecting: asyncio.Task | None = None
         self.trainer: Trainer
         self.state: GlobalState
 
@@ -157,7 +158,9 @@ class Node(RoundLoop):
                 await self._main_loop()
             finally:
                 heartbeat.cancel()
-                await asyncio.gather(heartbeat, return_exceptions=True)
+                if self._reconnecting is not None:
+                    self._reconnecting.cancel()
+                await asyncio.gather(heartbeat, *filter(None, [self._reconnecting]), return_exceptions=True)
             await self._shutdown()
             return 0
         finally:
@@ -294,12 +297,23 @@ class Node(RoundLoop):
             try:
                 await self.publish_record()
                 view = await self.refresh_view()
-                answered = await self.reconnector.maybe_reconnect(view.peers.keys(), view.left)
-                if answered is not None:
-                    self.metrics.dht_rebootstraps.labels(outcome="reached" if answered else "unreachable").inc()
+                missing = self.reconnector.missing(view.peers.keys(), view.left)
+                # In a task of its own: pinging unreachable peers must never delay our record
+                # past its TTL (the others would think we left).
+                if self.reconnector.due(missing) and (self._reconnecting is None or self._reconnecting.done()):
+                    self._reconnecting = asyncio.create_task(self._reconnect(missing), name="dht-reconnect")
             except Exception:  # a heartbeat must survive any DHT hiccup
                 log.exception("heartbeat failed")
             await asyncio.sleep(self.config.node.heartbeat_interval)
+
+    async def _reconnect(self, missing: list[str]) -> None:
+        try:
+            answered = await self.reconnector.reconnect(missing)
+        except Exception as err:  # never an unhandled task error: the next heartbeat tries again
+            log.debug("DHT re-bootstrap failed: %r", err)
+            return
+        if answered is not None:
+            self.metrics.dht_rebootstraps.labels(outcome="reached" if answered else "unreachable").inc()
 
     async def _expected_peers(self) -> set[str]:
         """Peers the leader waits for: live, compatible, at our step with our parameters."""

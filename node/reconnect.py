@@ -85,7 +85,18 @@ class Reconnector:
 
     async def maybe_reconnect(self, live: Iterable[str], left: Iterable[str] = ()) -> list[str] | None:
         """Re-bootstrap when peers went missing, at most once per ``interval``; who answered."""
-        missing = self.missing(live, left)
+        return await self.reconnect(self.missing(live, left))
+
+    def due(self, missing: list[str]) -> bool:
+        """Whether ``reconnect(missing)`` would ping now (peers missing, interval passed)."""
+        return bool(missing) and time.monotonic() - self._last_attempt >= self.interval
+
+    async def reconnect(self, missing: list[str]) -> list[str] | None:
+        """Ping the initial peers and some of ``missing`` when ``due``; who answered, or None.
+
+        It can take up to 3 × PING_TIMEOUT: callers that must not wait (the heartbeat) run it
+        as a task of its own.
+        """
         now = time.monotonic()
         if not missing or now - self._last_attempt < self.interval:
             return None
