@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,52 +180,7 @@ class Proc(NodeProcess):
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, stdin: bool = False,
                  on_event: Callable[[str, Event], None] | None = None, log_path: Path | None = None) -> None:
-        self.name = name
-        self.args = argv
-        self.events: list[Event] = []
-        self.raw_lines: list[str] = []
-        self._cond = threading.Condition()
-        self._log = log_path.open("w", encoding="utf-8") if log_path else None
-
-        def echo(name: str, event: Event) -> None:
-            if on_event is not None:
-                on_event(name, event)
-
-        self._echo = echo
-        full_env = {**os.environ, "LOWCOMM_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, env=full_env, text=True, bufsize=1,
-            start_new_session=True,
-        )
-        self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        """NodeProcess's reader, also copying every line to the log file as it comes."""
-        assert self.proc.stdout is not None
-        try:
-            for line in self.proc.stdout:
-                line = line.rstrip("\n")
-                if self._log is not None:
-                    self._log.write(line + "\n")
-                    self._log.flush()
-                try:
-                    event = json.loads(line)
-                    if not isinstance(event, dict):
-                        raise ValueError
-                except ValueError:
-                    event = {"msg": line, "level": "raw"}
-                with self._cond:
-                    self.raw_lines.append(line)
-                    self.events.append(event)
-                    self._cond.notify_all()
-                self._echo(self.name, event)
-        finally:
-            if self._log is not None:
-                self._log.close()
-            with self._cond:
-                self._cond.notify_all()
+        super().__init__(name, argv, env, on_event, command=argv, stdin=stdin, log_path=log_path)
 
     def send(self, line: str) -> None:
         assert self.proc.stdin is not None

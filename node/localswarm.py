@@ -33,39 +33,52 @@ class NodeProcess:
     """One ``lowcomm-node join`` subprocess with its parsed log events."""
 
     def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None,
-                 echo: Callable[[str, Event], None] | None = None) -> None:
+                 echo: Callable[[str, Event], None] | None = None, *, command: list[str] | None = None,
+                 stdin: bool = False, log_path: Path | None = None) -> None:
+        """``command``: another whole command line instead of ``lowcomm-node join args`` (the
+        benchmarks run baselines this way); ``stdin``: keep a pipe to it; ``log_path``: copy every
+        output line there as it comes."""
         self.name = name
         self.args = args
         self.events: list[Event] = []
         self.raw_lines: list[str] = []
         self._cond = threading.Condition()
         self._echo = echo
+        self._log = log_path.open("w", encoding="utf-8") if log_path else None
         full_env = {**os.environ, "LOWCOMM_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
-            [*node_command(), "join", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, env=full_env, text=True, bufsize=1, start_new_session=True,
+            command or [*node_command(), "join", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, env=full_env, text=True, bufsize=1,
+            start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            try:
-                event = json.loads(line)
-                if not isinstance(event, dict):
-                    raise ValueError
-            except ValueError:
-                event = {"msg": line, "level": "raw"}
+        try:
+            for line in self.proc.stdout:
+                line = line.rstrip("\n")
+                if self._log is not None:
+                    self._log.write(line + "\n")
+                    self._log.flush()
+                try:
+                    event = json.loads(line)
+                    if not isinstance(event, dict):
+                        raise ValueError
+                except ValueError:
+                    event = {"msg": line, "level": "raw"}
+                with self._cond:
+                    self.raw_lines.append(line)
+                    self.events.append(event)
+                    self._cond.notify_all()
+                if self._echo is not None:
+                    self._echo(self.name, event)
+        finally:
+            if self._log is not None:
+                self._log.close()
             with self._cond:
-                self.raw_lines.append(line)
-                self.events.append(event)
                 self._cond.notify_all()
-            if self._echo is not None:
-                self._echo(self.name, event)
-        with self._cond:
-            self._cond.notify_all()
 
     # -- waiting for what the node says ---------------------------------------------------------
 
