@@ -85,6 +85,11 @@ class SyncSection(_Section):
     of step r+1 trains, and its result is applied at the next boundary (the local model is shifted
     by the difference, so no local progress is lost). eager: as delayed, but the local model
     continues from an outer step taken with its own pseudo-gradient as a stand-in for the average."""
+    overlap_apply: Literal["arrival", "boundary"] = "arrival"
+    """delayed/eager: when the averaged update reaches the local model. arrival: between two inner
+    steps as soon as the background round is done (Streaming DiLoCo's overlap: the local model
+    trains on a stale θ_global only while the round is on the wire). boundary: at the end of the
+    inner phase (DiLoCoX's one-step delay: the whole phase trains on the stale θ_global)."""
     fragments: int = Field(1, ge=1)
     """K: the model is cut into K contiguous fragments synced in turn (Streaming DiLoCo); a round
     then comes every inner_steps/K steps and carries about 1/K of the bytes."""
@@ -150,6 +155,10 @@ class NodeSection(_Section):
     """Where inner steps run; auto: CUDA (with bf16 autocast) when available."""
     torch_threads: int | None = Field(None, ge=1)
     """Torch intra-op threads of the training thread; unset: torch's default."""
+    compute_niceness: int = Field(10, ge=0, le=19)
+    """Linux: the training and eval threads run this much nicer than the rest of the node, so
+    that RPCs, the DHT and the all-reduce (latency-bound) never queue behind compute
+    (throughput-bound) on a busy CPU. 0: same priority."""
     log_format: Literal["auto", "text", "json"] = "auto"
     """auto: human lines on a terminal, JSON lines otherwise."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import copy
 import math
 import signal
 import threading
@@ -43,12 +44,14 @@ from lowcomm.protocol.state import Donor, StateDonor, StateError, download_state
 from . import checkpoint
 from .errors import FatalError
 from .config import Config
+from .evaluator import Evaluator
 from .globalstate import GlobalState
 from .grpc_metrics import HandledCounter
 from .metrics import NodeMetrics, serve_metrics
 from .reconnect import Reconnector
 from .swarm import HivemindDHT, PeerRecord, SwarmView, peers_key, read_swarm, signed
 from .rounds import RoundLoop, RoundReport  # noqa: F401 (RoundReport is part of this module's API)
+from .train_thread import TrainThread, lower_priority
 from .trainer import Trainer
 
 log = logging.getLogger("lowcomm.node")
@@ -76,8 +79,13 @@ class Node(RoundLoop):
         tokens = client_interceptors(self.auth, self.peer_id, lambda: getattr(getattr(self, "state", None), "step", 0)
                                      ) if self.auth else []
         self.channels = ChannelPool(tokens, tls)
-        self.train_executor = ThreadPoolExecutor(1, thread_name_prefix="lowcomm-train")
+        self.train_thread = TrainThread(config.node.compute_niceness)
         self.codec_executor = ThreadPoolExecutor(2, thread_name_prefix="lowcomm-codec")
+        # Eval of θ_global and checkpoint writes, one at a time and in commit order, so that the
+        # training thread never stops for them.
+        self.report_executor = ThreadPoolExecutor(1, thread_name_prefix="lowcomm-report",
+                                                  initializer=lower_priority, initargs=(config.node.compute_niceness,))
+        self._last_report: asyncio.Task | None = None
         self.stop_requested = asyncio.Event()
         self.stop_training = threading.Event()  # read by the training thread between inner steps
         self.phase = "starting"
@@ -90,6 +98,7 @@ class Node(RoundLoop):
         self.last_contribution: tuple[int, torch.Tensor] | None = None
         self.consensus_distance = math.nan  # gossip mode: relative L2 distance to the last partners
         self._nan_injected = False
+        self._rounds_tried: set[int] = set()  # recent steps whose round this node started
         self.gossip = None  # a GossipMode (node/gossip_mode.py) when [sync] mode = "gossip"
         self.tokens_since_round = 0
         self.tokens_total = 0
@@ -97,7 +106,8 @@ class Node(RoundLoop):
         self.last_eval = math.nan
         self.tokens_per_second = 0.0
         self.bandwidth_bps = 0.0
-        self.train_seconds = 0.0
+        self.train_seconds = 0.0  # in inner steps, since training started
+        self.train_clock = 0.0  # wall-clock seconds since training started, at the last phase end
         # Compute utilization counts from here: set again when training starts (after start-up,
         # the DHT join and the first catch-up), so that start-up is not counted as idle time.
         self.training_since = time.monotonic()
@@ -115,10 +125,18 @@ class Node(RoundLoop):
     # -- small helpers ------------------------------------------------------------------------
 
     async def in_train_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.train_executor, fn, *args)
+        return await self.train_thread.run(fn, *args)
 
     async def in_codec_pool(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.codec_executor, fn, *args)
+
+    async def in_train_thread_soon(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` in the training thread between two inner steps, or at once when it is idle."""
+        return await self.train_thread.run_soon(fn, *args)
+
+    def drain_train_inbox(self) -> None:
+        """Training thread only: run what ``in_train_thread_soon`` queued."""
+        self.train_thread.drain()
 
     def request_stop(self) -> None:
         if self.stop_requested.is_set():
@@ -143,6 +161,7 @@ class Node(RoundLoop):
         try:
             self.trainer = await self.in_train_thread(Trainer, self.config, self.peer_id)
             self.state = await self.in_train_thread(self._restore)
+            self.evaluator = await self.in_train_thread(Evaluator, self.trainer)
             self.last_eval = await self.in_train_thread(self.trainer.evaluate)
             self.metrics.eval_loss.set(self.last_eval)
             self.metrics.outer_step.set(self.state.step)
@@ -161,6 +180,7 @@ class Node(RoundLoop):
                 if self._reconnecting is not None:
                     self._reconnecting.cancel()
                 await asyncio.gather(heartbeat, *filter(None, [self._reconnecting]), return_exceptions=True)
+            await self._reports_written()
             await self._shutdown()
             return 0
         finally:
@@ -170,8 +190,9 @@ class Node(RoundLoop):
             if metrics_server is not None:
                 metrics_server.shutdown()
             await self.channels.close()
-            self.train_executor.shutdown(wait=True, cancel_futures=True)
+            self.train_thread.shutdown()
             self.codec_executor.shutdown(wait=True, cancel_futures=True)
+            self.report_executor.shutdown(wait=True, cancel_futures=True)
 
     def _restore(self) -> GlobalState:
         """Runs in the training thread: the newest good checkpoint, or the seed's initial weights."""
@@ -421,19 +442,33 @@ class Node(RoundLoop):
     # -- the main loop ------------------------------------------------------------------------
 
     def _save_checkpoint(self) -> None:
-        payload = self.state.to_checkpoint() | {
+        self._write_checkpoint(self.state.to_checkpoint(), self.trainer.local_state(), self.tokens_total)
+
+    def _write_checkpoint(self, state: dict[str, Any], trainer_state: dict[str, Any], tokens_total: int) -> None:
+        payload = state | {
             "config_fingerprint": self.config.run_fingerprint(),
-            "trainer": self.trainer.local_state(),
-            "tokens_total": self.tokens_total,
+            "trainer": trainer_state,
+            "tokens_total": tokens_total,
         }
-        path = checkpoint.save(self.config.node.checkpoint_dir, self.state.step, payload)
+        path = checkpoint.save(self.config.node.checkpoint_dir, int(state["step"]), payload)
         log.debug("checkpoint written: %s", path)
+
+    def frozen_trainer_state(self) -> dict[str, Any]:
+        """Training thread only: a copy of the trainer's checkpointable state (it keeps training
+        while the checkpoint is written in the report thread)."""
+        return copy.deepcopy(self.trainer.local_state())
+
+    async def _reports_written(self) -> None:
+        """Wait for the evals and checkpoints of committed rounds still being written."""
+        if self._last_report is not None:
+            await asyncio.gather(self._last_report, return_exceptions=True)
 
     async def _shutdown(self) -> None:
         """Fold unsent local progress into the residual, checkpoint, leave the DHT."""
         self.phase = "stopping"
 
         def fold_and_save() -> None:
+            self.drain_train_inbox()  # an overlapped round's result not yet applied to the local model
             self.state.residual.add_(self.state.params - self.trainer.get_params())
             self.trainer.set_params(self.state.params)
             self._save_checkpoint()

@@ -58,6 +58,12 @@ class GlobalState:
             "params_sha256": self.params_hash,
         }
 
+    def frozen_checkpoint(self) -> dict[str, Any]:
+        """``to_checkpoint`` with copies of the tensors: written in another thread while the next
+        round (overlapped mode) already changes the originals."""
+        return {key: value.clone() if isinstance(value, torch.Tensor) else value
+                for key, value in self.to_checkpoint().items()}
+
     @classmethod
     def from_checkpoint(cls, payload: dict[str, Any], lr: float, momentum: float) -> "GlobalState":
         params = payload["params"].to(torch.float32)

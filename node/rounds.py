@@ -21,7 +21,7 @@ import torch
 
 from lowcomm.protocol.allreduce import run_allreduce
 from lowcomm.protocol.handshake import IncompatiblePeer
-from lowcomm.protocol.matchmaking import MatchmakingError
+from lowcomm.protocol.matchmaking import POLL_SECONDS, MatchmakingError
 from lowcomm.protocol.state import params_sha256
 
 from .errors import FatalError
@@ -33,14 +33,25 @@ log = logging.getLogger("lowcomm.node")
 
 @dataclass
 class _Pending:
-    """A round running in the background (overlap mode) and what it needs at the next boundary."""
+    """A round running in the background (overlap mode) and how its result reaches the local model."""
 
-    task: asyncio.Task  # the round; it commits θ_global as soon as it is done (_round_then_commit)
     fragment: slice
+    delta: torch.Tensor
     local_at_send: torch.Tensor  # the local model's fragment when Δ was taken
     estimate: torch.Tensor | None  # eager mode: where the local model continued from
     step: int
     weight: float  # tokens the round's Δ stands for (given back to the next round if it fails)
+    task: asyncio.Task | None = None  # _round_in_background: the round, its commit, the local shift
+    merged: bool = False  # the local model holds the round's outcome (shifted, or the eager step undone)
+
+
+@dataclass
+class _Committed:
+    """Copies taken at a commit, for the eval and the checkpoint written in the report thread
+    while the next round may already change θ_global."""
+
+    params: torch.Tensor
+    checkpoint_state: dict
 
 
 @dataclass
@@ -52,6 +63,7 @@ class RoundReport:
     skipped_shards: int
     allreduce_seconds: float = 0.0
     matchmaking_seconds: float = 0.0
+    tokens: float = 0.0  # what this node's Δ stood for (its weight in the round)
 
 
 class RoundLoop:
@@ -73,8 +85,8 @@ class RoundLoop:
             report = await self._with_grace(self._round(fragment, delta, float(self.tokens_since_round)))
             if report is not None:
                 self.tokens_since_round = 0
-                await self._commit_global()
-                await self._finish_commit(report, fragment, reset_local=True)
+                committed = await self._commit_global()
+                await self._finish_commit(report, fragment, committed, reset_local=True)
 
     def _should_stop(self) -> bool:
         max_rounds = self.config.node.max_rounds
@@ -117,7 +129,7 @@ class RoundLoop:
             self._nan_injected = True
             await self.in_train_thread(self.trainer.set_params, torch.full_like(self.state.params, math.nan))
         fragment = self._next_fragment()
-        local = await self.in_train_thread(self.trainer.get_params)
+        local = await self.in_train_thread(self._local_params_now)
         if not bool(torch.isfinite(local).all()):
             # A diverged local model never sends: start over from θ_global, keep nothing of it.
             log.error("local model diverged (non-finite weights); resetting it to the global parameters",
@@ -128,48 +140,99 @@ class RoundLoop:
             return None
         return fragment, self.state.params[fragment] - local[fragment]
 
+    def _local_params_now(self) -> torch.Tensor:
+        """Training thread: the local parameters, after whatever the inbox still had for them."""
+        self.drain_train_inbox()
+        return self.trainer.get_params()
+
+    def _phase_steps(self) -> int:
+        """Inner steps between two rounds: H, or H/K with K fragments (each fragment is then
+        synced every H steps, the fragments at staggered times)."""
+        return max(1, round(self.config.train.inner_steps / self.config.sync.fragments))
+
     # -- overlapped rounds (DESIGN: never wait for the network) ---------------------------------
 
     async def _overlapped_loop(self) -> None:
-        """The round of step r runs in the background while the inner phase of step r+1 trains;
-        its result is applied at the next boundary, shifting the local model by the difference
-        between the averaged and the local update so that no local progress is lost."""
+        """The round of step r runs in the background while the inner phase of step r+1 trains.
+        Its result shifts the local model by the difference between the averaged and the local
+        update (so no local progress is lost): between two inner steps as soon as it is done
+        (``overlap_apply = "arrival"``) or at the next boundary ("boundary"). An inner phase
+        ends early when the round of its step already started elsewhere, so that no peer waits
+        for a slower one; the training thread waits only for a round more than one step late."""
         pending: _Pending | None = None
         while True:
-            await self._inner_phase()  # returns at once when a stop was requested
+            await self._inner_phase(watch=self._watch_round_start(pending))
+            failed = False
             if pending is not None:
-                await self._finish_overlapped(pending)
+                failed = not await self._finish_overlapped(pending)
                 pending = None
             if self._should_stop():
                 break
-            await self._catch_up()  # only here is no round in flight
+            if failed or self._behind(self.view):
+                await self._catch_up()  # only here is no round in flight
             prepared = await self._prepare_round()
             if prepared is None:
                 continue
             fragment, delta = prepared
-            local_at_send = self.state.params[fragment] - delta
-            estimate = None
-            if self.config.sync.overlap == "eager":
-                # Eager: train on from an outer step that uses our own Δ as a stand-in for the
-                # average that is still on the wire (the shared momentum is left untouched).
-                estimate = self.state.params[fragment].clone()
-                self.state.outer.preview_slice(estimate, fragment.start, delta + self.state.residual[fragment])
-                await self.in_train_thread(self.trainer.set_params_slice, fragment, estimate)
+            pending = _Pending(fragment, delta, self.state.params[fragment] - delta, None, self.state.step,
+                               float(self.tokens_since_round))
             # The tokens of the phase just ended go with this Δ; the next phase counts afresh.
-            weight, self.tokens_since_round = float(self.tokens_since_round), 0
-            task = asyncio.create_task(self._round_then_commit(fragment, delta, weight), name="background-round")
-            pending = _Pending(task, fragment, local_at_send, estimate, self.state.step, weight)
+            self.tokens_since_round = 0
+            if self.config.sync.overlap == "eager":
+                estimate = self._eager_estimate(fragment, delta)
+                await self.in_train_thread(self.trainer.set_params_slice, fragment, estimate)
+                pending.estimate = estimate
+            pending.task = asyncio.create_task(self._round_in_background(pending), name="background-round")
 
-    async def _round_then_commit(self, fragment: slice, delta: torch.Tensor, weight: float) -> RoundReport | None:
+    def _eager_estimate(self, fragment: slice, delta: torch.Tensor) -> torch.Tensor:
+        """Eager updates: where the local model trains on from while the round is on the wire,
+        an outer step previewed (the shared momentum is left untouched) with our own Δ as the
+        stand-in for the average that has not arrived. (The eager-updates paper mixes our
+        fresh Δ for our 1/M share with the others' delayed ones; that measured worse here, see
+        bench/analysis.md.)"""
+        estimate = self.state.params[fragment].clone()
+        self.state.outer.preview_slice(estimate, fragment.start, delta + self.state.residual[fragment])
+        return estimate
+
+    def _behind(self, view) -> bool:
+        """Whether the (heartbeat's) view has peers past our step or a majority elsewhere at it."""
+        return any(p.outer_step > self.state.step for p in view.peers.values()) or (
+            self._majority_elsewhere(view) is not None)
+
+    async def _round_in_background(self, pending: "_Pending") -> RoundReport | None:
         """A background round that commits θ_global the moment it is done, not at the next
         boundary: peers that reach their boundary first then see us at the new step, with the
-        new hash, and wait for us to join the next round instead of averaging without us."""
-        report = await self._round(fragment, delta, weight)
+        new hash, and start the next round with us instead of averaging without us. With
+        ``overlap_apply = "arrival"`` the local model gets the result right away too."""
+        report = await self._round(pending.fragment, pending.delta, pending.weight)
+        if report is None:
+            self.tokens_since_round += pending.weight  # the local model keeps that progress
+        else:
+            committed = await self._commit_global()
+        if self.config.sync.overlap_apply == "arrival":
+            await self.in_train_thread_soon(self._merge, pending, report is not None)
         if report is not None:
-            await self._commit_global()
+            await self._finish_commit(report, pending.fragment, committed, reset_local=False)
         return report
 
-    async def _finish_overlapped(self, pending: "_Pending") -> None:
+    def _merge(self, pending: "_Pending", succeeded: bool) -> None:
+        """Training thread: give the local model the round's outcome. θ_global moved from where
+        the local model started the phase (its Δ point, or the eager estimate) to the averaged
+        result; after a failed round only the eager step is undone (nothing was averaged)."""
+        if pending.merged:
+            return
+        pending.merged = True
+        base = pending.estimate if pending.estimate is not None else pending.local_at_send
+        if succeeded:
+            self.trainer.add_to_slice(pending.fragment, self.state.params[pending.fragment] - base)
+        elif pending.estimate is not None:
+            self.trainer.add_to_slice(pending.fragment, pending.local_at_send - pending.estimate)
+
+    async def _finish_overlapped(self, pending: "_Pending") -> bool:
+        """At the boundary after the round: wait for it only if it is still running (more than
+        one step late: said in the log and ``lowcomm_round_waits_total``); returns whether it
+        produced a result."""
+        assert pending.task is not None
         if not pending.task.done():
             waited = time.monotonic()
             log.info("the round of step %d is more than one step late; training waits for it", pending.step,
@@ -180,29 +243,45 @@ class RoundLoop:
                                        None if not self.stop_requested.is_set() else self.config.node.grace_period)
             except asyncio.TimeoutError:
                 pending.task.cancel()
+                await asyncio.gather(pending.task, return_exceptions=True)
             self.metrics.round_wait_seconds.inc(time.monotonic() - waited)
-        report = None
-        if not pending.task.cancelled():
-            report = pending.task.result()
-        base = pending.estimate if pending.estimate is not None else pending.local_at_send
-        if report is None:
-            self.tokens_since_round += pending.weight  # the local model keeps that progress
-            if pending.estimate is not None:  # undo the eager step: nothing was averaged
-                shift = pending.local_at_send - pending.estimate
-                await self.in_train_thread(self.trainer.add_to_slice, pending.fragment, shift)
-            return
-        # θ_global moved from what the local model started from to the averaged result.
-        shift = self.state.params[pending.fragment] - base
-        await self.in_train_thread(self.trainer.add_to_slice, pending.fragment, shift)
-        await self._finish_commit(report, pending.fragment, reset_local=False)
+        report = None if pending.task.cancelled() else pending.task.result()
+        if pending.task.cancelled():
+            self.tokens_since_round += pending.weight
+        await self.in_train_thread(self._merge, pending, report is not None)
+        return report is not None
 
-    async def _inner_phase(self, cut_when_outpaced: bool = False) -> PhaseStats:
-        """Up to H inner steps. With ``cut_when_outpaced`` (blocking rounds) the phase ends early
-        once enough peers at our step finished theirs that the round could close without us:
-        a slower peer then joins that round with the steps it did (its weight is its tokens)
-        instead of arriving after it closed, catching up, and never averaging at all."""
+    def _watch_round_start(self, pending: "_Pending | None"):
+        """The watcher of an overlapped inner phase: ends it (sets ``cut``) as soon as another
+        peer registered for the round that this phase leads to. Cutting costs no compute in
+        overlapped mode (the next phase starts at once), and it keeps the swarm at the pace of
+        its fastest peer instead of having everybody wait for the slowest at every round."""
+        watch_step = pending.step + 1 if pending is not None else self.state.step
+        if watch_step in self._rounds_tried:
+            return None  # we already tried that round (and it failed): train a full phase
+
+        async def watch(cut: threading.Event) -> None:
+            while True:
+                await asyncio.sleep(POLL_SECONDS)
+                if self.state.step != watch_step:
+                    continue  # our background round is not done yet (or failed: then nothing to join)
+                try:
+                    if await self.matchmaker.others_registered(watch_step, self.state.params_hash):
+                        cut.set()
+                        return
+                except Exception as err:  # a DHT hiccup: the phase simply runs to its end
+                    log.debug("reading the round registrations failed: %r", err)
+
+        return watch
+
+    async def _inner_phase(self, cut_when_outpaced: bool = False, watch=None) -> PhaseStats:
+        """Up to H inner steps (H/K with K fragments). With ``cut_when_outpaced`` (blocking
+        rounds) the phase ends early once enough peers at our step finished theirs that the round
+        could close without us: a slower peer then joins that round with the steps it did (its
+        weight is its tokens) instead of arriving after it closed, catching up, and never
+        averaging at all. ``watch`` (overlapped rounds) is another such watcher."""
         self.phase = "training"
-        steps = self.config.train.inner_steps
+        steps = self._phase_steps()
         progress = InnerProgress(steps, self.state.step, enabled=self.human)
         cut = threading.Event()
         done_steps = 0
@@ -215,6 +294,7 @@ class RoundLoop:
             nonlocal done_steps
             done_steps = done
             progress.update(done, loss)
+            self.drain_train_inbox()  # an overlapped round's result, as soon as it is there
             if slow:
                 self.stop_training.wait(slow)
 
@@ -231,6 +311,8 @@ class RoundLoop:
         if cut_when_outpaced:
             self._publish_phase_soon()  # a failed round may have left "averaging" in our record
             watcher = asyncio.create_task(self._watch_pace(cut))
+        elif watch is not None:
+            watcher = asyncio.create_task(watch(cut))
         try:
             stats = await self.in_train_thread(work)
         finally:
@@ -250,7 +332,9 @@ class RoundLoop:
             self.last_loss = stats.mean_loss
             self.tokens_per_second = stats.tokens / max(stats.seconds, 1e-9)
             self.metrics.train_loss.set(stats.mean_loss)
-        self.metrics.compute_utilization.set(self.train_seconds / max(time.monotonic() - self.training_since, 1e-9))
+        # Measured at phase ends, where both clocks are exact (mid-phase the training time is not).
+        self.train_clock = time.monotonic() - self.training_since
+        self.metrics.compute_utilization.set(self.train_seconds / max(self.train_clock, 1e-9))
         return stats
 
     def _publish_phase_soon(self) -> None:
@@ -290,6 +374,7 @@ class RoundLoop:
         started = time.monotonic()
         self.phase = "averaging"
         step = self.state.step
+        self._rounds_tried = {s for s in self._rounds_tried if s >= step - 1} | {step}
         if self.config.sync.overlap == "none":
             # Say so now rather than at the next heartbeat: slower peers cut their inner phase on it.
             self._publish_phase_soon()
@@ -298,6 +383,7 @@ class RoundLoop:
             report = await self.gossip.round(step, delta, weight)
             if report is not None:
                 report.seconds = time.monotonic() - started
+                report.tokens = weight
             return report
         view = await self.refresh_view()
         if any(p.outer_step > step for p in view.peers.values()) or self._majority_elsewhere(view):
@@ -342,6 +428,7 @@ class RoundLoop:
             report = await self._allreduce(group, fragment, delta)
         report.seconds = time.monotonic() - started
         report.matchmaking_seconds = matchmaking_seconds
+        report.tokens = weight
         return report
 
     async def _fault_hold(self, step: int, group) -> None:
@@ -404,53 +491,82 @@ class RoundLoop:
             self.metrics.round_failures.labels(reason="shard_skipped").inc()
         return RoundReport(len(group.members), 0.0, sent, received, skipped, allreduce_seconds=seconds)
 
-    async def _commit_global(self) -> None:
+    async def _commit_global(self) -> _Committed:
         """The round's result becomes our state: new step and hash, served to joiners, published.
 
         The record says "training": a committed peer is on to its next inner phase (or, when
         overlapped, already in it), and peers at the new step must not take it for a finished one.
         """
-        digest = await self.in_codec_pool(params_sha256, self.state.params)
+        def freeze() -> tuple[str, dict]:
+            return params_sha256(self.state.params), self.state.frozen_checkpoint()
+
+        digest, frozen = await self.in_codec_pool(freeze)
         self.state.commit(digest)
+        frozen.update(step=self.state.step, params_sha256=digest)
         self.donor.publish(await self.in_codec_pool(self.state.snapshot))
         self.phase = "training"
         await self.publish_record()
+        return _Committed(frozen["params"], frozen)
 
-    async def _finish_commit(self, report: RoundReport, fragment: slice, reset_local: bool) -> None:
-        """After ``_commit_global``: evaluate, checkpoint, report. Blocking rounds restart the local
-        model of the fragment from θ_global; overlapped rounds already shifted it
-        (see _finish_overlapped)."""
-        def finish() -> float:
-            if reset_local:
+    async def _finish_commit(self, report: RoundReport, fragment: slice, committed: _Committed,
+                             reset_local: bool) -> None:
+        """After ``_commit_global``: count the round, then evaluate, checkpoint and report it in
+        the report thread (training goes on meanwhile). Blocking rounds restart the local model
+        of the fragment from θ_global first; overlapped rounds shift it instead (_merge)."""
+        if reset_local:
+            def reset_and_freeze() -> dict:
                 self.trainer.set_params_slice(fragment, self.state.params[fragment])
-            return self.trainer.evaluate_params(self.state.params)
+                return self.frozen_trainer_state()
 
-        self.last_eval = await self.in_train_thread(finish)
+            trainer_state = await self.in_train_thread(reset_and_freeze)
+        else:
+            trainer_state = await self.in_train_thread_soon(self.frozen_trainer_state)
         self.rounds_completed += 1
-        await self.in_train_thread(self._save_checkpoint)
         m = self.metrics
         m.rounds.inc()
         m.round_group_size.set(report.group_size)
         m.round_duration.observe(report.seconds)
         m.last_sync_timestamp.set(time.time())
         m.outer_step.set(self.state.step)
-        m.eval_loss.set(self.last_eval)
-        log.info(
-            "step %d | loss %.3f | eval %.3f | %.0f tok/s | round %.2fs | sent %s recv %s | group %d%s | %s",
-            self.state.step, self.last_loss, self.last_eval, self.tokens_per_second, report.seconds,
-            _human_bytes(report.bytes_sent), _human_bytes(report.bytes_received), report.group_size,
-            f" | {report.skipped_shards} shard(s) skipped" if report.skipped_shards else "", self.state.params_hash[:12],
-            extra={"event": "round_done", "outer_step": self.state.step, "params_sha256": self.state.params_hash,
-                   "loss": self.last_loss, "eval_loss": self.last_eval, "group_size": report.group_size,
-                   "round_seconds": report.seconds, "allreduce_seconds": report.allreduce_seconds,
-                   "matchmaking_seconds": report.matchmaking_seconds, "bytes_sent": report.bytes_sent,
-                   "payload_bytes": self.codec.encoded_size(fragment.stop - fragment.start),
-                   "fragment": [fragment.start, fragment.stop],
-                   "bytes_received": report.bytes_received, "skipped_shards": report.skipped_shards,
-                   "numel": self.trainer.numel, "codec": self.codec.name, "tokens_total": self.tokens_total,
-                   "compute_utilization": self.train_seconds / max(time.monotonic() - self.training_since, 1e-9),
-                   "train_seconds": self.train_seconds},
-        )
+        event = {"outer_step": self.state.step, "params_sha256": self.state.params_hash,
+                 "loss": self.last_loss, "group_size": report.group_size,
+                 "round_seconds": report.seconds, "allreduce_seconds": report.allreduce_seconds,
+                 "matchmaking_seconds": report.matchmaking_seconds, "bytes_sent": report.bytes_sent,
+                 "payload_bytes": self.codec.encoded_size(fragment.stop - fragment.start),
+                 "fragment": [fragment.start, fragment.stop],
+                 "bytes_received": report.bytes_received, "skipped_shards": report.skipped_shards,
+                 "numel": self.trainer.numel, "codec": self.codec.name, "tokens_total": self.tokens_total,
+                 "tokens_averaged": report.tokens,
+                 "compute_utilization": self.train_seconds / max(self.train_clock, 1e-9),
+                 "train_seconds": self.train_seconds, "train_clock": self.train_clock}
+        tokens_per_second, tokens_total = self.tokens_per_second, self.tokens_total
+        previous = self._last_report
+
+        def evaluate_and_save() -> float:
+            eval_loss = self.evaluator.evaluate(committed.params)
+            try:
+                self._write_checkpoint(committed.checkpoint_state, trainer_state, tokens_total)
+            except OSError as err:  # the previous checkpoint stays intact (atomic writes)
+                log.error("could not write the checkpoint of step %d: %s; training goes on",
+                          committed.checkpoint_state["step"], err)
+            return eval_loss
+
+        async def report_round() -> None:
+            if previous is not None:  # in commit order: the newest checkpoint is the newest step
+                await asyncio.gather(previous, return_exceptions=True)
+            eval_loss = await asyncio.get_running_loop().run_in_executor(self.report_executor, evaluate_and_save)
+            if event["outer_step"] >= self.state.step:  # not overtaken by a catch-up meanwhile
+                self.last_eval = eval_loss
+                m.eval_loss.set(eval_loss)
+            log.info(
+                "step %d | loss %.3f | eval %.3f | %.0f tok/s | round %.2fs | sent %s recv %s | group %d%s | %s",
+                event["outer_step"], event["loss"], eval_loss, tokens_per_second, report.seconds,
+                _human_bytes(report.bytes_sent), _human_bytes(report.bytes_received), report.group_size,
+                f" | {report.skipped_shards} shard(s) skipped" if report.skipped_shards else "",
+                event["params_sha256"][:12], extra={"event": "round_done", "eval_loss": eval_loss, **event},
+            )
+
+        self._last_report = asyncio.create_task(report_round(), name="round-report")
 
 
 def _human_bytes(count: float) -> str:

@@ -38,6 +38,32 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
+def copy_flat_into(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy a flat vector into ``params``. Not torch's vector_to_parameters: that would make the
+    parameters views of ``flat`` (θ_global itself on CPU), and training would modify θ_global."""
+    with torch.no_grad():
+        offset = 0
+        for param in params:
+            count = param.numel()
+            param.copy_(flat[offset:offset + count].view_as(param))
+            offset += count
+
+
+@torch.no_grad()
+def mean_eval_loss(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+    """Mean loss of ``model`` on the fixed held-out batches (bf16 autocast on CUDA)."""
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext())
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for inputs, targets in batches:
+        with autocast:
+            _, loss = model(inputs.to(device), targets.to(device))
+        total += loss.item()
+    model.train(was_training)
+    return total / len(batches)
+
+
 class Trainer:
     def __init__(self, config: Config, peer_key: str, corpus: Corpus | None = None) -> None:
         self.config = config
@@ -69,14 +95,7 @@ class Trainer:
         return parameters_to_vector(self.params).detach().to("cpu", torch.float32).clone()
 
     def set_params(self, flat: torch.Tensor) -> None:
-        # Copy into the existing tensors: torch's vector_to_parameters would make the parameters
-        # views of ``flat`` (θ_global itself on CPU), and training would then modify θ_global.
-        with torch.no_grad():
-            offset = 0
-            for param in self.params:
-                count = param.numel()
-                param.copy_(flat[offset:offset + count].view_as(param))
-                offset += count
+        copy_flat_into(self.params, flat)
 
     def set_params_slice(self, fragment: slice, values: torch.Tensor) -> None:
         """Overwrite ``fragment`` of the flat parameters (the rest keeps training)."""
@@ -89,18 +108,6 @@ class Trainer:
         flat = self.get_params()
         flat[fragment] += shift
         self.set_params(flat)
-
-    @torch.no_grad()
-    def evaluate_params(self, flat: torch.Tensor) -> float:
-        """Eval loss of ``flat`` (θ_global) without disturbing the local model."""
-        local = self.get_params()
-        if torch.equal(local, flat):
-            return self.evaluate()
-        self.set_params(flat)
-        try:
-            return self.evaluate()
-        finally:
-            self.set_params(local)
 
     def reset_to(self, flat: torch.Tensor) -> None:
         """Start over from ``flat`` after a divergence: the optimizer's moments may hold NaN too."""
@@ -142,17 +149,9 @@ class Trainer:
         mean = sum(losses) / len(losses) if losses else math.nan
         return PhaseStats(len(losses), tokens, mean, time.perf_counter() - started)
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss of the current model on the fixed held-out batches."""
-        self.model.eval()
-        total = 0.0
-        for inputs, targets in self.eval_set:
-            with self._autocast:
-                _, loss = self.model(inputs.to(self.device), targets.to(self.device))
-            total += loss.item()
-        self.model.train()
-        return total / len(self.eval_set)
+        return mean_eval_loss(self.model, self.eval_set, self.device)
 
     # -- checkpointable local state -----------------------------------------------------------
 

@@ -244,6 +244,12 @@ class Matchmaker:
                 if not follower.reply.done():
                     follower.reply.set_result(None)
 
+    async def others_registered(self, step: int, params_hash: str) -> int:
+        """How many other peers registered for the round of ``step`` from ``params_hash``: peers
+        that finished the inner phase of that step and are forming its group right now."""
+        registrants = await self.dht.get(round_key(self.run, step, params_hash))
+        return sum(1 for pid in registrants if pid != self.peer_id)
+
     async def _reachable_registrants(self, current: _Round, unreachable: set[str]) -> dict[str, str]:
         """Other registrants of this round that could lead (have an address), lowest id first."""
         registrants = await self.dht.get(round_key(self.run, current.step, current.params_hash))

@@ -9,14 +9,20 @@ import pytest
 
 from lowcomm.node.checkpoint import list_checkpoints
 
-from .test_swarm_cli import ROUND_WAIT
+from .test_swarm_cli import ROUND_WAIT, hash_at
 
 pytestmark = pytest.mark.multiprocess
 
 
-@pytest.mark.parametrize("overlap, fragments", [("delayed", 2), ("eager", 1)])
-def test_overlapped_rounds_stay_bit_identical(swarm, overlap, fragments):
-    extra = ["--set", f"sync.overlap={overlap}", "--set", f"sync.fragments={fragments}"]
+TOKENS_PER_STEP = 8 * 128  # FAST: batch_size 8, the default seq_len 128
+INNER_STEPS = 20  # FAST
+
+
+@pytest.mark.parametrize("overlap, fragments, apply", [("delayed", 2, "arrival"), ("eager", 1, "arrival"),
+                                                       ("delayed", 1, "boundary")])
+def test_overlapped_rounds_stay_bit_identical(swarm, overlap, fragments, apply):
+    extra = ["--set", f"sync.overlap={overlap}", "--set", f"sync.fragments={fragments}",
+             "--set", f"sync.overlap_apply={apply}"]
     first = swarm.start(0, extra=extra)
     initial_eval = first.ready()["eval_loss"]
     nodes = [first, swarm.start(1, [first.multiaddr], extra=extra), swarm.start(2, [first.multiaddr], extra=extra)]
@@ -40,6 +46,10 @@ def test_overlapped_rounds_stay_bit_identical(swarm, overlap, fragments):
             assert stop - start == pytest.approx(event["numel"] / fragments, abs=1)
     if fragments > 1:  # the fragments take turns
         assert len({tuple(e["fragment"]) for events in by_step.values() for e in events}) == fragments
+    # A round every H/K inner steps: a peer that was not cut short sends H/K steps' worth (a
+    # peer's phase ends early when the round of its step already started elsewhere).
+    averaged = [e["tokens_averaged"] for events in by_step.values() for e in events]
+    assert INNER_STEPS // fragments * TOKENS_PER_STEP in averaged, averaged
     assert first.rounds()[-1]["eval_loss"] < initial_eval
 
 
@@ -69,3 +79,22 @@ def test_failed_background_round_costs_only_its_update_and_shutdown_is_clean(swa
     _, alive = psutil.wait_procs(children, timeout=15)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     assert list_checkpoints(swarm.workdir / "peer-0")
+
+
+def test_overlapped_straggler_ends_its_phase_when_the_round_starts_and_averages(swarm):
+    extra = ["--set", "sync.overlap=delayed"]
+    first = swarm.start(0, extra=extra)
+    fast = [first, swarm.start(1, [first.multiaddr], extra=extra)]
+    # ~5x the inner-step time of the others on this machine (one tiny-model step takes ~50 ms).
+    slow = swarm.start(2, [first.multiaddr], extra=extra, env={"LOWCOMM_FAULT_SLOW_STEP": "0.2"})
+    slow.ready()
+    # The straggler does not hold the others' background rounds up by a whole slow phase: it
+    # ends its phase as soon as the round of its step started elsewhere and joins it with the
+    # steps it did; all three then hold the same state.
+    cut = slow.wait_event("inner_phase_cut", ROUND_WAIT * 2)
+    assert 0 < cut["steps"] < INNER_STEPS
+    joined = slow.wait_for(lambda e: e.get("event") == "round_done" and e["group_size"] == 3
+                           and e["outer_step"] > cut["outer_step"], ROUND_WAIT * 2)
+    assert joined["tokens_averaged"] > 0
+    for node in fast:
+        assert hash_at(node, joined["outer_step"]) == joined["params_sha256"]

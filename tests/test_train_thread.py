@@ -1,0 +1,62 @@
+"""The training thread's inbox: work that reaches the model between two inner steps."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from lowcomm.node.train_thread import TrainThread
+
+
+@pytest.fixture
+def thread():
+    worker = TrainThread()
+    yield worker
+    worker.shutdown()
+
+
+def test_run_soon_lands_between_steps_of_a_running_phase(thread):
+    job_ran = threading.Event()
+
+    def phase() -> int:
+        """A stand-in for an inner phase: steps, draining the inbox after each, until the job
+        ran (it never ends if the job waits for the phase to end: the test then times out)."""
+        steps = 0
+        while not job_ran.is_set():
+            steps += 1
+            thread.drain()
+        return steps
+
+    def job() -> str:
+        job_ran.set()
+        return threading.current_thread().name
+
+    async def scenario() -> tuple[int, str]:
+        running = asyncio.ensure_future(thread.run(phase))
+        await asyncio.sleep(0.05)  # the phase is running now
+        name = await asyncio.wait_for(thread.run_soon(job), 10)
+        return await asyncio.wait_for(running, 10), name
+
+    steps, name = asyncio.run(scenario())
+    assert steps > 0 and name.startswith("lowcomm-train")
+
+
+def test_run_soon_runs_at_once_when_idle_and_keeps_order(thread):
+    order: list[int] = []
+
+    async def scenario() -> list[int]:
+        results = await asyncio.gather(*(thread.run_soon(order.append, i) for i in range(5)))
+        return results
+
+    asyncio.run(scenario())
+    assert order == [0, 1, 2, 3, 4]
+
+
+def test_run_soon_hands_errors_back(thread):
+    def broken() -> None:
+        raise ValueError("shift does not fit")
+
+    with pytest.raises(ValueError, match="shift does not fit"):
+        asyncio.run(thread.run_soon(broken))
