@@ -1,30 +1,34 @@
 #!/usr/bin/env python
 """Blocking vs overlapped rounds on capped links: compute utilization and eval loss at equal tokens.
 
-    python bench/overlap.py [--mbit 20] [--modes none,delayed,eager] [--rounds 20] [--inner-steps 20]
-                            [--peers 4] [--batch-size 8] [--codec int8] [--time-limit 600]
-                            [--json-out bench/out/overlap.jsonl] [--prefix lco]
+    python bench/overlap.py [--mbit 20] [--modes none,delayed,eager] [--rounds 8] [--inner-steps 50]
+                            [--peers 4] [--batch-size 8] [--codec int8] [--seeds 0,1,2]
+                            [--time-limit 600] [--json-out bench/out/overlap.jsonl] [--prefix lco]
 
-The same swarm (``--peers`` ``lowcomm-node join`` processes, fixed identities and seed, so the
-same data) runs once per ``[sync] overlap`` mode inside network namespaces capped at ``--mbit``
-both ways, for ``--rounds`` outer rounds of ``--inner-steps`` steps, through the harness of the
-convergence benchmark (runners.run_diloco: held at start-up and released together, every node
-joins a DHT peer of the harness). One JSON line per mode:
+The same swarm (``--peers`` ``lowcomm-node join`` processes, fixed identities, per seed the same
+data and initial weights) runs once per ``[sync] overlap`` mode and seed inside network
+namespaces capped at ``--mbit`` both ways, for ``--rounds`` outer rounds of ``--inner-steps``
+steps, through the harness of the convergence benchmark (runners.run_diloco: held at start-up
+and released together, every node joins a DHT peer of the harness). One JSON line per mode and
+seed:
 
 * ``utilization_window``: per peer, (train_seconds at its last round − at its second round) /
-  (wall-clock between the two), from the nodes' ``round_done`` events; ``train_seconds`` is the
-  node's own time in inner steps. The first round is left out: start-up and the first
+  (train_clock at its last round − at its second), from the nodes' ``round_done`` events:
+  ``train_seconds`` is the node's own time in inner steps and ``train_clock`` its wall-clock
+  time, both since it started training and both taken at the end of its latest inner phase
+  (the event itself is logged later, once the eval and checkpoint are written). The first round is left out: start-up and the first
   matchmaking are the same in every mode and would hide the difference. Median and minimum
   over peers.
 * ``utilization_since_start``: the node's ``compute_utilization`` at its last round, i.e. the
   value of its ``lowcomm_compute_utilization_ratio`` gauge then (median over peers).
 * ``eval_curve``: per outer step, the eval loss of the global model (identical on every peer)
-  and ``tokens_in_model``, the tokens the peers had trained when they sent that round's Δ,
-  summed over the peers of the round: ``round_done.tokens_total``, less the one inner phase an
-  overlapped node trains while its round is in flight. A round a peer missed ("nobody averaged
-  with us", counted in ``rounds_without_result``) leaves its progress for its next Δ, so the
-  same outer step can hold more tokens in one mode than in another; results.py therefore
-  compares the modes at equal ``tokens_in_model`` (interpolated), not at equal outer steps.
+  and ``tokens_in_model``, the tokens in the global model: what each peer's Δ stood for (its
+  weight, ``round_done.tokens_averaged``), summed over the peers and the rounds up to that step.
+  Outer steps hold different tokens in different modes: an overlapped peer ends its inner phase
+  when the round of its step started elsewhere (so phases are shorter), and a round a peer
+  missed ("nobody averaged with us", counted in ``rounds_without_result``) leaves its progress
+  for its next Δ; results.py therefore compares the modes at equal ``tokens_in_model``
+  (interpolated), not at equal outer steps.
   ``eval_loss``: after outer step ``--rounds``.
 * ``round_late``: how often a node's training waited for a background round that was more than
   one inner phase late (the node's ``round_late`` event), per peer.
@@ -49,24 +53,30 @@ MODES = ("none", "delayed", "eager")
 SETTINGS = ["sync.matchmaking_timeout=20", "sync.reduce_timeout=20", "node.heartbeat_interval=1"]
 
 
-def summarize(record: dict, mode: str, rounds: int, phase_tokens: int) -> dict:
+def summarize(record: dict, rounds: int) -> dict:
     """The overlap numbers of one run_diloco record (see the module docstring)."""
     peers = record.get("peer_rounds") or []
     windows = []
     for events in peers:
-        if len(events) >= 3 and events[-1]["train_seconds"] is not None:
+        if len(events) >= 3 and events[-1].get("train_clock") is not None:
             first, last = events[1], events[-1]
-            windows.append((last["train_seconds"] - first["train_seconds"]) / (last["wall"] - first["wall"]))
+            if last["train_clock"] > first["train_clock"]:
+                windows.append((last["train_seconds"] - first["train_seconds"])
+                               / (last["train_clock"] - first["train_clock"]))
     since = [events[-1]["compute_utilization"] for events in peers if events]
-    # Tokens in the global model after each outer step (see the module docstring).
-    in_flight = 0 if mode == "none" else phase_tokens
+    # Tokens in the global model after each outer step: what every peer's Δ stood for
+    # (round_done.tokens_averaged, its weight in the round), summed over its rounds up to it.
     at_step: dict[int, float] = {}
-    tokens: dict[int, int] = {}
+    added: dict[int, float] = {}
     for events in peers:
         for e in events:
             at_step.setdefault(e["outer_step"], e["eval_loss"])
-            if e.get("tokens_total") is not None:
-                tokens[e["outer_step"]] = tokens.get(e["outer_step"], 0) + e["tokens_total"] - in_flight
+            added[e["outer_step"]] = added.get(e["outer_step"], 0) + (e.get("tokens_averaged") or 0)
+    tokens: dict[int, int] = {}
+    running = 0.0
+    for step in sorted(added):
+        running += added[step]
+        tokens[step] = int(running)
     final_step = rounds if rounds in at_step else max(at_step, default=None)
     return {
         "utilization_window_median": statistics.median(windows) if windows else None,
@@ -90,12 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mbit", type=float, default=20.0, help="cap per peer, both directions")
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--rounds", type=int, default=20, help="outer rounds per mode (20 × H=20: the 400 steps per peer of the convergence benchmark)")
-    parser.add_argument("--inner-steps", type=int, default=20, help="H")
+    parser.add_argument("--rounds", type=int, default=8,
+                        help="outer rounds per mode (8 × H=50: the 400 steps per peer of the convergence benchmark)")
+    parser.add_argument("--inner-steps", type=int, default=50, help="H (50: the node's default)")
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per peer per step")
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0,1,2",
+                        help="one run of every mode per seed (data order and initial weights); the penalty is "
+                             "taken per seed against blocking rounds with the same seed, then averaged")
     parser.add_argument("--codec", default="int8")
     parser.add_argument("--time-limit", type=float, default=600, help="seconds per mode before it is stopped")
     parser.add_argument("--json-out", type=Path, default=OUT / "overlap.jsonl")
@@ -106,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handle_signals()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--seeds takes integers separated by commas, not {args.seeds!r}") from None
+    if not seeds:
+        raise SystemExit("--seeds needs at least one seed")
     if bad := [m for m in modes if m not in MODES]:
         raise SystemExit(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
     if args.rounds < 3:
@@ -116,32 +135,32 @@ def main(argv: list[str] | None = None) -> int:
         say(f"overlap: skipped: {reason}")
         append_jsonl(args.json_out, record_base("overlap", run_id=run_id, skipped=reason))
         return 0
-    work = Workload(peers=args.peers, steps=args.rounds * args.inner_steps, batch_size=args.batch_size,
-                    seq_len=args.seq_len, seed=args.seed)
     logdir = args.json_out.parent / "logs" / f"overlap-{run_id}"
     started = time.monotonic()
-    with network("netns", work.peers, mbit=args.mbit, prefix=args.prefix) as net:
-        say(f"overlap: modes {modes} on {net.describe()}; logs in {logdir}")
-        for mode in modes:
+    with network("netns", args.peers, mbit=args.mbit, prefix=args.prefix) as net:
+        say(f"overlap: modes {modes}, seeds {seeds} on {net.describe()}; logs in {logdir}")
+        for seed, mode in [(seed, mode) for seed in seeds for mode in modes]:
+            work = Workload(peers=args.peers, steps=args.rounds * args.inner_steps, batch_size=args.batch_size,
+                            seq_len=args.seq_len, seed=seed)
             t0 = time.monotonic()
-            say(f"overlap={mode}: starting")
-            base = {"mode": mode, "mbit": args.mbit, "peers": work.peers, "rounds": args.rounds,
+            say(f"overlap={mode} seed={seed}: starting")
+            base = {"mode": mode, "seed": seed, "mbit": args.mbit, "peers": work.peers, "rounds": args.rounds,
                     "inner_steps": args.inner_steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                    "codec": args.codec, "logs": str(logdir / mode), "node_sets": args.sets}
+                    "codec": args.codec, "logs": str(logdir / f"{mode}-seed{seed}"), "node_sets": args.sets}
             try:
-                run = run_diloco(work, net, logdir / mode, args.codec, args.inner_steps, rounds=args.rounds,
+                run = run_diloco(work, net, logdir / f"{mode}-seed{seed}", args.codec, args.inner_steps, rounds=args.rounds,
                                  time_limit=args.time_limit, extra_sets=[f"sync.overlap={mode}", *SETTINGS, *args.sets])
                 phase_tokens = args.inner_steps * args.batch_size * args.seq_len
-                record = {**base, **summarize(run, mode, args.rounds, phase_tokens), "ok": run["ok"],
+                record = {**base, **summarize(run, args.rounds), "ok": run["ok"],
                           "notes": run["notes"], "wall_seconds": run["wall_seconds"],
                           "startup_seconds": run.get("startup_seconds"), "peer_rounds": run["peer_rounds"],
                           "tokens_planned": work.peers * args.rounds * phase_tokens}
             except Exception as err:  # one broken mode must not cost the others' results
-                say(f"overlap={mode}: FAILED: {err}")
+                say(f"overlap={mode} seed={seed}: FAILED: {err}")
                 record = {**base, "ok": False, "error": str(err)[-2000:]}
             record = record_base("overlap", run_id=run_id, elapsed_seconds=time.monotonic() - t0, **record)
             append_jsonl(args.json_out, record)
-            say(f"overlap={mode}: utilization (window) {record.get('utilization_window_median')}, eval loss "
+            say(f"overlap={mode} seed={seed}: utilization (window) {record.get('utilization_window_median')}, eval loss "
                 f"{record.get('eval_loss')}, round_late {record.get('round_late')}, {time.monotonic() - t0:.0f} s")
     say(f"overlap: done in {time.monotonic() - started:.0f} s")
     return 0

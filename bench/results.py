@@ -324,61 +324,101 @@ def overlap_section(records: list[dict], plot_dir: Path, goals: list[str]) -> li
     r0 = runs[0]
     if r0["mbit"] != 20:
         lines[0] = f"## 5. Overlap on {r0['mbit']:g} Mbit/s links"
+    seeds = sorted({r.get("seed", 0) for r in runs})
+    modes = list(dict.fromkeys(r["mode"] for r in runs))
     lines += [f"`lowcomm-node join` × {r0['peers']} in network namespaces, every peer capped at {r0['mbit']:g} "
               f"Mbit/s both ways; H={r0['inner_steps']}, {r0['batch_size']} × {r0['seq_len']} tokens per step, "
-              f"codec {r0['codec']}, {r0['rounds']} outer rounds per mode; the same identities, seed and data in "
-              "every mode. Only `[sync] overlap` differs.", ""]
-    # Equal tokens: the most tokens every mode's global model reached (a skipped round puts more
-    # tokens into a later outer step), each mode's eval loss interpolated there.
-    curves = {r["mode"]: [(p["tokens_in_model"], p["eval_loss"]) for p in r.get("eval_curve") or []
-                          if p.get("tokens_in_model")] for r in runs}
-    common = min((max(t for t, _ in c) for c in curves.values() if c), default=None)
-    at_common = {mode: loss_at(c, common) for mode, c in curves.items()}
-    base = at_common.get("none")
-    penalties = {mode: (loss / base - 1 if loss is not None and base else None) for mode, loss in at_common.items()}
+              f"codec {r0['codec']}, {r0['rounds']} outer rounds per mode, seeds {', '.join(map(str, seeds))} "
+              "(data order and initial weights; the same identities in every run). Only `[sync] overlap` "
+              f"differs{'; node settings: `' + ' '.join(r0['node_sets']) + '`' if r0.get('node_sets') else ''}.", ""]
+    penalty, at_common, common_tokens = overlap_penalties(runs)
+    summary = []
+    for mode in modes:
+        mine = [r for r in runs if r["mode"] == mode]
+        utils = [r["utilization_window_median"] for r in mine if r.get("utilization_window_median") is not None]
+        mins = [r["utilization_window_min"] for r in mine if r.get("utilization_window_min") is not None]
+        pens = [penalty[(mode, r.get("seed", 0))] for r in mine if penalty.get((mode, r.get("seed", 0))) is not None]
+        summary.append([mode, f(statistics.mean(utils) if utils else None, 3), f(min(mins) if mins else None, 3),
+                        "–" if not pens or mode == "none" else f"{statistics.mean(pens) * 100:+.2f} %",
+                        "–" if not pens or mode == "none" else
+                        f"{min(pens) * 100:+.2f} … {max(pens) * 100:+.2f} %",
+                        str(sum(sum(r.get("round_late") or []) for r in mine)),
+                        str(sum(sum(r.get("rounds_without_result") or []) for r in mine)), f"{len(mine)}"])
+    lines += table(["overlap", "compute util. (window, mean over seeds)", "(lowest peer, any seed)",
+                    "eval-loss penalty vs none (mean)", "(range over seeds)", "round_late", "rounds without result",
+                    "runs"], summary)
     rows = []
     for r in runs:
-        penalty = penalties.get(r["mode"])
-        rows.append([r["mode"], f(r.get("utilization_window_median"), 3), f(r.get("utilization_window_min"), 3),
-                     f(r.get("utilization_since_start_median"), 3), f(r.get("eval_outer_step")),
-                     f(r.get("eval_loss"), 4), f(r.get("tokens_in_model")), f(at_common.get(r["mode"]), 4),
-                     "–" if penalty is None else f"{penalty * 100:+.2f} %", f(r.get("round_seconds_median"), 2),
+        key = (r["mode"], r.get("seed", 0))
+        p = penalty.get(key)
+        rows.append([r["mode"], str(r.get("seed", 0)), f(r.get("utilization_window_median"), 3),
+                     f(r.get("utilization_window_min"), 3), f(r.get("utilization_since_start_median"), 3),
+                     f(r.get("eval_outer_step")), f(r.get("eval_loss"), 4), f(r.get("tokens_in_model")),
+                     f(common_tokens.get(r.get("seed", 0))), f(at_common.get(key), 4),
+                     "–" if p is None else f"{p * 100:+.2f} %", f(r.get("round_seconds_median"), 2),
                      str(sum(r.get("round_late") or [])), str(sum(r.get("rounds_without_result") or [])),
                      f(r.get("wall_seconds"), 1), cell(r)])
-    lines += table(["overlap", "compute util. (window, median)", "(window, min peer)", "since start (gauge)",
-                    "outer step", "eval loss", "tokens in model", f"eval loss at {f(common)} tokens", "vs none",
+    lines += ["Every run:", ""]
+    lines += table(["overlap", "seed", "compute util. (window, median)", "(window, min peer)", "since start (gauge)",
+                    "outer step", "eval loss", "tokens in model", "equal tokens", "eval loss there", "vs none",
                     "round s (median)", "round_late", "rounds without result", "wall-clock s", "notes"], rows)
     lines += ["- *compute util. (window)*: per peer, seconds in inner steps (`round_done.train_seconds`) between "
               "its second and its last round per second of wall-clock; the first round (start-up, first "
               "matchmaking) is left out. *since start*: the node's `lowcomm_compute_utilization_ratio` at its last "
               "round (`round_done.compute_utilization`), which counts from the moment the node starts training "
               "(after start-up and its first catch-up), so its first matchmaking is in it.",
-              "- *eval loss*: the global model after the last outer step; *tokens in model*: what the peers had "
-              "trained when they sent their Δ of that round (`round_done.tokens_total`, less the phase an "
-              "overlapped node trains while its round is in flight), all peers together. A round a peer left "
-              "without result (*rounds without result*: 'nobody averaged with us', a failed round, catching up) "
-              "puts its progress into its next Δ, so modes can differ in tokens at the same outer step: the "
-              "penalty (*vs none*) compares the eval loss at equal tokens, linearly interpolated between outer "
-              "steps. *round_late*: times a node's training waited for a background round (all peers together; "
-              "blocking rounds never log it).", ""]
+              "- *eval loss*: the global model after the last outer step; *tokens in model*: what the peers' Δs "
+              "stood for (`round_done.tokens_averaged`, each peer's weight in its rounds), summed over peers and "
+              "rounds. Overlapped peers end an inner phase early when the round of their step already started "
+              "elsewhere, so their outer steps hold fewer tokens: the penalty (*vs none*) compares the eval loss "
+              "at equal tokens (the most tokens every mode of that seed reached), linearly interpolated between "
+              "outer steps, against blocking rounds with the same seed. *round_late*: times a node's training "
+              "waited for a background round more than one step late (all peers together; blocking rounds never "
+              "log it).", ""]
     lines += failures(runs)
-    lines += images(plots.overlap(runs, plot_dir))
-    blocking = next((r for r in runs if r["mode"] == "none"), None)
-    none_u = blocking.get("utilization_window_median") if blocking else None
-    for r in runs:
-        if r["mode"] == "none":
+    lines += images(plots.overlap([r for r in runs if r.get("seed", 0) == seeds[0]], plot_dir))
+    for mode in modes:
+        if mode == "none":
             continue
-        u = r.get("utilization_window_median")
-        if u is None:
-            goals.append(f"- Overlap `{r['mode']}`: **not measured** (the run failed; see section 5).")
+        mine = [r for r in runs if r["mode"] == mode]
+        utils = [r["utilization_window_median"] for r in mine if r.get("utilization_window_median") is not None]
+        if not utils:
+            goals.append(f"- Overlap `{mode}`: **not measured** (the runs failed; see section 5).")
             continue
-        penalty = penalties.get(r["mode"])
-        goals.append(f"- **Overlap `{r['mode']}` at {r['mbit']:g} Mbit/s, compute utilization ≥0.95: "
-                     f"{'met' if u >= GOAL_UTILIZATION else 'MISSED'}** ({u:.3f}; blocking rounds: {f(none_u, 3)}). "
+        none_u = [r["utilization_window_median"] for r in runs
+                  if r["mode"] == "none" and r.get("utilization_window_median") is not None]
+        pens = [penalty[(mode, r.get("seed", 0))] for r in mine if penalty.get((mode, r.get("seed", 0))) is not None]
+        u = statistics.mean(utils)
+        mean_pen = statistics.mean(pens) if pens else None
+        goals.append(f"- **Overlap `{mode}` at {r0['mbit']:g} Mbit/s, compute utilization ≥0.95: "
+                     f"{'met' if u >= GOAL_UTILIZATION else 'MISSED'}** ({u:.3f}, mean of {len(utils)} seed(s); "
+                     f"blocking rounds: {f(statistics.mean(none_u) if none_u else None, 3)}). "
                      f"**Eval-loss penalty at equal tokens ≤1 %: "
-                     + ("not measured**" if penalty is None else
-                        f"{'met' if penalty <= GOAL_OVERLAP_PENALTY else 'MISSED'}** ({penalty * 100:+.2f} %)") + ".")
+                     + ("not measured**" if mean_pen is None else
+                        f"{'met' if mean_pen <= GOAL_OVERLAP_PENALTY else 'MISSED'}** ({mean_pen * 100:+.2f} % mean, "
+                        f"{min(pens) * 100:+.2f} … {max(pens) * 100:+.2f} % over {len(pens)} seed(s))") + ".")
     return lines
+
+
+def overlap_penalties(runs: list[dict]) -> tuple[dict, dict, dict]:
+    """Per (mode, seed): the eval-loss penalty against blocking rounds of the same seed, at the
+    most tokens every mode of that seed reached; also the losses there and those token counts."""
+    penalty: dict[tuple[str, int], float | None] = {}
+    at_common: dict[tuple[str, int], float | None] = {}
+    common_tokens: dict[int, float | None] = {}
+    for seed in sorted({r.get("seed", 0) for r in runs}):
+        mine = [r for r in runs if r.get("seed", 0) == seed]
+        curves = {r["mode"]: [(p["tokens_in_model"], p["eval_loss"]) for p in r.get("eval_curve") or []
+                              if p.get("tokens_in_model")] for r in mine}
+        common = min((max(t for t, _ in c) for c in curves.values() if c), default=None)
+        common_tokens[seed] = common
+        for mode, curve in curves.items():
+            at_common[(mode, seed)] = loss_at(curve, common)
+        base = at_common.get(("none", seed))
+        for mode in curves:
+            loss = at_common[(mode, seed)]
+            penalty[(mode, seed)] = loss / base - 1 if loss is not None and base else None
+    return penalty, at_common, common_tokens
 
 
 def loss_at(curve: list[tuple[float, float]], tokens: float | None) -> float | None:

@@ -345,11 +345,12 @@ def _diloco_record(method: str, net: Network, work: Workload, procs: list[Proc],
     all_rounds = [e for r in rounds for e in r]
     # What each node reported at the end of its rounds (the overlap benchmark's window and
     # losses); compute_utilization is the value of the node's lowcomm_compute_utilization_ratio
-    # gauge then (same formula), train_seconds the node's seconds in inner steps since it started.
+    # gauge then (same formula), train_seconds the node's seconds in inner steps since it started,
+    # train_clock its wall-clock seconds since then, both taken at the end of its last inner phase.
     peer_rounds = [[{"outer_step": e["outer_step"], "wall": e["ts"] - t0, "eval_loss": e["eval_loss"],
-                     "train_seconds": e.get("train_seconds"), "compute_utilization": e.get("compute_utilization"),
+                     "train_seconds": e.get("train_seconds"), "train_clock": e.get("train_clock"), "compute_utilization": e.get("compute_utilization"),
                      "round_seconds": e.get("round_seconds"), "group_size": e.get("group_size"),
-                     "tokens_total": e.get("tokens_total")}
+                     "tokens_total": e.get("tokens_total"), "tokens_averaged": e.get("tokens_averaged")}
                     for e in peer] for peer in rounds]
     late = [sum(1 for e in p.events if e.get("event") == "round_late") for p in procs]
     over = [sum(1 for e in p.events if ROUND_OVER_RE.search(str(e.get("msg", "")))) for p in procs]

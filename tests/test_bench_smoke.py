@@ -137,7 +137,7 @@ def test_overlap(out, netns_reason):
     # Blocking and one overlapped mode: the harness does the same for every mode (only
     # sync.overlap differs); the modes themselves are tested in test_overlap_cli.py.
     bench("overlap.py", "--modes", "none,eager", "--peers", "2", "--rounds", "3", "--inner-steps", "5",
-          "--batch-size", "4",
+          "--batch-size", "4", "--seeds", "7",
           "--time-limit", "90", "--prefix", "lcosmk", "--json-out", str(out / "overlap.jsonl"))
     got = {r["mode"]: r for r in records(out / "overlap.jsonl")}
     assert set(got) == {"none", "eager"}
@@ -151,7 +151,7 @@ def test_overlap(out, netns_reason):
         assert len(record["rounds_without_result"]) == 2, mode
         assert 0 < record["utilization_window_median"] <= 1, mode
         assert 0 < record["utilization_since_start_median"] <= 1, mode
-        assert len(record["round_late"]) == 2 and record["mbit"] == 20, mode
+        assert len(record["round_late"]) == 2 and record["mbit"] == 20 and record["seed"] == 7, mode
     assert got["none"]["round_late"] == [0, 0]  # blocking rounds never wait for a background round
 
 
