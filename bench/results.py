@@ -313,7 +313,10 @@ def transport_section(records: list[dict], slow: list[dict], plot_dir: Path, goa
     return lines
 
 
-def overlap_section(records: list[dict], plot_dir: Path, goals: list[str]) -> list[str]:
+def overlap_section(records: list[dict], plot_dir: Path, goals: list[str],
+                    others: dict[str, list[dict]] | None = None) -> list[str]:
+    """Section 5 from the newest run in overlap.jsonl; ``others``: the newest run of every other
+    overlap-*.jsonl (other settings, e.g. a shorter H), summarized below it."""
     lines = ["## 5. Overlap on 20 Mbit/s links", ""]
     if (skipped := skip_note(records, goals, "Overlap utilization ≥0.95")) is not None:
         return lines + skipped
@@ -321,32 +324,10 @@ def overlap_section(records: list[dict], plot_dir: Path, goals: list[str]) -> li
     if not runs:
         goals.append("- Overlap utilization ≥0.95: not measured (no `python bench/overlap.py` run in bench/out).")
         return lines + ["Not run (`python bench/overlap.py`, not part of `make bench`; see bench/README.md).", ""]
-    r0 = runs[0]
-    if r0["mbit"] != 20:
-        lines[0] = f"## 5. Overlap on {r0['mbit']:g} Mbit/s links"
-    seeds = sorted({r.get("seed", 0) for r in runs})
-    modes = list(dict.fromkeys(r["mode"] for r in runs))
-    lines += [f"`lowcomm-node join` × {r0['peers']} in network namespaces, every peer capped at {r0['mbit']:g} "
-              f"Mbit/s both ways; H={r0['inner_steps']}, {r0['batch_size']} × {r0['seq_len']} tokens per step, "
-              f"codec {r0['codec']}, {r0['rounds']} outer rounds per mode, seeds {', '.join(map(str, seeds))} "
-              "(data order and initial weights; the same identities in every run). Only `[sync] overlap` "
-              f"differs{'; node settings: `' + ' '.join(r0['node_sets']) + '`' if r0.get('node_sets') else ''}.", ""]
+    if runs[0]["mbit"] != 20:
+        lines[0] = f"## 5. Overlap on {runs[0]['mbit']:g} Mbit/s links"
     penalty, at_common, common_tokens = overlap_penalties(runs)
-    summary = []
-    for mode in modes:
-        mine = [r for r in runs if r["mode"] == mode]
-        utils = [r["utilization_window_median"] for r in mine if r.get("utilization_window_median") is not None]
-        mins = [r["utilization_window_min"] for r in mine if r.get("utilization_window_min") is not None]
-        pens = [penalty[(mode, r.get("seed", 0))] for r in mine if penalty.get((mode, r.get("seed", 0))) is not None]
-        summary.append([mode, f(statistics.mean(utils) if utils else None, 3), f(min(mins) if mins else None, 3),
-                        "–" if not pens or mode == "none" else f"{statistics.mean(pens) * 100:+.2f} %",
-                        "–" if not pens or mode == "none" else
-                        f"{min(pens) * 100:+.2f} … {max(pens) * 100:+.2f} %",
-                        str(sum(sum(r.get("round_late") or []) for r in mine)),
-                        str(sum(sum(r.get("rounds_without_result") or []) for r in mine)), f"{len(mine)}"])
-    lines += table(["overlap", "compute util. (window, mean over seeds)", "(lowest peer, any seed)",
-                    "eval-loss penalty vs none (mean)", "(range over seeds)", "round_late", "rounds without result",
-                    "runs"], summary)
+    lines += overlap_summary(runs, penalty)
     rows = []
     for r in runs:
         key = (r["mode"], r.get("seed", 0))
@@ -362,11 +343,12 @@ def overlap_section(records: list[dict], plot_dir: Path, goals: list[str]) -> li
     lines += table(["overlap", "seed", "compute util. (window, median)", "(window, min peer)", "since start (gauge)",
                     "outer step", "eval loss", "tokens in model", "equal tokens", "eval loss there", "vs none",
                     "round s (median)", "round_late", "rounds without result", "wall-clock s", "notes"], rows)
-    lines += ["- *compute util. (window)*: per peer, seconds in inner steps (`round_done.train_seconds`) between "
-              "its second and its last round per second of wall-clock; the first round (start-up, first "
-              "matchmaking) is left out. *since start*: the node's `lowcomm_compute_utilization_ratio` at its last "
-              "round (`round_done.compute_utilization`), which counts from the moment the node starts training "
-              "(after start-up and its first catch-up), so its first matchmaking is in it.",
+    lines += ["- *compute util. (window)*: per peer, seconds in inner steps (`round_done.train_seconds`) per "
+              "second of wall-clock (`round_done.train_clock`) from its second to its last round, both taken by "
+              "the node at the end of an inner phase; the first round (start-up, first matchmaking) is left out. "
+              "*since start*: the node's `lowcomm_compute_utilization_ratio` at its last round "
+              "(`round_done.compute_utilization`), which counts from the moment the node starts training (after "
+              "start-up and its first catch-up), so its first matchmaking is in it.",
               "- *eval loss*: the global model after the last outer step; *tokens in model*: what the peers' Δs "
               "stood for (`round_done.tokens_averaged`, each peer's weight in its rounds), summed over peers and "
               "rounds. Overlapped peers end an inner phase early when the round of their step already started "
@@ -376,28 +358,72 @@ def overlap_section(records: list[dict], plot_dir: Path, goals: list[str]) -> li
               "waited for a background round more than one step late (all peers together; blocking rounds never "
               "log it).", ""]
     lines += failures(runs)
-    lines += images(plots.overlap([r for r in runs if r.get("seed", 0) == seeds[0]], plot_dir))
-    for mode in modes:
+    first_seed = min(r.get("seed", 0) for r in runs)
+    lines += images(plots.overlap([r for r in runs if r.get("seed", 0) == first_seed], plot_dir))
+    overlap_goals(runs, penalty, goals)
+    for name, other in (others or {}).items():
+        other_runs = [r for r in other if r.get("mode")]
+        if not other_runs:
+            continue
+        other_penalty, _, _ = overlap_penalties(other_runs)
+        lines += [f"### Other settings: bench/out/{name}", ""]
+        lines += overlap_summary(other_runs, other_penalty)
+        lines += failures(other_runs)
+        overlap_goals(other_runs, other_penalty, goals)
+    return lines
+
+
+def overlap_summary(runs: list[dict], penalty: dict) -> list[str]:
+    """The settings of an overlap run and one summary row per mode (means over its seeds)."""
+    r0 = runs[0]
+    seeds = sorted({r.get("seed", 0) for r in runs})
+    sets = f"; node settings: `{' '.join(r0['node_sets'])}`" if r0.get("node_sets") else ""
+    lines = [f"`lowcomm-node join` × {r0['peers']} in network namespaces, every peer capped at {r0['mbit']:g} "
+             f"Mbit/s both ways; H={r0['inner_steps']}, {r0['batch_size']} × {r0['seq_len']} tokens per step, "
+             f"codec {r0['codec']}, {r0['rounds']} outer rounds per mode, seeds {', '.join(map(str, seeds))} "
+             f"(data order and initial weights; the same identities in every run). Only `[sync] overlap` "
+             f"differs{sets}. Command: `{r0.get('command', 'python bench/overlap.py')}`.", ""]
+    rows = []
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        mine = [r for r in runs if r["mode"] == mode]
+        utils = [r["utilization_window_median"] for r in mine if r.get("utilization_window_median") is not None]
+        mins = [r["utilization_window_min"] for r in mine if r.get("utilization_window_min") is not None]
+        pens = [penalty[(mode, r.get("seed", 0))] for r in mine if penalty.get((mode, r.get("seed", 0))) is not None]
+        shown = bool(pens) and mode != "none"
+        rows.append([mode, f(statistics.mean(utils) if utils else None, 3), f(min(mins) if mins else None, 3),
+                     f"{statistics.mean(pens) * 100:+.2f} %" if shown else "–",
+                     f"{min(pens) * 100:+.2f} … {max(pens) * 100:+.2f} %" if shown else "–",
+                     str(sum(sum(r.get("round_late") or []) for r in mine)),
+                     str(sum(sum(r.get("rounds_without_result") or []) for r in mine)), str(len(mine))])
+    return lines + table(["overlap", "compute util. (window, mean over seeds)", "(lowest peer, any seed)",
+                          "eval-loss penalty vs none (mean)", "(range over seeds)", "round_late",
+                          "rounds without result", "runs"], rows)
+
+
+def overlap_goals(runs: list[dict], penalty: dict, goals: list[str]) -> None:
+    """The goal lines of one overlap run: utilization ≥0.95 and penalty ≤1 % per overlapped mode."""
+    r0 = runs[0]
+    none_u = [r["utilization_window_median"] for r in runs
+              if r["mode"] == "none" and r.get("utilization_window_median") is not None]
+    for mode in dict.fromkeys(r["mode"] for r in runs):
         if mode == "none":
             continue
         mine = [r for r in runs if r["mode"] == mode]
         utils = [r["utilization_window_median"] for r in mine if r.get("utilization_window_median") is not None]
+        where = f"at {r0['mbit']:g} Mbit/s, H={r0['inner_steps']}"
         if not utils:
-            goals.append(f"- Overlap `{mode}`: **not measured** (the runs failed; see section 5).")
+            goals.append(f"- Overlap `{mode}` {where}: **not measured** (the runs failed; see section 5).")
             continue
-        none_u = [r["utilization_window_median"] for r in runs
-                  if r["mode"] == "none" and r.get("utilization_window_median") is not None]
         pens = [penalty[(mode, r.get("seed", 0))] for r in mine if penalty.get((mode, r.get("seed", 0))) is not None]
         u = statistics.mean(utils)
         mean_pen = statistics.mean(pens) if pens else None
-        goals.append(f"- **Overlap `{mode}` at {r0['mbit']:g} Mbit/s, compute utilization ≥0.95: "
+        goals.append(f"- **Overlap `{mode}` {where}, compute utilization ≥0.95: "
                      f"{'met' if u >= GOAL_UTILIZATION else 'MISSED'}** ({u:.3f}, mean of {len(utils)} seed(s); "
                      f"blocking rounds: {f(statistics.mean(none_u) if none_u else None, 3)}). "
                      f"**Eval-loss penalty at equal tokens ≤1 %: "
                      + ("not measured**" if mean_pen is None else
                         f"{'met' if mean_pen <= GOAL_OVERLAP_PENALTY else 'MISSED'}** ({mean_pen * 100:+.2f} % mean, "
                         f"{min(pens) * 100:+.2f} … {max(pens) * 100:+.2f} % over {len(pens)} seed(s))") + ".")
-    return lines
 
 
 def overlap_penalties(runs: list[dict]) -> tuple[dict, dict, dict]:
@@ -471,11 +497,12 @@ def main(argv: list[str] | None = None) -> int:
     trans = newest(read_jsonl(args.in_dir / "transport.jsonl"))
     cod = newest(read_jsonl(args.in_dir / "codecs.jsonl"))
     over = newest(read_jsonl(args.in_dir / "overlap.jsonl"))
+    other_overlap = {path.name: newest(read_jsonl(path)) for path in sorted(args.in_dir.glob("overlap-*.jsonl"))}
     standard = newest(read_jsonl(args.in_dir / "standard.jsonl"))
     goals: list[str] = []
     body = (convergence_section(conv, plot_dir, goals) + slow_links_section(slow, plot_dir, goals)
             + transport_section(trans, slow, plot_dir, goals) + codecs_section(cod)
-            + overlap_section(over, plot_dir, goals))
+            + overlap_section(over, plot_dir, goals, other_overlap))
     lines = ["# Benchmark results", "",
              "Generated from the JSON lines in bench/out/ by `python bench/results.py`; how each number is "
              "measured is in bench/README.md. Goals are reported, not asserted.", ""]

@@ -44,6 +44,7 @@ from lowcomm.protocol.state import Donor, StateDonor, StateError, download_state
 from . import checkpoint
 from .errors import FatalError
 from .config import Config
+from .cancel import cancel_and_wait
 from .evaluator import Evaluator
 from .globalstate import GlobalState
 from .grpc_metrics import HandledCounter
@@ -176,10 +177,7 @@ class Node(RoundLoop):
                 self.training_since = time.monotonic()
                 await self._main_loop()
             finally:
-                heartbeat.cancel()
-                if self._reconnecting is not None:
-                    self._reconnecting.cancel()
-                await asyncio.gather(heartbeat, *filter(None, [self._reconnecting]), return_exceptions=True)
+                await cancel_and_wait(heartbeat, self._reconnecting)
             await self._reports_written()
             await self._shutdown()
             return 0

@@ -106,7 +106,8 @@ class Reconnector:
         # A partial of a module-level function: run_coroutine pickles it into the DHT process.
         future = self.dht.run_coroutine(functools.partial(_ping_and_refresh, peer_ids=targets), return_future=True)
         try:
-            answered = await asyncio.wait_for(future, 3 * PING_TIMEOUT)
+            async with asyncio.timeout(3 * PING_TIMEOUT):  # not wait_for: it can lose a cancel (node/cancel.py)
+                answered = await future
         except Exception as err:  # the DHT process is busy or gone: the heartbeat must go on
             log.debug("DHT re-bootstrap failed: %r", err)
             return []

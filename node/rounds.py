@@ -24,6 +24,7 @@ from lowcomm.protocol.handshake import IncompatiblePeer
 from lowcomm.protocol.matchmaking import POLL_SECONDS, MatchmakingError
 from lowcomm.protocol.state import params_sha256
 
+from .cancel import cancel_and_wait
 from .errors import FatalError
 from .progress import InnerProgress
 from .trainer import PhaseStats
@@ -106,8 +107,7 @@ class RoundLoop:
                     await asyncio.wait_for(asyncio.shield(round_task), self.config.node.grace_period)
                 except asyncio.TimeoutError:
                     log.warning("abandoning the round in flight")
-                    round_task.cancel()
-                    await asyncio.gather(round_task, return_exceptions=True)
+                    await cancel_and_wait(round_task)
                     self.metrics.round_failures.labels(reason="aborted").inc()
                     return None
             return round_task.result()
@@ -242,11 +242,11 @@ class RoundLoop:
                 await asyncio.wait_for(asyncio.shield(pending.task),
                                        None if not self.stop_requested.is_set() else self.config.node.grace_period)
             except asyncio.TimeoutError:
-                pending.task.cancel()
-                await asyncio.gather(pending.task, return_exceptions=True)
+                await cancel_and_wait(pending.task)
             self.metrics.round_wait_seconds.inc(time.monotonic() - waited)
-        report = None if pending.task.cancelled() else pending.task.result()
-        if pending.task.cancelled():
+        finished = pending.task.done() and not pending.task.cancelled()
+        report = pending.task.result() if finished else None
+        if not finished:  # abandoned: its Δ stays in the local model (a failed round gave it back itself)
             self.tokens_since_round += pending.weight
         await self.in_train_thread(self._merge, pending, report is not None)
         return report is not None
@@ -554,7 +554,11 @@ class RoundLoop:
         async def report_round() -> None:
             if previous is not None:  # in commit order: the newest checkpoint is the newest step
                 await asyncio.gather(previous, return_exceptions=True)
-            eval_loss = await asyncio.get_running_loop().run_in_executor(self.report_executor, evaluate_and_save)
+            try:
+                eval_loss = await asyncio.get_running_loop().run_in_executor(self.report_executor, evaluate_and_save)
+            except Exception:  # nobody awaits this task's result: say it here
+                log.exception("evaluating the round of step %d failed", event["outer_step"])
+                return
             if event["outer_step"] >= self.state.step:  # not overtaken by a catch-up meanwhile
                 self.last_eval = eval_loss
                 m.eval_loss.set(eval_loss)

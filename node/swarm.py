@@ -32,16 +32,18 @@ class HivemindDHT:
     async def store(self, key: str, subkey: str, value: dict, ttl: float) -> bool:
         future = self.dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=subkey, return_future=True)
         try:
-            return bool(await asyncio.wait_for(future, DHT_TIMEOUT))
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(DHT_TIMEOUT):  # not wait_for: it can lose a cancel (node/cancel.py)
+                return bool(await future)
+        except TimeoutError:
             log.warning("DHT store of %s timed out", key)
             return False
 
     async def get(self, key: str) -> dict[str, dict]:
         future = self.dht.get(key, latest=True, return_future=True)
         try:
-            found = await asyncio.wait_for(future, DHT_TIMEOUT)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(DHT_TIMEOUT):
+                found = await future
+        except TimeoutError:
             log.warning("DHT get of %s timed out", key)
             return {}
         if found is None or not isinstance(found.value, dict):

@@ -178,7 +178,7 @@ def test_results(out, tmp_path):
                    for name in ("convergence_tokens.png", "convergence_bytes.png", "convergence_wall.png"))
     if (out / "overlap.jsonl").exists():
         assert "| eager |" in text and (tmp_path / "plots" / "overlap.png").stat().st_size > 0
-        assert "Overlap `eager` at 20 Mbit/s, compute utilization ≥0.95" in text
+        assert "Overlap `eager` at 20 Mbit/s, H=5, compute utilization ≥0.95" in text
 
 
 def test_nothing_left_behind(netns_reason):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
 
 import pytest
@@ -60,3 +62,17 @@ def test_run_soon_hands_errors_back(thread):
 
     with pytest.raises(ValueError, match="shift does not fit"):
         asyncio.run(thread.run_soon(broken))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are a Linux feature")
+def test_compute_runs_nicer_than_the_rest_of_the_node():
+    nicer = TrainThread(niceness=5)
+    try:
+        def nice_here() -> int:
+            return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+        base = nice_here()
+        assert asyncio.run(nicer.run(nice_here)) == min(19, base + 5)
+        assert nice_here() == base  # only the training thread changed
+    finally:
+        nicer.shutdown()
