@@ -349,6 +349,8 @@ def overlap_section(records: list[dict], plot_dir: Path, goals: list[str],
               "*since start*: the node's `lowcomm_compute_utilization_ratio` at its last round "
               "(`round_done.compute_utilization`), which counts from the moment the node starts training (after "
               "start-up and its first catch-up), so its first matchmaking is in it.",
+              "- *tokens/s, all peers*: tokens trained per wall-clock second, summed over the peers, over the "
+              "same window as the utilization (`round_done.tokens_total` against `train_clock`).",
               "- *eval loss*: the global model after the last outer step; *tokens in model*: what the peers' Δs "
               "stood for (`round_done.tokens_averaged`, each peer's weight in its rounds), summed over peers and "
               "rounds. Overlapped peers end an inner phase early when the round of their step already started "
@@ -390,14 +392,28 @@ def overlap_summary(runs: list[dict], penalty: dict) -> list[str]:
         mins = [r["utilization_window_min"] for r in mine if r.get("utilization_window_min") is not None]
         pens = [penalty[(mode, r.get("seed", 0))] for r in mine if penalty.get((mode, r.get("seed", 0))) is not None]
         shown = bool(pens) and mode != "none"
+        rates = [rate for r in mine if (rate := swarm_tokens_per_second(r)) is not None]
         rows.append([mode, f(statistics.mean(utils) if utils else None, 3), f(min(mins) if mins else None, 3),
+                     f(statistics.mean(rates) if rates else None, 0),
                      f"{statistics.mean(pens) * 100:+.2f} %" if shown else "–",
                      f"{min(pens) * 100:+.2f} … {max(pens) * 100:+.2f} %" if shown else "–",
                      str(sum(sum(r.get("round_late") or []) for r in mine)),
                      str(sum(sum(r.get("rounds_without_result") or []) for r in mine)), str(len(mine))])
     return lines + table(["overlap", "compute util. (window, mean over seeds)", "(lowest peer, any seed)",
-                          "eval-loss penalty vs none (mean)", "(range over seeds)", "round_late",
+                          "tokens/s, all peers (window, mean)", "eval-loss penalty vs none (mean)", "(range over seeds)", "round_late",
                           "rounds without result", "runs"], rows)
+
+
+def swarm_tokens_per_second(record: dict) -> float | None:
+    """Tokens trained per wall-clock second by all peers together, over the same window as the
+    utilization (from each peer's 2nd to its last round, by its phase-end clock)."""
+    rates = []
+    for events in record.get("peer_rounds") or []:
+        if len(events) >= 3 and events[-1].get("train_clock") is not None:
+            first, last = events[1], events[-1]
+            if last["train_clock"] > first["train_clock"]:
+                rates.append((last["tokens_total"] - first["tokens_total"]) / (last["train_clock"] - first["train_clock"]))
+    return sum(rates) if rates else None
 
 
 def overlap_goals(runs: list[dict], penalty: dict, goals: list[str]) -> None:
