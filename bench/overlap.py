@@ -16,9 +16,9 @@ seed:
   (train_clock at its last round − at its second), from the nodes' ``round_done`` events:
   ``train_seconds`` is the node's own time in inner steps and ``train_clock`` its wall-clock
   time, both since it started training and both taken at the end of its latest inner phase
-  (the event itself is logged later, once the eval and checkpoint are written). The first round is left out: start-up and the first
-  matchmaking are the same in every mode and would hide the difference. Median and minimum
-  over peers.
+  (the event itself is logged later, once the eval and checkpoint are written). The first
+  round is left out: start-up and the first matchmaking are the same in every mode and would
+  hide the difference. Median and minimum over peers.
 * ``utilization_since_start``: the node's ``compute_utilization`` at its last round, i.e. the
   value of its ``lowcomm_compute_utilization_ratio`` gauge then (median over peers).
 * ``eval_curve``: per outer step, the eval loss of the global model (identical on every peer)

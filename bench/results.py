@@ -387,10 +387,8 @@ def overlap_summary(runs: list[dict], penalty: dict) -> list[str]:
              f"differs{sets}. Command: `{r0.get('command', 'python bench/overlap.py')}`.", ""]
     rows = []
     for mode in dict.fromkeys(r["mode"] for r in runs):
-        mine = [r for r in runs if r["mode"] == mode]
-        utils = [r["utilization_window_median"] for r in mine if r.get("utilization_window_median") is not None]
+        mine, utils, pens = mode_numbers(runs, mode, penalty)
         mins = [r["utilization_window_min"] for r in mine if r.get("utilization_window_min") is not None]
-        pens = [penalty[(mode, r.get("seed", 0))] for r in mine if penalty.get((mode, r.get("seed", 0))) is not None]
         shown = bool(pens) and mode != "none"
         rates = [rate for r in mine if (rate := swarm_tokens_per_second(r)) is not None]
         rows.append([mode, f(statistics.mean(utils) if utils else None, 3), f(min(mins) if mins else None, 3),
@@ -402,6 +400,14 @@ def overlap_summary(runs: list[dict], penalty: dict) -> list[str]:
     return lines + table(["overlap", "compute util. (window, mean over seeds)", "(lowest peer, any seed)",
                           "tokens/s, all peers (window, mean)", "eval-loss penalty vs none (mean)", "(range over seeds)", "round_late",
                           "rounds without result", "runs"], rows)
+
+
+def mode_numbers(runs: list[dict], mode: str, penalty: dict) -> tuple[list[dict], list[float], list[float]]:
+    """The runs of ``mode``, their utilizations (window, median over peers) and their penalties."""
+    mine = [r for r in runs if r["mode"] == mode]
+    utils = [r["utilization_window_median"] for r in mine if r.get("utilization_window_median") is not None]
+    pens = [penalty[(mode, r.get("seed", 0))] for r in mine if penalty.get((mode, r.get("seed", 0))) is not None]
+    return mine, utils, pens
 
 
 def swarm_tokens_per_second(record: dict) -> float | None:
@@ -419,18 +425,15 @@ def swarm_tokens_per_second(record: dict) -> float | None:
 def overlap_goals(runs: list[dict], penalty: dict, goals: list[str]) -> None:
     """The goal lines of one overlap run: utilization ≥0.95 and penalty ≤1 % per overlapped mode."""
     r0 = runs[0]
-    none_u = [r["utilization_window_median"] for r in runs
-              if r["mode"] == "none" and r.get("utilization_window_median") is not None]
+    _, none_u, _ = mode_numbers(runs, "none", penalty)
     for mode in dict.fromkeys(r["mode"] for r in runs):
         if mode == "none":
             continue
-        mine = [r for r in runs if r["mode"] == mode]
-        utils = [r["utilization_window_median"] for r in mine if r.get("utilization_window_median") is not None]
+        _, utils, pens = mode_numbers(runs, mode, penalty)
         where = f"at {r0['mbit']:g} Mbit/s, H={r0['inner_steps']}"
         if not utils:
             goals.append(f"- Overlap `{mode}` {where}: **not measured** (the runs failed; see section 5).")
             continue
-        pens = [penalty[(mode, r.get("seed", 0))] for r in mine if penalty.get((mode, r.get("seed", 0))) is not None]
         u = statistics.mean(utils)
         mean_pen = statistics.mean(pens) if pens else None
         goals.append(f"- **Overlap `{mode}` {where}, compute utilization ≥0.95: "

@@ -8,8 +8,8 @@ hivemind's own process. Every await that depends on another peer has a deadline.
 from __future__ import annotations
 
 import asyncio
-import logging
 import copy
+import logging
 import math
 import signal
 import threading
@@ -130,14 +130,6 @@ class Node(RoundLoop):
 
     async def in_codec_pool(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.codec_executor, fn, *args)
-
-    async def in_train_thread_soon(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn`` in the training thread between two inner steps, or at once when it is idle."""
-        return await self.train_thread.run_soon(fn, *args)
-
-    def drain_train_inbox(self) -> None:
-        """Training thread only: run what ``in_train_thread_soon`` queued."""
-        self.train_thread.drain()
 
     def request_stop(self) -> None:
         if self.stop_requested.is_set():
@@ -466,7 +458,7 @@ class Node(RoundLoop):
         self.phase = "stopping"
 
         def fold_and_save() -> None:
-            self.drain_train_inbox()  # an overlapped round's result not yet applied to the local model
+            self.train_thread.drain()  # an overlapped round's result not yet applied to the local model
             self.state.residual.add_(self.state.params - self.trainer.get_params())
             self.trainer.set_params(self.state.params)
             self._save_checkpoint()

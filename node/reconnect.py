@@ -97,10 +97,9 @@ class Reconnector:
         It can take up to 3 × PING_TIMEOUT: callers that must not wait (the heartbeat) run it
         as a task of its own.
         """
-        now = time.monotonic()
-        if not missing or now - self._last_attempt < self.interval:
+        if not self.due(missing):
             return None
-        self._last_attempt = now
+        self._last_attempt = time.monotonic()
         self.attempts += 1
         targets = list(dict.fromkeys(self.initial + random.sample(missing, min(MAX_TARGETS, len(missing)))))
         # A partial of a module-level function: run_coroutine pickles it into the DHT process.

@@ -22,7 +22,7 @@ import torch
 from lowcomm.protocol.allreduce import run_allreduce
 from lowcomm.protocol.handshake import IncompatiblePeer
 from lowcomm.protocol.matchmaking import POLL_SECONDS, MatchmakingError
-from lowcomm.protocol.state import params_sha256
+from lowcomm.protocol.state import Snapshot, params_sha256
 
 from .cancel import cancel_and_wait
 from .errors import FatalError
@@ -44,15 +44,6 @@ class _Pending:
     weight: float  # tokens the round's Δ stands for (given back to the next round if it fails)
     task: asyncio.Task | None = None  # _round_in_background: the round, its commit, the local shift
     merged: bool = False  # the local model holds the round's outcome (shifted, or the eager step undone)
-
-
-@dataclass
-class _Committed:
-    """Copies taken at a commit, for the eval and the checkpoint written in the report thread
-    while the next round may already change θ_global."""
-
-    params: torch.Tensor
-    checkpoint_state: dict
 
 
 @dataclass
@@ -86,8 +77,8 @@ class RoundLoop:
             report = await self._with_grace(self._round(fragment, delta, float(self.tokens_since_round)))
             if report is not None:
                 self.tokens_since_round = 0
-                committed = await self._commit_global()
-                await self._finish_commit(report, fragment, committed, reset_local=True)
+                frozen = await self._commit_global()
+                await self._finish_commit(report, fragment, frozen, reset_local=True)
 
     def _should_stop(self) -> bool:
         max_rounds = self.config.node.max_rounds
@@ -142,7 +133,7 @@ class RoundLoop:
 
     def _local_params_now(self) -> torch.Tensor:
         """Training thread: the local parameters, after whatever the inbox still had for them."""
-        self.drain_train_inbox()
+        self.train_thread.drain()
         return self.trainer.get_params()
 
     def _phase_steps(self) -> int:
@@ -208,11 +199,11 @@ class RoundLoop:
         if report is None:
             self.tokens_since_round += pending.weight  # the local model keeps that progress
         else:
-            committed = await self._commit_global()
+            frozen = await self._commit_global()
         if self.config.sync.overlap_apply == "arrival":
-            await self.in_train_thread_soon(self._merge, pending, report is not None)
+            await self.train_thread.run_soon(self._merge, pending, report is not None)
         if report is not None:
-            await self._finish_commit(report, pending.fragment, committed, reset_local=False)
+            await self._finish_commit(report, pending.fragment, frozen, reset_local=False)
         return report
 
     def _merge(self, pending: "_Pending", succeeded: bool) -> None:
@@ -294,7 +285,7 @@ class RoundLoop:
             nonlocal done_steps
             done_steps = done
             progress.update(done, loss)
-            self.drain_train_inbox()  # an overlapped round's result, as soon as it is there
+            self.train_thread.drain()  # an overlapped round's result, as soon as it is there
             if slow:
                 self.stop_training.wait(slow)
 
@@ -385,8 +376,7 @@ class RoundLoop:
                 report.seconds = time.monotonic() - started
                 report.tokens = weight
             return report
-        view = await self.refresh_view()
-        if any(p.outer_step > step for p in view.peers.values()) or self._majority_elsewhere(view):
+        if self._behind(await self.refresh_view()):
             # The swarm moved on while we trained, or holds other parameters at our step:
             # averaging now would fork a competing state. Our progress is kept (the catch-up
             # folds it into the residual) and we catch up.
@@ -475,7 +465,6 @@ class RoundLoop:
         skipped = await self.in_codec_pool(apply)
         self.last_contribution = (group.step + 1, contribution)
         if log.isEnabledFor(logging.DEBUG):
-            from lowcomm.protocol.state import params_sha256
             log.debug("round %s from %s: members %s bounds %s averages %s", group.group_id.hex()[:8],
                       self.state.params_hash[:8], [m.peer_id[-4:] for m in group.members], list(group.shard_bounds),
                       [None if a is None else params_sha256(a)[:8] for a in result.averages])
@@ -491,25 +480,32 @@ class RoundLoop:
             self.metrics.round_failures.labels(reason="shard_skipped").inc()
         return RoundReport(len(group.members), 0.0, sent, received, skipped, allreduce_seconds=seconds)
 
-    async def _commit_global(self) -> _Committed:
+    async def _commit_global(self) -> dict:
         """The round's result becomes our state: new step and hash, served to joiners, published.
+        Returns copies of the committed state (``GlobalState.frozen_checkpoint``) for the eval
+        and the checkpoint, written in the report thread while the next round may already
+        change θ_global.
 
         The record says "training": a committed peer is on to its next inner phase (or, when
         overlapped, already in it), and peers at the new step must not take it for a finished one.
         """
-        def freeze() -> tuple[str, dict]:
-            return params_sha256(self.state.params), self.state.frozen_checkpoint()
+        step = self.state.step + 1
 
-        digest, frozen = await self.in_codec_pool(freeze)
-        self.state.commit(digest)
-        frozen.update(step=self.state.step, params_sha256=digest)
-        self.donor.publish(await self.in_codec_pool(self.state.snapshot))
+        def freeze() -> tuple[dict, Snapshot]:
+            # One hash and one copy serve the commit, the donor snapshot and the checkpoint.
+            frozen = self.state.frozen_checkpoint()
+            digest = params_sha256(frozen["params"])
+            frozen.update(step=step, params_sha256=digest)
+            return frozen, Snapshot.build(step, frozen["params"], frozen["momentum"], params_hash=digest)
+
+        frozen, snapshot = await self.in_codec_pool(freeze)
+        self.state.commit(frozen["params_sha256"])
+        self.donor.publish(snapshot)
         self.phase = "training"
         await self.publish_record()
-        return _Committed(frozen["params"], frozen)
+        return frozen
 
-    async def _finish_commit(self, report: RoundReport, fragment: slice, committed: _Committed,
-                             reset_local: bool) -> None:
+    async def _finish_commit(self, report: RoundReport, fragment: slice, frozen: dict, reset_local: bool) -> None:
         """After ``_commit_global``: count the round, then evaluate, checkpoint and report it in
         the report thread (training goes on meanwhile). Blocking rounds restart the local model
         of the fragment from θ_global first; overlapped rounds shift it instead (_merge)."""
@@ -520,7 +516,7 @@ class RoundLoop:
 
             trainer_state = await self.in_train_thread(reset_and_freeze)
         else:
-            trainer_state = await self.in_train_thread_soon(self.frozen_trainer_state)
+            trainer_state = await self.train_thread.run_soon(self.frozen_trainer_state)
         self.rounds_completed += 1
         m = self.metrics
         m.rounds.inc()
@@ -539,16 +535,15 @@ class RoundLoop:
                  "tokens_averaged": report.tokens,
                  "compute_utilization": self.train_seconds / max(self.train_clock, 1e-9),
                  "train_seconds": self.train_seconds, "train_clock": self.train_clock}
-        tokens_per_second, tokens_total = self.tokens_per_second, self.tokens_total
+        tokens_per_second = self.tokens_per_second
         previous = self._last_report
 
         def evaluate_and_save() -> float:
-            eval_loss = self.evaluator.evaluate(committed.params)
+            eval_loss = self.evaluator.evaluate(frozen["params"])
             try:
-                self._write_checkpoint(committed.checkpoint_state, trainer_state, tokens_total)
+                self._write_checkpoint(frozen, trainer_state, event["tokens_total"])
             except OSError as err:  # the previous checkpoint stays intact (atomic writes)
-                log.error("could not write the checkpoint of step %d: %s; training goes on",
-                          committed.checkpoint_state["step"], err)
+                log.error("could not write the checkpoint of step %d: %s; training goes on", frozen["step"], err)
             return eval_loss
 
         async def report_round() -> None:

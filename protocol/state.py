@@ -55,12 +55,14 @@ class Snapshot:
     state_sha256: str
 
     @classmethod
-    def build(cls, step: int, params: torch.Tensor, momentum: torch.Tensor) -> "Snapshot":
+    def build(cls, step: int, params: torch.Tensor, momentum: torch.Tensor,
+              params_hash: str | None = None) -> "Snapshot":
+        """``params_hash``: sha256 of ``params`` when the caller already computed it."""
         assert params.numel() == momentum.numel()
         blob = b"".join(
             [_HEADER.pack(MAGIC, FORMAT_VERSION, step, params.numel()), tensor_bytes(params), tensor_bytes(momentum)]
         )
-        return cls(step, params.numel(), blob, params_sha256(params), hashlib.sha256(blob).hexdigest())
+        return cls(step, params.numel(), blob, params_hash or params_sha256(params), hashlib.sha256(blob).hexdigest())
 
 
 def parse_blob(blob: bytes | bytearray) -> tuple[int, torch.Tensor, torch.Tensor]:
