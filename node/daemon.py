@@ -8,7 +8,6 @@ hivemind's own process. Every await that depends on another peer has a deadline.
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import math
 import signal
@@ -50,6 +49,7 @@ from .globalstate import GlobalState
 from .grpc_metrics import HandledCounter
 from .metrics import NodeMetrics, serve_metrics
 from .reconnect import Reconnector
+from .reports import ReportQueue, cpu_copy
 from .swarm import HivemindDHT, PeerRecord, SwarmView, peers_key, read_swarm, signed
 from .rounds import RoundLoop, RoundReport  # noqa: F401 (RoundReport is part of this module's API)
 from .train_thread import TrainThread, lower_priority
@@ -86,7 +86,7 @@ class Node(RoundLoop):
         # training thread never stops for them.
         self.report_executor = ThreadPoolExecutor(1, thread_name_prefix="lowcomm-report",
                                                   initializer=lower_priority, initargs=(config.node.compute_niceness,))
-        self._last_report: asyncio.Task | None = None
+        self.reports = ReportQueue(self.report_executor)  # newest wins: bounded copies of the state
         self.stop_requested = asyncio.Event()
         self.stop_training = threading.Event()  # read by the training thread between inner steps
         self.phase = "starting"
@@ -445,13 +445,15 @@ class Node(RoundLoop):
 
     def frozen_trainer_state(self) -> dict[str, Any]:
         """Training thread only: a copy of the trainer's checkpointable state (it keeps training
-        while the checkpoint is written in the report thread)."""
-        return copy.deepcopy(self.trainer.local_state())
+        while the checkpoint is written in the report thread). Tensors are copied to the CPU: on
+        CUDA the optimizer state (2x the parameters for AdamW) of a waiting report must not hold
+        GPU memory, and torch.save would copy it to the CPU anyway."""
+        return cpu_copy(self.trainer.local_state())
 
     async def _reports_written(self) -> None:
-        """Wait for the evals and checkpoints of committed rounds still being written."""
-        if self._last_report is not None:
-            await asyncio.gather(self._last_report, return_exceptions=True)
+        """Wait for the evals and checkpoints of committed rounds still being written (the newest
+        checkpoint is always among them: node/reports.py)."""
+        await self.reports.flush()
 
     async def _shutdown(self) -> None:
         """Fold unsent local progress into the residual, checkpoint, leave the DHT."""

@@ -27,6 +27,7 @@ from lowcomm.protocol.state import Snapshot, params_sha256
 from .cancel import cancel_and_wait
 from .errors import FatalError
 from .progress import InnerProgress
+from .reports import Report
 from .trainer import PhaseStats
 
 log = logging.getLogger("lowcomm.node")
@@ -536,7 +537,6 @@ class RoundLoop:
                  "compute_utilization": self.train_seconds / max(self.train_clock, 1e-9),
                  "train_seconds": self.train_seconds, "train_clock": self.train_clock}
         tokens_per_second = self.tokens_per_second
-        previous = self._last_report
 
         def evaluate_and_save() -> float:
             eval_loss = self.evaluator.evaluate(frozen["params"])
@@ -546,26 +546,27 @@ class RoundLoop:
                 log.error("could not write the checkpoint of step %d: %s; training goes on", frozen["step"], err)
             return eval_loss
 
-        async def report_round() -> None:
-            if previous is not None:  # in commit order: the newest checkpoint is the newest step
-                await asyncio.gather(previous, return_exceptions=True)
-            try:
-                eval_loss = await asyncio.get_running_loop().run_in_executor(self.report_executor, evaluate_and_save)
-            except Exception:  # nobody awaits this task's result: say it here
-                log.exception("evaluating the round of step %d failed", event["outer_step"])
-                return
+        def log_round(eval_loss: float, skipped: bool) -> None:
+            log.info(
+                "step %d | loss %.3f | eval %s | %.0f tok/s | round %.2fs | sent %s recv %s | group %d%s | %s",
+                event["outer_step"], event["loss"], "skipped" if skipped else f"{eval_loss:.3f}", tokens_per_second,
+                report.seconds, _human_bytes(report.bytes_sent), _human_bytes(report.bytes_received),
+                report.group_size, f" | {report.skipped_shards} shard(s) skipped" if report.skipped_shards else "",
+                event["params_sha256"][:12],
+                extra={"event": "round_done", "eval_loss": eval_loss, "eval_skipped": skipped, **event},
+            )
+
+        def evaluated(eval_loss: float) -> None:
             if event["outer_step"] >= self.state.step:  # not overtaken by a catch-up meanwhile
                 self.last_eval = eval_loss
                 m.eval_loss.set(eval_loss)
-            log.info(
-                "step %d | loss %.3f | eval %.3f | %.0f tok/s | round %.2fs | sent %s recv %s | group %d%s | %s",
-                event["outer_step"], event["loss"], eval_loss, tokens_per_second, report.seconds,
-                _human_bytes(report.bytes_sent), _human_bytes(report.bytes_received), report.group_size,
-                f" | {report.skipped_shards} shard(s) skipped" if report.skipped_shards else "",
-                event["params_sha256"][:12], extra={"event": "round_done", "eval_loss": eval_loss, **event},
-            )
+            log_round(eval_loss, skipped=False)
 
-        self._last_report = asyncio.create_task(report_round(), name="round-report")
+        # Newest wins (node/reports.py): when the report thread is behind, this report replaces the
+        # waiting one, whose eval is stale and whose checkpoint this one supersedes; its round line
+        # then carries the last eval we have, marked skipped.
+        self.reports.submit(Report(event["outer_step"], evaluate_and_save, evaluated,
+                                   lambda: log_round(self.last_eval, skipped=True)))
 
 
 def _human_bytes(count: float) -> str:
