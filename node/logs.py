@@ -32,6 +32,17 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+class TerminalHandler(logging.StreamHandler):
+    """Human lines on a terminal that may show the inner-phase progress bar (node/progress.py):
+    each line is written above the bar instead of into it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from .progress import write_above  # tqdm only where there is a terminal to draw on
+
+        with write_above(self.stream):
+            super().emit(record)
+
+
 class HumanFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
@@ -46,11 +57,14 @@ def setup_logging(fmt: str, level: str, stream=None) -> bool:
     """Configure the root logger; returns True when the output is human (a terminal or text)."""
     stream = stream or sys.stdout
     human = fmt == "text" or (fmt == "auto" and stream.isatty())
-    handler = logging.StreamHandler(stream)
+    handler = TerminalHandler(stream) if human else logging.StreamHandler(stream)
     handler.setFormatter(HumanFormatter() if human else JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # Python's warnings (torch's, say) would go straight to stderr: through the bar on a
+    # terminal, as raw text among JSON lines otherwise.
+    logging.captureWarnings(True)
     try:
         from hivemind.utils.logging import use_hivemind_log_handler
 
