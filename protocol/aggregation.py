@@ -36,6 +36,13 @@ never raise the bar by itself, and with a majority of honest members med(r) is a
    Sums run in float64 and the result is rounded once to float32; with k = 0 the trimmed mean,
    and with τ above every norm the clipped mean, are the plain mean.
 
+   The sums are elementwise, in sender order, one multiply and one add per term (no fused
+   multiply-add, no reduction across coordinates), so ``mean`` and ``trimmed_mean`` give the same
+   bits on every CPU kernel and thread count. Only the norms r_i are reductions whose last bits
+   may depend on the owner's kernel; they decide the norm bound and the clipping factor. That
+   cannot split a group: the average is computed by its one owner, and every member, the owner
+   too, applies the *decoded* bytes the owner encoded (DESIGN §4).
+
 Contributions are aggregated in the order of their senders' ids, not in their order of arrival,
 so that the same inputs give the same bits whatever the network did.
 """
@@ -177,7 +184,12 @@ def trimmed_mean(contributions: Sequence[Contribution], trim_fraction: float) ->
         values, order = torch.sort(block, dim=0, stable=True)
         kept_values = values[k:n - k].to(torch.float64)
         kept_weights = weights[order[k:n - k]]
-        out[start:end] = (kept_values * kept_weights).sum(0).div_(kept_weights.sum(0))
+        # Row by row rather than .sum(0): a reduction's order may follow the SIMD width.
+        total, weight_sum = kept_values[0].mul(kept_weights[0]), kept_weights[0].clone()
+        for row in range(1, n - 2 * k):
+            total.add_(kept_values[row].mul(kept_weights[row]))
+            weight_sum.add_(kept_weights[row])
+        out[start:end] = total.div_(weight_sum)
     return out
 
 
@@ -188,7 +200,9 @@ def _scaled_mean(terms: Sequence[tuple[float, float, torch.Tensor]]) -> torch.Te
     total = torch.zeros(terms[0][2].numel(), dtype=torch.float64)
     weight_sum = 0.0
     for weight, scale, x in terms:
-        total.add_(x.to(torch.float64), alpha=weight * scale)
+        # A multiply, then an add: ``add_(x, alpha=)`` is one fused multiply-add in the vectorised
+        # kernels and two roundings in the generic one (see protocol/outer.py).
+        total.add_(x.to(torch.float64, copy=True).mul_(weight * scale))
         weight_sum += weight
     return total.div_(weight_sum).to(torch.float32)
 

@@ -458,15 +458,28 @@ def test_topk_index_out_of_range():
         forged[idx_off + 2 * pos : idx_off + 2 * pos + 2] = struct.pack("<H", value)
         with pytest.raises(CodecError, match="index"):
             c.decode(bytes(forged), n)
-    # in range but duplicated: allowed (one value wins), no crash
+    # the largest valid index of the last block (its last index) is accepted
+    last = 2 * k0 + len(blocks[-1][0]) - 1
     forged = bytearray(p)
-    forged[idx_off : idx_off + 4] = struct.pack("<2H", 5, 5)
-    d = c.decode(bytes(forged), n)
-    assert d.shape == (n,)
-    # the largest valid index of the last block is accepted
-    forged = bytearray(p)
-    forged[idx_off + 4 * k0 : idx_off + 4 * k0 + 2] = struct.pack("<H", 451)
+    forged[idx_off + 2 * last : idx_off + 2 * last + 2] = struct.pack("<H", 451)
     c.decode(bytes(forged), n)
+
+
+@pytest.mark.parametrize("block", [0, 1, 2])
+@pytest.mark.parametrize("kind", ["duplicate", "descending"])
+def test_topk_indices_must_be_strictly_ascending(block, kind):
+    """A position written twice would let the thread schedule pick the winner (members could then
+    decode different bits from the same bytes); the encoder never writes one, so it is refused."""
+    n = 2500  # blocks of 1024, 1024, 452
+    c, p = _valid("topk", n)
+    scales, blocks = parse_topk(p, c, n)
+    first = sum(len(b[0]) for b in blocks[:block])  # position of the block's first index
+    a, b = int(blocks[block][0][0]), int(blocks[block][0][1])
+    forged = bytearray(p)
+    pair = (a, a) if kind == "duplicate" else (b, a)
+    forged[4 * len(blocks) + 2 * first : 4 * len(blocks) + 2 * first + 4] = struct.pack("<2H", *pair)
+    with pytest.raises(CodecError, match=f"block {block} are not strictly ascending"):
+        c.decode(bytes(forged), n)
 
 
 def test_quantized_value_out_of_range():

@@ -27,6 +27,14 @@ topk     ``n_blocks`` float32 scales, then ``K`` uint16 indices, then ``K`` int8
 is below ``TINY`` (2**-118, about 3e-36: all-zero blocks, denormal dust) gets scale 0 and
 decodes to zeros; this keeps every scale and reciprocal finite and normal.
 
+Decoding is bit-identical on every CPU kernel and thread count: each value is an exact
+conversion (int8/int4 to float32, fp16/bf16 to float32) followed by at most one IEEE multiply
+by its block's scale, elementwise, with no reduction; topk writes each position once (its
+indices must be strictly ascending per block). Every member of a round applies these decoded
+values to θ_global, so this is what keeps them identical (see protocol/outer.py). Encoders need
+no such care: a payload is encoded by one peer only, and everybody, that peer too, uses its
+decoded bytes.
+
 Encoders of the quantizing codecs (int8, int4, topk) raise ``CodecError`` for non-finite
 input: such a payload could never be decoded (decoders refuse non-finite scales). The
 float casts encode whatever they get; checking decoded values for finiteness is the job of

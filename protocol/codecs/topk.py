@@ -144,6 +144,7 @@ class TopKCodec(Codec):
             raise CodecError(
                 f"{self.name}: index {int(idx[nfull * kf:].max())} >= block length {tail} in last block"
             )
+        self._check_ascending(idx, nfull, kf, kt)
         pos = torch.from_numpy(idx.astype(np.int64))
         vals = torch.from_numpy(q.astype(np.float32))
         if nfull:
@@ -152,8 +153,20 @@ class TopKCodec(Codec):
         if tail:
             pos[nfull * kf :].add_(nfull * bs)
             vals[nfull * kf :].mul_(scales[nfull])
-        out[pos] = vals  # duplicate indices (only in forged payloads): one of them wins
+        # Unique positions (checked above) and one rounding per value (q * scale): the same bits
+        # on every kernel and thread count. With duplicates, which write wins could depend on threads.
+        out[pos] = vals
         return out
+
+    def _check_ascending(self, idx: np.ndarray, nfull: int, kf: int, kt: int) -> None:
+        """CodecError unless every block's indices are strictly ascending (so unique), as encoded."""
+        rows = [idx[: nfull * kf].reshape(nfull, kf)] if nfull else []
+        if kt:
+            rows.append(idx[nfull * kf :].reshape(1, kt))
+        for base, block in zip((0, nfull), rows):
+            bad = np.flatnonzero((block[:, 1:] <= block[:, :-1]).any(axis=1))
+            if bad.size:
+                raise CodecError(f"{self.name}: indices of block {base + int(bad[0])} are not strictly ascending")
 
     def error_bound(self, x: torch.Tensor) -> float:
         x = _check_input(x)
