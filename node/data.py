@@ -2,8 +2,12 @@
 
 The default corpus is the Python standard library's own ``.py`` files, read from the running
 interpreter: it exists offline on every machine that can run the node. A user's own text comes
-in through ``[data] path`` (a glob). Files go to the eval split by a hash of their relative
-path, so the split is the same on every peer and does not depend on file order.
+in through ``[data] path`` (a glob) in one of the formats of node/formats.py. Files go to the
+eval split by a hash of their relative path, so the split is the same on every peer and does not
+depend on file order; a corpus of one file (or one dataset) holds out the tail of its tokens.
+
+Token ids live in a ``TokenArray``: the files' arrays side by side, never concatenated, so that a
+memory-mapped ``tokens`` file is read only where a batch's windows fall.
 """
 
 from __future__ import annotations
@@ -13,9 +17,15 @@ import hashlib
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
+
+from . import formats
+
+if TYPE_CHECKING:
+    from .config import DataSection
 
 
 class DataError(Exception):
@@ -45,16 +55,64 @@ def _is_eval(relative_name: str, eval_fraction: float) -> bool:
     return int.from_bytes(digest[:8], "little") / 2**64 < eval_fraction
 
 
+class TokenArray:
+    """Token ids of several arrays (in-memory or memory-mapped) read as one sequence, without
+    copying them: windows are gathered on demand, and may cross from one array into the next."""
+
+    def __init__(self, parts: Sequence[np.ndarray]) -> None:
+        self.parts = [part for part in parts if len(part)]
+        self.offsets = np.cumsum([0, *(len(part) for part in self.parts)])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def slice(self, start: int, stop: int) -> "TokenArray":
+        """Tokens ``[start, stop)`` as views of the same arrays."""
+        views = []
+        for part, offset in zip(self.parts, self.offsets[:-1]):
+            lo, hi = max(start - offset, 0), min(stop - offset, len(part))
+            if lo < hi:
+                views.append(part[lo:hi])
+        return TokenArray(views)
+
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """int64 array ``[len(starts), length]``: the ``length`` tokens from each start."""
+        if len(self.parts) == 1:
+            return self.parts[0][starts[:, None] + np.arange(length)].astype(np.int64)
+        out = np.empty((len(starts), length), dtype=np.int64)
+        for row, start in enumerate(starts.tolist()):
+            index = int(np.searchsorted(self.offsets, start, side="right")) - 1
+            filled = 0
+            while filled < length:
+                part = self.parts[index]
+                local = start + filled - int(self.offsets[index])
+                take = min(length - filled, len(part) - local)
+                out[row, filled:filled + take] = part[local:local + take]
+                filled += take
+                index += 1
+        return out
+
+
+Tokens = np.ndarray | TokenArray
+
+
+def as_token_array(tokens: Tokens) -> TokenArray:
+    return tokens if isinstance(tokens, TokenArray) else TokenArray([np.asarray(tokens)])
+
+
 @dataclass
 class Corpus:
-    train: np.ndarray
-    """uint8 bytes of the training files, concatenated."""
-    eval: np.ndarray
-    """uint8 bytes of the held-out files, concatenated."""
+    train: Tokens
+    """Token ids of the training files, in file order (uint8 bytes for the byte tokenizer)."""
+    eval: Tokens
+    """Token ids of the held-out files."""
     files: int
+    vocab_size: int | None = 256
+    """Ids lie below this (the tokenizer's vocabulary); None: a tokens file that does not say."""
 
 
 def load_corpus(pattern: str | None, eval_fraction: float, max_bytes: int = 64 * 2**20) -> Corpus:
+    """The text format with the byte tokenizer (the default corpus): at most ``max_bytes`` read."""
     root, files = resolve_files(pattern)
     train_parts: list[bytes] = []
     eval_parts: list[bytes] = []
@@ -64,8 +122,7 @@ def load_corpus(pattern: str | None, eval_fraction: float, max_bytes: int = 64 *
             data = path.read_bytes()
         except OSError:
             continue  # an unreadable file in a glob is not worth stopping the node for
-        name = str(path.relative_to(root)) if path.is_relative_to(root) else path.name
-        (eval_parts if _is_eval(name, eval_fraction) else train_parts).append(data)
+        (eval_parts if _is_eval(_name(path, root), eval_fraction) else train_parts).append(data)
         total += len(data)
         if total >= max_bytes:
             break
@@ -76,6 +133,99 @@ def load_corpus(pattern: str | None, eval_fraction: float, max_bytes: int = 64 *
         cut = int(len(train) * (1 - eval_fraction))
         train, held_out = train[:cut], train[cut:]
     return Corpus(train=train, eval=held_out, files=len(files))
+
+
+def _name(path: Path, root: Path) -> str:
+    return str(path.relative_to(root)) if path.is_relative_to(root) else path.name
+
+
+def _tail_split(train: TokenArray, eval_fraction: float) -> tuple[TokenArray, TokenArray]:
+    cut = int(len(train) * (1 - eval_fraction))
+    return train.slice(0, cut), train.slice(cut, len(train))
+
+
+def _split_documents(named: Iterable[tuple[str, list[np.ndarray]]], eval_fraction: float,
+                     tokenizer: formats.Tokenizer, max_tokens: int) -> tuple[TokenArray, TokenArray]:
+    """Tokenized files to the two splits by a hash of their names (each file's documents joined
+    with newline tokens, and so are the files), then the tail rule for corpora of one file."""
+    sep = formats.separator(tokenizer)
+    splits: dict[bool, list[np.ndarray]] = {True: [], False: []}
+    total = 0
+    for name, documents in named:
+        splits[_is_eval(name, eval_fraction)].append(formats.join(documents, sep, tokenizer.dtype))
+        total += sum(len(d) for d in documents)
+        if total >= max_tokens:
+            break
+    train = TokenArray([formats.join(splits[False], sep, tokenizer.dtype)])
+    held_out = TokenArray([formats.join(splits[True], sep, tokenizer.dtype)])
+    if len(held_out) == 0 and len(train) > 0:
+        train, held_out = _tail_split(train, eval_fraction)
+    return train, held_out
+
+
+def load_data(section: "DataSection", max_bytes: int = 64 * 2**20) -> Corpus:
+    """The corpus of ``[data]``. Text-like formats read at most about ``max_bytes`` of text (or
+    ids) into memory; ``tokens`` files are memory-mapped whatever their size."""
+    if section.format == "text" and section.tokenizer == "bytes":
+        return load_corpus(section.path, section.eval_fraction, max_bytes)
+    try:
+        return _load_formatted(section, max_bytes)
+    except formats.FormatError as err:
+        raise DataError(str(err)) from None
+
+
+def _load_formatted(section: "DataSection", max_bytes: int) -> Corpus:
+    tokenizer = formats.make_tokenizer(section.tokenizer)
+    vocab: int | None = tokenizer.vocab_size
+    if section.format == "hf":
+        train_rows, held_rows, pretokenized = formats.hf_splits(section.path or "", section.field, tokenizer, max_bytes)
+        sep = formats.separator(tokenizer)
+        dtype: type = tokenizer.dtype
+        if pretokenized and section.tokenizer == "bytes":
+            sep = np.zeros(0, dtype=np.uint8)  # ids of an unknown tokenizer: no newline id to add
+        if pretokenized:
+            # Ids from the dataset itself: the narrowest type that holds them, and a vocabulary
+            # known only if [data] tokenizer names the tokenizer that made them.
+            largest = max((int(r.max()) for r in (*train_rows, *(held_rows or [])) if r.size), default=0)
+            dtype = np.uint16 if largest < 2**16 else np.uint32
+            vocab = vocab if section.tokenizer != "bytes" else None
+        train = TokenArray([formats.join(train_rows, sep, dtype)])
+        if held_rows is None:
+            train, held_out = _tail_split(train, section.eval_fraction)
+        else:
+            held_out = TokenArray([formats.join(held_rows, sep, dtype)])
+        return Corpus(train=train, eval=held_out, files=1, vocab_size=vocab)
+    root, files = resolve_files(section.path)
+    if section.format == "tokens":
+        maps = [(_name(path, root), formats.open_tokens(path, section.token_dtype)) for path in files]
+        train = TokenArray([m for name, m in maps if not _is_eval(name, section.eval_fraction)])
+        held_out = TokenArray([m for name, m in maps if _is_eval(name, section.eval_fraction)])
+        if len(held_out) == 0:
+            train, held_out = _tail_split(train, section.eval_fraction)
+        # The default "bytes" says nothing about a tokens file: ids are checked against the model.
+        return Corpus(train=train, eval=held_out, files=len(files),
+                      vocab_size=vocab if section.tokenizer != "bytes" else None)
+
+    def documents() -> Iterator[tuple[str, list[np.ndarray]]]:
+        for path in files:
+            if section.format == "jsonl":
+                texts = list(formats.jsonl_documents(path, section.field or "text"))
+            else:
+                try:
+                    texts = [path.read_text(encoding="utf-8", errors="replace")]
+                except OSError:
+                    continue  # as load_corpus: an unreadable file in a glob is skipped
+            yield _name(path, root), tokenizer.encode(texts)
+
+    train, held_out = _split_documents(documents(), section.eval_fraction, tokenizer, max_bytes)
+    return Corpus(train=train, eval=held_out, files=len(files), vocab_size=vocab)
+
+
+def compact_tokens(tokens: np.ndarray) -> torch.Tensor:
+    """A writable tensor copy of ``tokens`` in the smallest dtype torch indexes that holds them
+    (bytes stay uint8; token ids of unsigned numpy types torch lacks widen to int32/int64)."""
+    widen = {np.dtype(np.uint16): np.int32, np.dtype(np.uint32): np.int64, np.dtype(np.uint64): np.int64}
+    return torch.from_numpy(np.array(tokens, dtype=widen.get(tokens.dtype, tokens.dtype)))
 
 
 class ShardSampler:
@@ -95,7 +245,9 @@ class ShardSampler:
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, shards: int, peer_key: str, seed: int):
         if len(tokens) < (seq_len + 1) * 2:
             raise DataError(f"training split has {len(tokens)} bytes, too little for seq_len {seq_len}; add files")
-        self.tokens = torch.from_numpy(tokens.astype(np.int64))
+        # Kept in their own compact dtype: windows become int64 when drawn. As int64 the default
+        # corpus (12 MB of bytes) held ~100 MB of the node's memory for nothing.
+        self.tokens = compact_tokens(tokens)
         self.seq_len, self.batch_size = seq_len, batch_size
         usable = len(tokens) - seq_len - 1  # window starts lie in [0, usable)
         self.block = max(1, min(self.BLOCK_TOKENS, usable))
@@ -115,20 +267,29 @@ class ShardSampler:
         chosen = blocks[torch.randint(len(blocks), (self.batch_size,), generator=self.generator)]
         starts = chosen * self.block + torch.randint(self.block, (self.batch_size,), generator=self.generator)
         offsets = torch.arange(self.seq_len + 1)
-        windows = self.tokens[starts[:, None] + offsets]
+        windows = self.tokens[starts[:, None] + offsets].long()
         self.drawn += self.batch_size * self.seq_len
         if self.drawn >= len(blocks) * self.block:
             self.shard, self.drawn = (self.shard + 1) % self.shards, 0
         return windows[:, :-1], windows[:, 1:]
 
 
-def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(tokens: Tokens, seq_len: int, batch_size: int, batches: int,
+                 vocab_limit: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed held-out set: evenly spaced windows, the same on every peer and every round."""
-    data = torch.from_numpy(tokens.astype(np.int64))
+    data = as_token_array(tokens)
     count = batches * batch_size
     usable = len(data) - seq_len - 1
     if usable <= 0:
-        raise DataError(f"held-out split has {len(data)} bytes, too little for seq_len {seq_len}")
+        raise DataError(f"held-out split has {len(data)} tokens, too little for seq_len {seq_len}")
     starts = torch.linspace(0, usable, count).long()
-    windows = data[starts[:, None] + torch.arange(seq_len + 1)]
+    windows = torch.from_numpy(data.windows(starts.numpy(), seq_len + 1))
+    check_ids(windows, vocab_limit, "held-out split")
     return [(w[:, :-1], w[:, 1:]) for w in windows.split(batch_size)]
+
+
+def check_ids(windows: torch.Tensor, vocab_limit: int | None, where: str) -> None:
+    if vocab_limit is not None and windows.numel() and int(windows.max()) >= vocab_limit:
+        raise DataError(f"the {where} holds token id {int(windows.max())}, outside the model's vocabulary of "
+                        f"{vocab_limit}: the data was made with another tokenizer than the model's, or "
+                        "[data] token_dtype is wrong")
