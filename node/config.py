@@ -40,23 +40,102 @@ class RunSection(_Section):
 
 class ModelSection(_Section):
     preset: Literal["tiny", "small", "medium", "gpt2"] = "tiny"
-    """Model size: tiny (CPU, ~0.5M params) up to gpt2 (124M, for GPUs)."""
+    """lowcomm's byte-level GPT by size: tiny (CPU, ~0.5M params) up to gpt2 (124M, for GPUs). Used
+    when none of factory, hf_config and hf_pretrained is set."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    """Dropout probability inside the transformer blocks."""
+    """Dropout probability inside the preset's transformer blocks."""
+    factory: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$")
+    """Your own model, as "package.module:function": the function returns a torch.nn.Module whose
+    forward(inputs, targets) returns the loss, or a (module, loss_fn) pair (README, "Train your own model")."""
+    factory_kwargs: dict[str, str | int | float | bool] | None = None
+    """Keyword arguments of the factory call, e.g. { width = 256 } (part of the run fingerprint)."""
+    hf_config: str | None = None
+    """A Hugging Face transformers causal LM with random initial weights (drawn from [train] seed):
+    path of a local config.json, or of a directory holding one."""
+    hf_pretrained: str | None = None
+    """A Hugging Face causal LM loaded with from_pretrained from a local directory (config.json and
+    weights); lowcomm never downloads a model at run time."""
+
+    @field_validator("hf_config")
+    @classmethod
+    def _config_exists(cls, value: str | None) -> str | None:
+        if value is not None:
+            path = Path(value).expanduser()
+            if not (path.is_file() or (path / "config.json").is_file()):
+                raise ValueError(f"{value!r} is neither a config.json file nor a directory holding one")
+        return value
+
+    @field_validator("hf_pretrained")
+    @classmethod
+    def _local_directory(cls, value: str | None) -> str | None:
+        if value is not None and not (Path(value).expanduser() / "config.json").is_file():
+            if Path(value).expanduser().exists():
+                raise ValueError(f"{value!r} holds no config.json; give the directory that save_pretrained wrote")
+            raise ValueError(
+                f"{value!r} is not a local directory: lowcomm loads models from local files only (no hub "
+                f"access at run time). Download it first, e.g. `huggingface-cli download {value} --local-dir DIR`, "
+                "and set hf_pretrained = \"DIR\"")
+        return value
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "ModelSection":
+        chosen = [key for key in ("factory", "hf_config", "hf_pretrained") if getattr(self, key) is not None]
+        if "preset" in self.model_fields_set and self.preset != "tiny":
+            chosen.insert(0, "preset")
+        if len(chosen) > 1:
+            raise ValueError(f"set one of preset, factory, hf_config and hf_pretrained, not {' and '.join(chosen)}")
+        if self.factory_kwargs is not None and self.factory is None:
+            raise ValueError("factory_kwargs needs factory")
+        return self
+
+    @property
+    def kind(self) -> Literal["preset", "factory", "hf_config", "hf_pretrained"]:
+        """Which of the four ways of defining the model this section uses."""
+        for key in ("factory", "hf_config", "hf_pretrained"):
+            if getattr(self, key) is not None:
+                return key  # type: ignore[return-value]
+        return "preset"
 
 
 class DataSection(_Section):
+    format: Literal["text", "jsonl", "tokens", "hf"] = "text"
+    """text: UTF-8 files (path is a glob); jsonl: one JSON object per line, text under `field`;
+    tokens: flat binary token ids (nanoGPT's train.bin), memory-mapped; hf: a Hugging Face
+    `datasets` directory written by save_to_disk (path is that directory)."""
     path: str | None = None
-    """Glob of UTF-8 text files to train on; unset: the Python standard library's own .py files."""
+    """Glob of the files to train on (or the save_to_disk directory for hf); unset with format =
+    "text": the Python standard library's own .py files."""
+    field: str | None = None
+    """jsonl: key of the text in each record (default "text"); hf: column of text or of token ids
+    (default "input_ids" when the dataset has one, else "text")."""
+    tokenizer: str = "bytes"
+    """bytes: every byte is a token (vocabulary 256); or the path of a local Hugging Face
+    tokenizer.json (the `tokenizers` library). With format = "tokens" it only states the vocabulary."""
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    """tokens: the integer type of the ids in the file (nanoGPT writes uint16)."""
     seq_len: int = Field(128, ge=8, le=4096)
-    """Tokens (bytes) per training sequence."""
+    """Tokens per training sequence."""
     eval_fraction: float = Field(0.05, gt=0.0, lt=0.5)
-    """Share of the files held out for evaluation (chosen by a hash of the file name)."""
+    """Share of the files held out for evaluation (chosen by a hash of the file name); with one file,
+    the tail of its tokens."""
     eval_batches: int = Field(4, ge=1)
     """Batches of the fixed held-out set averaged into one eval loss."""
     shards: int = Field(64, ge=1)
     """Shards of the training split (each one interleaved blocks spread over the whole corpus); each peer
     starts on a shard chosen by its id."""
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_exists(cls, value: str) -> str:
+        if value != "bytes" and not Path(value).expanduser().is_file():
+            raise ValueError(f"{value!r} is not a file; give \"bytes\" or the path of a local tokenizer.json")
+        return value
+
+    @model_validator(mode="after")
+    def _path_for_format(self) -> "DataSection":
+        if self.format != "text" and self.path is None:
+            raise ValueError(f"format = \"{self.format}\" needs path (only text has a default corpus)")
+        return self
 
 
 class TrainSection(_Section):
@@ -72,6 +151,9 @@ class TrainSection(_Section):
     """Linear warm-up of the inner learning rate, in inner steps of this process."""
     grad_clip: float = Field(1.0, gt=0.0)
     """Global gradient-norm clip of the inner steps."""
+    micro_batches: int = Field(1, ge=1)
+    """Gradient accumulation: each inner step adds the gradients of this many batches of batch_size
+    sequences (an effective batch of batch_size × micro_batches at the memory of one)."""
     seed: int = 0
     """Seed of the initial weights (identical on every peer) and of the data order."""
 
@@ -192,12 +274,22 @@ class Config(_Section):
         return self
 
     def run_config(self) -> dict[str, Any]:
-        """The part every peer of a run must share, as plain JSON-able data."""
+        """The part every peer of a run must share, as plain JSON-able data.
+
+        Paths are local to each peer, so they never enter it: a model or tokenizer given by a file
+        is described by a hash of its content and by the model's parameter shapes (node/models)."""
+        # Imported here: they import torch (and transformers), which `status` and `init-config` never need.
+        from .formats import tokenizer_definition
+        from .models import model_definition
+
         sync = self.sync.model_dump(exclude={"matchmaking_timeout", "reduce_timeout", "quorum", "straggler_wait"})
+        data: dict[str, Any] = {"seq_len": self.data.seq_len}
+        if self.data.tokenizer != "bytes":
+            data.update(tokenizer_definition(self.data.tokenizer))
         return {
             "run": self.run.model_dump(),
-            "model": self.model.model_dump(),
-            "data": {"seq_len": self.data.seq_len},
+            **model_definition(self.model),
+            "data": data,
             "train": self.train.model_dump(),
             "sync": sync,
         }

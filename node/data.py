@@ -221,13 +221,6 @@ def _load_formatted(section: "DataSection", max_bytes: int) -> Corpus:
     return Corpus(train=train, eval=held_out, files=len(files), vocab_size=vocab)
 
 
-def compact_tokens(tokens: np.ndarray) -> torch.Tensor:
-    """A writable tensor copy of ``tokens`` in the smallest dtype torch indexes that holds them
-    (bytes stay uint8; token ids of unsigned numpy types torch lacks widen to int32/int64)."""
-    widen = {np.dtype(np.uint16): np.int32, np.dtype(np.uint32): np.int64, np.dtype(np.uint64): np.int64}
-    return torch.from_numpy(np.array(tokens, dtype=widen.get(tokens.dtype, tokens.dtype)))
-
-
 class ShardSampler:
     """Random windows from this peer's shard of the training split.
 
@@ -242,12 +235,16 @@ class ShardSampler:
 
     BLOCK_TOKENS = 4096
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, shards: int, peer_key: str, seed: int):
+    def __init__(self, tokens: Tokens, seq_len: int, batch_size: int, shards: int, peer_key: str, seed: int,
+                 vocab_limit: int | None = None):
+        """``vocab_limit``: ids must lie below it (the model's vocabulary); every batch is checked,
+        since a large tokens file cannot be scanned up front without reading all of it."""
         if len(tokens) < (seq_len + 1) * 2:
-            raise DataError(f"training split has {len(tokens)} bytes, too little for seq_len {seq_len}; add files")
-        # Kept in their own compact dtype: windows become int64 when drawn. As int64 the default
-        # corpus (12 MB of bytes) held ~100 MB of the node's memory for nothing.
-        self.tokens = compact_tokens(tokens)
+            raise DataError(f"training split has {len(tokens)} tokens, too little for seq_len {seq_len}; add files")
+        # Kept as they are (uint8 bytes, a memory map of a tokens file): windows become int64
+        # when drawn. As int64 the default corpus (12 MB of bytes) held ~100 MB for nothing.
+        self.tokens = as_token_array(tokens)
+        self.vocab_limit = vocab_limit
         self.seq_len, self.batch_size = seq_len, batch_size
         usable = len(tokens) - seq_len - 1  # window starts lie in [0, usable)
         self.block = max(1, min(self.BLOCK_TOKENS, usable))
@@ -266,8 +263,8 @@ class ShardSampler:
         blocks = self.shard_blocks(self.shard)
         chosen = blocks[torch.randint(len(blocks), (self.batch_size,), generator=self.generator)]
         starts = chosen * self.block + torch.randint(self.block, (self.batch_size,), generator=self.generator)
-        offsets = torch.arange(self.seq_len + 1)
-        windows = self.tokens[starts[:, None] + offsets].long()
+        windows = torch.from_numpy(self.tokens.windows(starts.numpy(), self.seq_len + 1))
+        check_ids(windows, self.vocab_limit, "training split")
         self.drawn += self.batch_size * self.seq_len
         if self.drawn >= len(blocks) * self.block:
             self.shard, self.drawn = (self.shard + 1) % self.shards, 0

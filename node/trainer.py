@@ -16,8 +16,8 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from .config import Config
-from .data import Corpus, ShardSampler, eval_batches, load_corpus
-from .model import GPT, build_model, preset
+from .data import Corpus, DataError, ShardSampler, eval_batches, load_data
+from .models import build_model_for, vocab_size_of
 
 
 @dataclass
@@ -50,7 +50,7 @@ def copy_flat_into(params: list[torch.Tensor], flat: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def mean_eval_loss(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+def mean_eval_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
     """Mean loss of ``model`` on the fixed held-out batches (bf16 autocast on CUDA)."""
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext())
     was_training = model.training
@@ -70,16 +70,21 @@ class Trainer:
         self.device = pick_device(config.node.device)
         if config.node.torch_threads:
             torch.set_num_threads(config.node.torch_threads)
-        corpus = corpus or load_corpus(config.data.path, config.data.eval_fraction)
-        self.model: GPT = build_model(
-            preset(config.model.preset, config.data.seq_len, config.model.dropout), config.train.seed
-        ).to(self.device)
+        corpus = corpus or load_data(config.data)
+        # Any model kind of node/models, called as model(inputs, targets) -> (logits, loss).
+        self.model: torch.nn.Module = build_model_for(config).to(self.device)
         self.params = [p for p in self.model.parameters()]
         self.numel = sum(p.numel() for p in self.params)
+        vocab = vocab_size_of(self.model)
+        if vocab is not None and corpus.vocab_size is not None and corpus.vocab_size > vocab:
+            raise DataError(f"[data] tokenizer {config.data.tokenizer!r} has a vocabulary of {corpus.vocab_size}, "
+                            f"more than the model's {vocab}: use the model's tokenizer, or a model with "
+                            f"vocab_size >= {corpus.vocab_size}")
+        # Ids of tokens files (whose vocabulary nothing states) are checked batch by batch.
         self.sampler = ShardSampler(corpus.train, config.data.seq_len, config.train.batch_size,
-                                    config.data.shards, peer_key, config.train.seed)
+                                    config.data.shards, peer_key, config.train.seed, vocab_limit=vocab)
         self.eval_set = eval_batches(corpus.eval, config.data.seq_len, config.train.batch_size,
-                                     config.data.eval_batches)
+                                     config.data.eval_batches, vocab_limit=vocab)
         self.optimizer = torch.optim.AdamW(
             self.params, lr=config.train.lr, betas=(0.9, 0.95), weight_decay=config.train.weight_decay
         )
@@ -128,24 +133,30 @@ class Trainer:
         self.model.train()
         started = time.perf_counter()
         losses: list[float] = []
+        micro = self.config.train.micro_batches
         for step in range(steps):
             if should_stop():
                 break
-            inputs, targets = self.sampler.next_batch()
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
             for group in self.optimizer.param_groups:
                 group["lr"] = self._lr()
-            with self._autocast:
-                _, loss = self.model(inputs, targets)
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            # Gradient accumulation: micro_batches forward/backward passes of batch_size sequences
+            # add up (each scaled by 1/micro) to the gradient of one effective batch.
+            step_loss = torch.zeros((), device=self.device)
+            for _ in range(micro):
+                inputs, targets = self.sampler.next_batch()
+                inputs, targets = inputs.to(self.device), targets.to(self.device)
+                with self._autocast:
+                    _, loss = self.model(inputs, targets)
+                (loss / micro).backward()
+                step_loss += loss.detach().float() / micro
             torch.nn.utils.clip_grad_norm_(self.params, self.config.train.grad_clip)
             self.optimizer.step()
             self.inner_steps_done += 1
-            losses.append(loss.item())
+            losses.append(step_loss.item())  # one device sync per step, as before
             if on_step is not None:
                 on_step(step + 1, losses[-1])
-        tokens = len(losses) * self.config.train.batch_size * self.config.data.seq_len
+        tokens = len(losses) * micro * self.config.train.batch_size * self.config.data.seq_len
         mean = sum(losses) / len(losses) if losses else math.nan
         return PhaseStats(len(losses), tokens, mean, time.perf_counter() - started)
 

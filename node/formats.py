@@ -1,0 +1,171 @@
+"""Reading the corpus formats of ``[data] format`` and turning text into token ids.
+
+* ``text``: UTF-8 files (node/data.py reads them; this module only tokenizes);
+* ``jsonl``: one JSON object per line, the document under ``[data] field``;
+* ``tokens``: a flat binary file of uint16/uint32 token ids (nanoGPT's ``train.bin``), opened
+  with ``numpy.memmap`` so that only the windows a batch draws are ever read;
+* ``hf``: a Hugging Face ``datasets`` directory written by ``save_to_disk``, with a text column
+  or a column of token id lists.
+
+Tokenizers: ``bytes`` (each UTF-8 byte is a token, vocabulary 256) or a local ``tokenizer.json``
+read by the ``tokenizers`` library. Documents are joined with the tokens of a newline, as the
+text format has always joined files.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+
+class FormatError(Exception):
+    """A corpus file or tokenizer cannot be read; node/data.py re-raises it as a DataError."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: any text trains without a vocabulary file."""
+
+    vocab_size = 256
+    dtype = np.uint8
+
+    def encode(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
+
+
+class FileTokenizer:
+    """A Hugging Face ``tokenizer.json`` (any model the ``tokenizers`` library reads)."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise FormatError("[data] tokenizer needs the tokenizers package: pip install 'lowcomm[hf]'") from None
+        try:
+            self.tokenizer = Tokenizer.from_file(str(Path(path).expanduser()))
+        except Exception as err:  # noqa: BLE001 - the library raises a bare Exception on bad files
+            raise FormatError(f"[data] tokenizer {path} is not a readable tokenizer.json: {err}") from None
+        self.vocab_size = int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+        self.dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
+
+    def encode(self, texts: list[str]) -> list[np.ndarray]:
+        # add_special_tokens=False: a BOS/EOS template per document would differ from how a
+        # tokens file made by the same tokenizer looks; documents are joined by newlines instead.
+        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=self.dtype) for e in encodings]
+
+
+Tokenizer = ByteTokenizer | FileTokenizer
+
+
+def make_tokenizer(spec: str) -> Tokenizer:
+    return ByteTokenizer() if spec == "bytes" else FileTokenizer(spec)
+
+
+@functools.lru_cache(maxsize=4)
+def tokenizer_definition(path: str) -> dict[str, Any]:
+    """What the run fingerprint says about a tokenizer file: its content hash and vocabulary size
+    (the path is local to each peer and stays out)."""
+    try:
+        content = Path(path).expanduser().read_bytes()
+    except OSError as err:
+        raise FormatError(f"[data] tokenizer {path}: {err.strerror}") from None
+    return {"tokenizer_sha256": hashlib.sha256(content).hexdigest(),
+            "vocab_size": FileTokenizer(path).vocab_size}
+
+
+def separator(tokenizer: Tokenizer) -> np.ndarray:
+    return tokenizer.encode(["\n"])[0]
+
+
+def join(parts: list[np.ndarray], sep: np.ndarray, dtype: Any) -> np.ndarray:
+    """``parts`` with ``sep`` between them, as one array."""
+    pieces: list[np.ndarray] = []
+    for index, part in enumerate(parts):
+        if index:
+            pieces.append(sep)
+        pieces.append(part)
+    return np.concatenate(pieces).astype(dtype, copy=False) if pieces else np.zeros(0, dtype=dtype)
+
+
+def jsonl_documents(path: Path, field: str) -> Iterator[str]:
+    """The ``field`` of every record of a JSON-lines file (blank lines are skipped)."""
+    with path.open("r", encoding="utf-8", errors="replace") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as err:
+                raise FormatError(f"{path}:{number} is not JSON ({err.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                keys = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
+                raise FormatError(f"{path}:{number} has no text under {field!r} (it has: {keys}); set [data] field")
+            yield record[field]
+
+
+def open_tokens(path: Path, dtype: str) -> np.ndarray:
+    """A read-only memory map of a flat token file: nothing is read until a window is."""
+    itemsize = np.dtype(dtype).itemsize
+    size = path.stat().st_size
+    if size % itemsize:
+        raise FormatError(f"{path} is {size} bytes, not a whole number of {dtype} ids; check [data] token_dtype")
+    if size == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def hf_splits(path: str, field: str | None, tokenizer: Tokenizer, max_tokens: int
+              ) -> tuple[list[np.ndarray], list[np.ndarray] | None, bool]:
+    """Token ids of the rows of a ``save_to_disk`` directory: (train rows, held-out rows or None,
+    whether the column held token ids rather than text).
+
+    A DatasetDict's "validation" (or "test") split is the held-out set; a single Dataset (or a
+    dict without one) is split by node/data.py like one text file, at the tail."""
+    try:
+        import datasets
+    except ImportError:
+        raise FormatError("[data] format = \"hf\" needs the datasets package: pip install 'lowcomm[hf]'") from None
+    datasets.disable_progress_bars()
+    try:
+        loaded = datasets.load_from_disk(str(Path(path).expanduser()))
+    except (FileNotFoundError, ValueError) as err:
+        raise FormatError(f"[data] path {path} is not a directory written by save_to_disk ({err})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        train_name = "train" if "train" in loaded else sorted(loaded)[0]
+        held_name = next((name for name in ("validation", "test") if name in loaded and name != train_name), None)
+        train_set, held_set = loaded[train_name], (loaded[held_name] if held_name else None)
+    else:
+        train_set, held_set = loaded, None
+    column = field or ("input_ids" if "input_ids" in train_set.column_names else "text")
+    if column not in train_set.column_names:
+        raise FormatError(f"[data] path {path} has no column {column!r} (columns: "
+                          f"{', '.join(train_set.column_names)}); set [data] field")
+    train, pretokenized = _rows(train_set, column, tokenizer, max_tokens)
+    held = _rows(held_set, column, tokenizer, max_tokens)[0] if held_set is not None else None
+    return train, held, pretokenized
+
+
+def _rows(dataset: Any, column: str, tokenizer: Tokenizer, max_tokens: int) -> tuple[list[np.ndarray], bool]:
+    rows: list[np.ndarray] = []
+    total = 0
+    pretokenized = False
+    for batch in dataset.iter(batch_size=1024):
+        values = batch[column]
+        if values and isinstance(values[0], str):
+            encoded = tokenizer.encode(values)
+        elif values and isinstance(values[0], (list, np.ndarray)):
+            encoded = [np.asarray(v, dtype=np.int64) for v in values]
+            pretokenized = True
+        else:
+            raise FormatError(f"column {column!r} holds {type(values[0]).__name__ if values else 'nothing'}, "
+                              "not text or lists of token ids")
+        rows.extend(encoded)
+        total += sum(len(r) for r in encoded)
+        if total >= max_tokens:
+            break
+    return rows, pretokenized

@@ -1,0 +1,107 @@
+"""Models built by the user's own function: ``[model] factory = "package.module:function"``.
+
+The contract (README, "Train your own model"):
+
+* lowcomm imports ``package.module`` (the node's working directory is on the import path, as
+  with ``python -m``) and calls ``function(**factory_kwargs)`` on the CPU, with torch's global
+  RNG seeded from ``[train] seed`` just before the call: every draw the function makes from
+  torch's RNG (``nn.Linear``'s init, ``torch.randn``, ...) is then the same on every peer, and
+  so are the initial weights. Draws from ``random`` or numpy are not seeded: do not use them.
+* It returns either an ``nn.Module`` whose ``forward(inputs, targets)`` returns the scalar mean
+  loss, or a pair ``(module, loss_fn)`` where ``module(inputs)`` gives an output and
+  ``loss_fn(output, targets)`` the scalar loss (``loss_fn`` holds no parameters).
+* ``inputs`` and ``targets`` are ``torch.int64`` tensors of shape ``[batch_size, seq_len]`` on
+  the training device; ``targets`` are the inputs shifted left by one token (the next token at
+  every position). Under CUDA the forward runs in bf16 autocast.
+* Every parameter is float32. Parameters are what peers average; buffers stay local.
+* A ``vocab_size`` attribute on the module, if present, is checked against the data's vocabulary.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.nn as nn
+
+from . import ModelError, check_float32, seeded, shapes_digest
+
+if TYPE_CHECKING:
+    from ..config import ModelSection
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def resolve(spec: str) -> Callable[..., Any]:
+    """The function named by ``package.module:function``."""
+    module_name, _, function_name = spec.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        # The console script does not put the working directory on the path; `python -m` does.
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ModelError(f"[model] factory {spec!r}: cannot import {module_name} ({err})") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise ModelError(f"[model] factory {spec!r}: {module_name} has no function {function_name}")
+    return function
+
+
+class FactoryModel(nn.Module):
+    """The user's module (and loss function) under the preset GPT's calling convention."""
+
+    def __init__(self, net: nn.Module, loss_fn: LossFn | None, spec: str) -> None:
+        super().__init__()
+        self.net = net
+        self.loss_fn = loss_fn
+        self.spec = spec
+        vocab = getattr(net, "vocab_size", None)
+        self.vocab_size = int(vocab) if isinstance(vocab, int) else None
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[None, torch.Tensor]:
+        loss = self.loss_fn(self.net(inputs), targets) if self.loss_fn is not None else self.net(inputs, targets)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            got = f"a {tuple(loss.shape)} {loss.dtype} tensor" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ModelError(f"[model] factory {self.spec!r}: the loss must be a scalar float tensor, got {got}")
+        return None, loss.reshape(())
+
+
+def _call(section: "ModelSection") -> tuple[nn.Module, LossFn | None]:
+    spec = section.factory or ""
+    result = resolve(spec)(**(section.factory_kwargs or {}))
+    if isinstance(result, nn.Module):
+        return result, None
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module) and callable(result[1]):
+        return result[0], result[1]
+    raise ModelError(f"[model] factory {spec!r} returned {type(result).__name__}; "
+                     "return a torch.nn.Module or a (module, loss_fn) pair")
+
+
+def build_factory_model(section: "ModelSection", seed: int) -> FactoryModel:
+    with seeded(seed):
+        net, loss_fn = _call(section)
+    model = FactoryModel(net, loss_fn, section.factory or "")
+    check_float32(model, f"the model of factory {section.factory!r}")
+    return model
+
+
+def factory_definition(section: "ModelSection") -> dict[str, Any]:
+    """The factory's name and arguments and its parameters' shapes.
+
+    The shapes come from one call on the meta device (no memory, no init), or, for a factory that
+    cannot run there (one that loads a file, say), from one ordinary call."""
+    try:
+        with torch.device("meta"):
+            net, _ = _call(section)
+    except ModelError:
+        raise
+    except Exception:  # noqa: BLE001 - any failure on meta: fall back to a real (seeded) call
+        with seeded(0):
+            net, _ = _call(section)
+    parameters, shapes = shapes_digest((name, tuple(p.shape)) for name, p in net.named_parameters())
+    return {"kind": "factory", "factory": section.factory, "factory_kwargs": section.factory_kwargs or {},
+            "parameters": parameters, "shapes_sha256": shapes}

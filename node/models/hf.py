@@ -1,0 +1,125 @@
+"""Hugging Face transformers causal LMs from local files: a config.json (random initial weights
+drawn from the run's seed) or a directory written by ``save_pretrained`` (its weights).
+
+Nothing here reaches the hub: ``HF_HUB_OFFLINE`` is set before transformers is imported and
+weights load with ``local_files_only``. Remote code (``auto_map`` architectures) is not run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import ModelError, check_float32, seeded, shapes_digest
+
+if TYPE_CHECKING:
+    from ..config import ModelSection
+
+# config.json keys that do not change the model lowcomm trains: the writer's version and path,
+# the storage dtype (parameters are always loaded as float32) and the inference-only KV cache.
+IGNORED_KEYS = frozenset({"transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache"})
+
+
+def _transformers() -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before the import: the hub client reads it once
+    try:
+        import transformers
+    except ImportError:
+        raise ModelError("[model] hf_config / hf_pretrained need the transformers package: "
+                         "pip install 'lowcomm[hf]'") from None
+    transformers.utils.logging.disable_progress_bar()  # bars on stderr would garble the node's log lines
+    return transformers
+
+
+def config_path(section: "ModelSection") -> Path:
+    raw = Path(section.hf_config or section.hf_pretrained or "").expanduser()
+    return raw / "config.json" if raw.is_dir() else raw
+
+
+def read_config(section: "ModelSection") -> dict[str, Any]:
+    path = config_path(section)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ModelError(f"[model] cannot read {path}: {err}") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ModelError(f"[model] {path} is not a transformers config.json (it has no model_type)")
+    return data
+
+
+def load_config(section: "ModelSection") -> Any:
+    """The transformers ``PretrainedConfig`` of ``section``'s config.json."""
+    transformers = _transformers()
+    data = read_config(section)
+    try:
+        return transformers.AutoConfig.for_model(**data)
+    except (ValueError, KeyError) as err:
+        raise ModelError(f"[model] {config_path(section)}: transformers {transformers.__version__} cannot build "
+                         f"model_type {data['model_type']!r} ({err})") from None
+
+
+def hf_definition(section: "ModelSection") -> dict[str, dict[str, Any]]:
+    """The run-config sections of a Hugging Face model: ``model`` (kind, hashes, parameter count)
+    and ``hf_config`` (the config.json keys, so that a difference is named key by key)."""
+    data = {key: value for key, value in read_config(section).items() if key not in IGNORED_KEYS}
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    transformers = _transformers()
+    # The meta device gives every shape without allocating (or initialising) a single weight.
+    with torch.device("meta"):
+        net = transformers.AutoModelForCausalLM.from_config(load_config(section), dtype=torch.float32)
+    parameters, shapes = shapes_digest((name, tuple(p.shape)) for name, p in net.named_parameters())
+    model = {"kind": section.kind, "model_type": data["model_type"],
+             "config_sha256": hashlib.sha256(canonical.encode()).hexdigest(),
+             "parameters": parameters, "shapes_sha256": shapes}
+    return {"model": model, "hf_config": json.loads(canonical)}
+
+
+class CausalLM(nn.Module):
+    """A transformers causal LM under the preset GPT's calling convention.
+
+    The targets are the inputs shifted by one token already (node/data.py), so the loss is a plain
+    cross-entropy over every position, in float32 (logits may be bf16 under autocast), and not the
+    model's own ``labels=`` loss, which would shift a second time.
+    """
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+        self.vocab_size = int(net.get_input_embeddings().num_embeddings)
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = self.net(input_ids=inputs, use_cache=False).logits
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def build_hf_model(section: "ModelSection", seed: int, seq_len: int) -> CausalLM:
+    transformers = _transformers()
+    config = load_config(section)
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and seq_len > positions:
+        raise ModelError(f"[data] seq_len {seq_len} is longer than the model's max_position_embeddings "
+                         f"{positions} ({config_path(section)}); lower seq_len")
+    auto = transformers.AutoModelForCausalLM
+    # Seeded in both cases: from_pretrained initialises whatever the checkpoint lacks (a tied or
+    # new head), and that must come out the same on every peer too.
+    with seeded(seed):
+        try:
+            if section.kind == "hf_config":
+                net = auto.from_config(config, dtype=torch.float32)
+            else:
+                net = auto.from_pretrained(str(Path(section.hf_pretrained or "").expanduser()), config=config,
+                                           local_files_only=True, dtype=torch.float32)
+        except (OSError, ValueError) as err:
+            raise ModelError(f"[model] cannot load {section.hf_config or section.hf_pretrained}: {err}") from None
+    model = CausalLM(net)
+    check_float32(model, f"the model of {config_path(section)}")
+    return model
