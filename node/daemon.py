@@ -400,7 +400,8 @@ class Node(RoundLoop):
         started = time.monotonic()
         try:
             got = await download_state(donors, step, digest, self.identity, self.channels,
-                                       timeout=max(60.0, self.config.sync.reduce_timeout))
+                                       timeout=max(60.0, self.config.sync.reduce_timeout),
+                                       expected_numel=self.trainer.numel)  # the run config's size, not a donor's
         except StateError as err:
             log.warning("state download of step %d failed: %s; training on from step %d", step, err, self.state.step)
             return

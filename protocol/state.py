@@ -65,16 +65,28 @@ class Snapshot:
         return cls(step, params.numel(), blob, params_hash or params_sha256(params), hashlib.sha256(blob).hexdigest())
 
 
-def parse_blob(blob: bytes | bytearray) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(step, params, momentum) from a state blob; raises StateError if it is malformed."""
+def state_bytes(numel: int) -> int:
+    """Size of the state blob of a model with ``numel`` parameters (header, θ_global, momentum)."""
+    return _HEADER.size + 8 * numel
+
+
+def parse_blob(blob: bytes | bytearray, expected_numel: int | None = None) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(step, params, momentum) from a state blob; raises StateError if it is malformed (or, with
+    ``expected_numel``, holds another number of parameters)."""
     if len(blob) < _HEADER.size:
         raise StateError("state blob shorter than its header")
     magic, version, step, numel = _HEADER.unpack_from(blob)
     if magic != MAGIC or version != FORMAT_VERSION:
         raise StateError(f"unknown state format {magic!r} v{version}")
-    if numel < 0 or len(blob) != _HEADER.size + 8 * numel:
-        raise StateError(f"state blob has {len(blob)} bytes, expected {_HEADER.size + 8 * numel} for {numel} params")
-    data = torch.frombuffer(bytearray(blob[_HEADER.size:]), dtype=torch.float32)
+    if numel < 0 or len(blob) != state_bytes(numel):
+        raise StateError(f"state blob has {len(blob)} bytes, expected {state_bytes(numel)} for {numel} params")
+    if expected_numel is not None and numel != expected_numel:
+        raise StateError(f"state blob holds {numel} params, the run's model has {expected_numel}")
+    if numel == 0:
+        return step, torch.empty(0), torch.empty(0)
+    # A view of a writable buffer, then one copy per tensor: never two extra copies of the blob.
+    buffer = blob if isinstance(blob, bytearray) else bytearray(blob)
+    data = torch.frombuffer(buffer, dtype=torch.float32, offset=_HEADER.size, count=2 * numel)
     return step, data[:numel].clone(), data[numel:].clone()
 
 
@@ -141,11 +153,17 @@ async def download_state(
     identity: Identity,
     channel_for,
     timeout: float,
+    *,
+    expected_numel: int,
 ) -> DownloadedState:
     """Fetch the snapshot of ``expected_step`` from ``donors`` in parallel ranges.
 
     ``channel_for(address)`` returns a grpc.aio channel. A range that fails on one donor is
     retried on the next; the result is checked against ``expected_params_sha256``.
+
+    ``expected_numel`` is the parameter count the run's config implies (the joiner's own model):
+    a donor that declares another size is not used, so nothing a donor says makes this node
+    allocate more than ``state_bytes(expected_numel)`` for the blob.
 
     Raises ``IncompatiblePeer`` when every donor that answered refused this node's Hello
     (another protocol version or run config), and ``StateError`` for everything else.
@@ -167,14 +185,23 @@ async def download_state(
             log.warning("state donor %s at %s did not answer: %s", donor.peer_id, donor.address, err.details())
             return
         answered += 1
-        if info.step == expected_step and (expected_params_sha256 in (None, info.params_sha256)):
-            infos.append((donor, info))
+        if info.step != expected_step or expected_params_sha256 not in (None, info.params_sha256):
+            return
+        if info.numel != expected_numel or info.total_bytes != state_bytes(expected_numel):
+            # Checked before anything is allocated: a donor's declaration alone must never size
+            # our buffers (a liar or a buggy peer could ask for any amount of memory).
+            log.warning("state donor %s at %s declares %d params in %d bytes; the run's model has %d params "
+                        "(%d bytes): not used", donor.peer_id, donor.address, info.numel, info.total_bytes,
+                        expected_numel, state_bytes(expected_numel))
+            return
+        infos.append((donor, info))
 
     await asyncio.gather(*(ask(d) for d in donors))
     if not infos:
         if refusals and len(refusals) == answered:
             raise IncompatiblePeer("; ".join(refusals))
-        raise StateError(f"no donor holds step {expected_step} with the published params hash")
+        raise StateError(f"no donor holds step {expected_step} with the published params hash "
+                         f"and the run's model size ({expected_numel} params)")
     # Donors may agree on the params hash but still serve blobs that differ (another momentum);
     # use the blob most donors serve (ties: the first to answer), and only the donors serving it.
     by_state: dict[str, int] = {}
@@ -247,7 +274,7 @@ async def download_state(
             log.warning("state donor %s did not serve the announced state of step %d", donor.peer_id, expected_step)
         if blob is None:
             raise StateError("downloaded state does not match the donors' state hash")
-    step, params, momentum = parse_blob(blob)
+    step, params, momentum = parse_blob(blob, expected_numel)
     if step != expected_step:
         raise StateError(f"downloaded state is for step {step}, expected {expected_step}")
     if expected_params_sha256 is not None and params_sha256(params) != expected_params_sha256:

@@ -107,6 +107,7 @@ class Swarm:
         self.servers: list[grpc.aio.Server] = []
         self.donors: list[Donor] = []
         self.channels = ChannelPool()
+        self.numel: int | None = None  # the run's model size: the first donor's snapshot
 
     async def add(self, donor: StateDonor, servicer: StateServicer | None = None) -> Donor:
         async def no_status():
@@ -116,6 +117,8 @@ class Swarm:
                                      NodeInfoServicer(no_status), health.aio.HealthServicer())
         await server.start()
         self.servers.append(server)
+        if self.numel is None and donor.latest() is not None:
+            self.numel = donor.latest().numel
         entry = Donor(donor.identity.peer_id, f"127.0.0.1:{port}")
         self.donors.append(entry)
         return entry
@@ -123,7 +126,8 @@ class Swarm:
     async def download(self, expected_sha: str | None, step: int = STEP, joiner: Identity | None = None,
                        donors: list[Donor] | None = None):
         return await download_state(self.donors if donors is None else donors, step, expected_sha,
-                                    joiner or identity("joiner"), self.channels, timeout=10.0)
+                                    joiner or identity("joiner"), self.channels, timeout=10.0,
+                                    expected_numel=self.numel)
 
     async def close(self) -> None:
         await asyncio.gather(*(s.stop(grace=None) for s in self.servers))
@@ -281,7 +285,8 @@ def test_majority_state_wins_over_an_odd_donor():
             return channel
 
         try:
-            got = await download_state(swarm.donors, STEP, snapshot.params_sha256, identity("joiner"), channel_for, 10.0)
+            got = await download_state(swarm.donors, STEP, snapshot.params_sha256, identity("joiner"), channel_for, 10.0,
+                                       expected_numel=snapshot.numel)
             assert_same_state(got, params, momentum)
             assert got.donors_used == 2
         finally:
@@ -468,3 +473,49 @@ def test_a_downloader_that_stops_reading_does_not_keep_others_out():
             await swarm.close()
 
     run(scenario())
+
+
+class OversizeDonor(CountingDonor):
+    """Announces the published step and params hash, but a state far larger than the run's model."""
+
+    def __init__(self, *args, declared_numel: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.declared_numel = declared_numel
+
+    def info(self):
+        info = super().info()
+        info.numel = self.declared_numel
+        info.total_bytes = state.state_bytes(self.declared_numel)
+        return info
+
+
+def test_a_donor_declaring_an_oversize_state_is_refused_before_anything_is_allocated(caplog):
+    params, momentum = make_state(1000)
+    snapshot = Snapshot.build(STEP, params, momentum)
+
+    async def scenario():
+        swarm = Swarm()
+        try:
+            honest = await swarm.add(donor_with(snapshot, "honest"))
+            liar = donor_with(snapshot, "liar", OversizeDonor, declared_numel=50_000_000)  # a 400 MB claim
+            liar_entry = await swarm.add(liar)
+            with caplog.at_level(logging.WARNING, logger="lowcomm.protocol.state"):
+                assert_same_state(await swarm.download(snapshot.params_sha256), params, momentum)
+            assert liar.ranges == 0, "the oversize donor was asked for its state"
+            assert "declares 50000000 params" in caplog.text
+            # Alone, the liar makes the download fail without a single range asked (or allocated).
+            with pytest.raises(StateError, match="model size"):
+                await swarm.download(snapshot.params_sha256, donors=[liar_entry])
+            assert liar.ranges == 0 and honest in swarm.donors
+        finally:
+            await swarm.close()
+
+    run(scenario())
+
+
+def test_parse_blob_checks_the_expected_size():
+    params, momentum = make_state(1000)
+    blob = Snapshot.build(STEP, params, momentum).blob
+    assert parse_blob(bytearray(blob), expected_numel=1000)[0] == STEP
+    with pytest.raises(StateError, match="the run's model has 999"):
+        parse_blob(blob, expected_numel=999)
