@@ -24,6 +24,7 @@ from lowcomm.protocol.handshake import IncompatiblePeer
 from lowcomm.protocol.matchmaking import POLL_SECONDS, MatchmakingError
 from lowcomm.protocol.state import Snapshot, params_sha256
 
+from .apply import apply_averages
 from .cancel import cancel_and_wait
 from .errors import FatalError
 from .progress import InnerProgress
@@ -455,13 +456,7 @@ class RoundLoop:
         sent, received = result.bytes_sent, result.bytes_received
 
         def apply() -> int:
-            skipped = 0
-            for average, sl in zip(result.averages, result.slices):
-                if average is None:
-                    skipped += 1
-                    continue
-                self.state.outer.step_slice(self.state.params, fragment.start + sl.start, average)
-            return skipped
+            return apply_averages(self.state, fragment, result)
 
         skipped = await self.in_codec_pool(apply)
         self.last_contribution = (group.step + 1, contribution)

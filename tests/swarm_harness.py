@@ -3,6 +3,8 @@
 Each peer has a real grpc.aio server with the Averaging service, a Matchmaker and a
 ReduceRegistry; the DHT is an in-memory dict shared by all peers (the protocol only needs
 ``store`` and ``get``). Failures are injected by stopping a peer's server at a chosen moment.
+A round's result is applied to θ_global by the node's own code (``lowcomm.node.apply``), so these
+tests check the outer step the node runs, not a copy of it.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from dataclasses import dataclass, field
 import torch
 from grpc_health.v1 import health
 
+from lowcomm.node.apply import apply_averages
+from lowcomm.node.globalstate import GlobalState
 from lowcomm.protocol import codecs
 from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
 from lowcomm.protocol.aggregation import Aggregation
 from lowcomm.protocol.allreduce import AllReduceResult, ReduceRegistry, run_allreduce
 from lowcomm.protocol.handshake import Identity
 from lowcomm.protocol.matchmaking import Matchmaker
-from lowcomm.protocol.outer import NesterovOuter
 from lowcomm.protocol.rpc import AveragingServicer, ChannelPool, NodeInfoServicer, create_server
 from lowcomm.protocol.state import params_sha256
 
@@ -147,12 +150,16 @@ class Peer:
         return group, result
 
 
-def apply_outer(params: torch.Tensor, outer: NesterovOuter, result: AllReduceResult) -> torch.Tensor:
-    params = params.clone()
-    for average, sl in zip(result.averages, result.slices):
-        if average is not None:
-            outer.step_slice(params, sl.start, average)
-    return params
+# The outer optimizer of the in-process tests (the node's defaults are not needed here).
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+
+
+def apply_outer(params: torch.Tensor, result: AllReduceResult) -> torch.Tensor:
+    """θ_global after a first round from ``params`` with ``result``: the node's outer step
+    (node/apply.py) on a fresh GlobalState, zero momentum."""
+    state = GlobalState.fresh(params, OUTER_LR, OUTER_MOMENTUM)
+    apply_averages(state, slice(0, params.numel()), result)
+    return state.params
 
 
 async def start_peers(count: int, numel: int, codec: str = "int8", dht: MemoryDHT | None = None,

@@ -20,7 +20,6 @@ from lowcomm.node.config import load_config
 from lowcomm.protocol import aggregation as agg
 from lowcomm.protocol import allreduce
 from lowcomm.protocol.aggregation import Aggregated, Aggregation, aggregate, lower_median
-from lowcomm.protocol.outer import NesterovOuter
 from lowcomm.protocol.validate import ContributionRejected, check_norm, contribution_norm
 
 from .swarm_harness import apply_outer, digest, start_peers, stop_peers
@@ -252,7 +251,7 @@ def test_norm_bound_rejects_an_outlier_everywhere_including_its_own_shard():
             for p in peers[:3]:
                 assert torch.count_nonzero(p.residual) == 0
             theta = torch.zeros(numel)
-            updated = [apply_outer(theta, NesterovOuter.zeros(0.7, 0.9, numel), r) for r in results]
+            updated = [apply_outer(theta, r) for r in results]
             assert len({digest(t) for t in updated}) == 1
         finally:
             await stop_peers(peers)

@@ -13,7 +13,6 @@ import torch
 from lowcomm.protocol import allreduce, codecs
 from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2, averaging_pb2_grpc
 from lowcomm.protocol.allreduce import ReduceRegistry, ShardAccumulator
-from lowcomm.protocol.outer import NesterovOuter
 from lowcomm.protocol.rpc import ChannelPool
 
 from .swarm_harness import MemoryDHT, Peer, apply_outer, digest, start_peers, stop_peers
@@ -45,7 +44,7 @@ def seed_residuals(peers: list[Peer], seed: int = 1) -> list[torch.Tensor]:
 
 
 def new_params(theta: torch.Tensor, results) -> list[torch.Tensor]:
-    return [apply_outer(theta, NesterovOuter.zeros(0.7, 0.9, theta.numel()), r) for r in results]
+    return [apply_outer(theta, r) for r in results]
 
 
 # -- (a) a shard owner dies after the group formed ---------------------------------------------

@@ -31,12 +31,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from lowcomm.node.apply import apply_averages
 from lowcomm.node.config import load_config
 from lowcomm.node.data import load_corpus
+from lowcomm.node.globalstate import GlobalState
 from lowcomm.node.trainer import Trainer
 from lowcomm.protocol import codecs
 from lowcomm.protocol.aggregation import Aggregation
-from lowcomm.protocol.outer import NesterovOuter
 
 from .swarm_harness import RewritingChannels, digest, start_peers, stop_peers
 
@@ -103,7 +104,8 @@ def run_swarm(corpus, aggregation: Aggregation | None, attack: str | None) -> Ru
         try:
             theta = [t.get_params() for t in trainers]
             assert len({digest(t) for t in theta}) == 1  # one seed, one initial θ_global
-            outers = [NesterovOuter.zeros(config.sync.outer_lr, config.sync.outer_momentum, numel) for _ in peers]
+            # θ_global and the outer momentum of each peer, stepped by the node's own code.
+            states = [GlobalState.fresh(t, config.sync.outer_lr, config.sync.outer_momentum) for t in theta]
             initial = trainers[0].evaluate()
             losses = []
             expected = {p.peer_id for p in peers}
@@ -117,10 +119,9 @@ def run_swarm(corpus, aggregation: Aggregation | None, attack: str | None) -> Ru
                 assert all(len(g.members) == PEERS for g in groups)
                 results = await asyncio.gather(*(p.reduce(g, d) for p, g, d in zip(peers, groups, deltas)))
                 for i, result in enumerate(results):
-                    for average, sl in zip(result.averages, result.slices):
-                        if average is not None:
-                            assert bool(torch.isfinite(average).all())
-                            outers[i].step_slice(theta[i], sl.start, average)
+                    assert all(bool(torch.isfinite(a).all()) for a in result.averages if a is not None)
+                    apply_averages(states[i], slice(0, numel), result)
+                    theta[i] = states[i].params
                     trainers[i].set_params(theta[i])
                 for i in honest:
                     assert all(a is not None for a in results[i].averages), "an honest peer skipped a shard"
