@@ -20,29 +20,43 @@ def thread():
 
 
 def test_run_soon_lands_between_steps_of_a_running_phase(thread):
+    """A job submitted while a phase runs lands between two of its steps: not at its start (the
+    job is submitted only after the phase drained its inbox once) and not after its end (the
+    phase ends only once the job ran)."""
+    started = threading.Event()  # set after the phase's first drain
     job_ran = threading.Event()
+    give_up = threading.Event()  # the test failed: let the phase end so the thread can stop
+    steps = 0
+    ran_at: list[int] = []
 
     def phase() -> int:
-        """A stand-in for an inner phase: steps, draining the inbox after each, until the job
-        ran (it never ends if the job waits for the phase to end: the test then times out)."""
-        steps = 0
-        while not job_ran.is_set():
+        """A stand-in for an inner phase: steps, draining the inbox after each, until the job ran."""
+        nonlocal steps
+        while not job_ran.is_set() and not give_up.is_set():
             steps += 1
             thread.drain()
+            started.set()
         return steps
 
     def job() -> str:
+        ran_at.append(steps)
         job_ran.set()
         return threading.current_thread().name
 
     async def scenario() -> tuple[int, str]:
         running = asyncio.ensure_future(thread.run(phase))
-        await asyncio.sleep(0.05)  # the phase is running now
-        name = await asyncio.wait_for(thread.run_soon(job), 10)
-        return await asyncio.wait_for(running, 10), name
+        try:
+            assert await asyncio.to_thread(started.wait, 10), "the phase did not start"
+            name = await asyncio.wait_for(thread.run_soon(job), 10)
+            return await asyncio.wait_for(running, 10), name
+        finally:
+            give_up.set()
+            await asyncio.gather(running, return_exceptions=True)
 
-    steps, name = asyncio.run(scenario())
-    assert steps > 0 and name.startswith("lowcomm-train")
+    total, name = asyncio.run(scenario())
+    assert name.startswith("lowcomm-train")
+    # Run by the drain of a later step than the first, inside the phase.
+    assert len(ran_at) == 1 and 1 < ran_at[0] <= total
 
 
 def test_run_soon_runs_at_once_when_idle_and_keeps_order(thread):
