@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
+from collections import OrderedDict
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
@@ -111,26 +113,86 @@ def open_channel(address: str, tls: TLSConfig | None = None,
 
 
 class ChannelPool:
-    """One reusable channel per peer address; closed together at shutdown.
+    """Reusable channels to peer addresses, at most ``capacity`` of them, closed together at shutdown.
+
+    A node meets new peers all the time (churn, joiners, gossip partners), and every channel
+    holds a connection, its buffers and a share of gRPC's threads: beyond ``capacity`` the least
+    recently used channel is evicted. Eviction must not break a call that still uses it (a
+    caller may hold the channel, or a stub on it, across several calls), so an evicted channel
+    stays usable for ``evicted_grace`` seconds, then is closed with as much grace again for the
+    calls still running; asking for its address meanwhile takes it back. At most ``capacity``
+    evicted channels wait to close: beyond that the oldest is closed at once (with its grace for
+    calls in flight), so at most 2 x ``capacity`` channels take new calls.
 
     ``interceptors`` go on every channel (a secret run's token interceptors, auth.client_interceptors);
-    with ``tls`` the channels use TLS.
+    with ``tls`` the channels use TLS. ``sleep`` is the clock of the grace period (tests inject one).
     """
 
-    def __init__(self, interceptors: Sequence[grpc.aio.ClientInterceptor] = (), tls: TLSConfig | None = None) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
+    def __init__(self, interceptors: Sequence[grpc.aio.ClientInterceptor] = (), tls: TLSConfig | None = None,
+                 capacity: int = 64, evicted_grace: float = 30.0,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        if capacity < 1:
+            raise ValueError("a channel pool needs room for at least one channel")
+        self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()  # least recently used first
+        self._evicted: OrderedDict[str, tuple[grpc.aio.Channel, asyncio.Task[None]]] = OrderedDict()
+        self._closing: dict[asyncio.Task[None], grpc.aio.Channel] = {}  # evicted channels being closed
         self._interceptors = list(interceptors)
         self._tls = tls
+        self.capacity = capacity
+        self.evicted_grace = evicted_grace
+        self._sleep = sleep
+
+    def __len__(self) -> int:
+        """Channels in use (not counting evicted ones waiting to close)."""
+        return len(self._channels)
 
     def __call__(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
-        if channel is None:
+        if channel is not None:
+            self._channels.move_to_end(address)
+            return channel
+        evicted = self._evicted.pop(address, None)
+        if evicted is not None:  # still in its grace period: used again, so not closed after all
+            channel, waiting = evicted
+            waiting.cancel()
+        else:
             channel = open_channel(address, self._tls, self._interceptors)
-            self._channels[address] = channel
+        self._channels[address] = channel
+        while len(self._channels) > self.capacity:
+            self._evict(*self._channels.popitem(last=False))
         return channel
 
+    def _evict(self, address: str, channel: grpc.aio.Channel) -> None:
+        loop = asyncio.get_running_loop()  # grpc.aio channels live on the running loop
+        self._evicted[address] = (channel, loop.create_task(self._close_after_grace(address, channel),
+                                                            name=f"close-channel-{address}"))
+        while len(self._evicted) > self.capacity:
+            old_address, (old, waiting) = next(iter(self._evicted.items()))
+            del self._evicted[old_address]
+            waiting.cancel()
+            self._close_soon(old)
+
+    async def _close_after_grace(self, address: str, channel: grpc.aio.Channel) -> None:
+        await self._sleep(self.evicted_grace)
+        if self._evicted.get(address, (None,))[0] is channel:  # nothing awaited since the sleep
+            del self._evicted[address]
+            self._close_soon(channel)
+
+    def _close_soon(self, channel: grpc.aio.Channel) -> None:
+        """Close ``channel``, giving the calls still on it ``evicted_grace`` seconds to finish."""
+        task = asyncio.get_running_loop().create_task(channel.close(grace=self.evicted_grace), name="close-channel")
+        self._closing[task] = channel
+        task.add_done_callback(lambda done: self._closing.pop(done, None))
+
     async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
+        """Close every channel now, evicted ones too (shutdown: calls in flight are cancelled)."""
+        channels = [*self._channels.values(), *(channel for channel, _ in self._evicted.values()),
+                    *self._closing.values()]
+        waiting = [task for _, task in self._evicted.values()] + list(self._closing)
+        self._channels, self._evicted = OrderedDict(), OrderedDict()
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
         for channel in channels:
             await channel.close(grace=None)
 
