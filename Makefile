@@ -10,7 +10,7 @@ PEERS ?= 3
 ROUNDS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench proto clean
+.PHONY: install demo test test-tools bench proto clean
 
 $(BIN)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "lowcomm needs Python 3.11 or newer (set PYTHON=python3.11)")'
@@ -26,7 +26,23 @@ install: $(BIN)/.installed
 demo: install
 	$(BIN)/python -m lowcomm.node.localswarm --peers $(PEERS) $(if $(ROUNDS),--rounds $(ROUNDS),)
 
-test: install
+# Debian packages some tests use, as package:command. Missing ones are installed where that is
+# possible (root with apt-get) and left alone otherwise: those tests then skip and say why. The
+# test session itself installs nothing.
+TEST_DEBS ?= prometheus:promtool
+test-tools:
+	@missing=""; for pair in $(TEST_DEBS); do \
+	  command -v "$${pair#*:}" >/dev/null 2>&1 || missing="$$missing $${pair%%:*}"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "not installing$$missing (needs root and apt-get): the tests that use it skip"; exit 0; fi; \
+	echo "installing Debian packages for the tests:$$missing"; \
+	export DEBIAN_FRONTEND=noninteractive; \
+	apt-get install -y -qq --no-install-recommends $$missing >/dev/null 2>&1 || \
+	  { apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends $$missing >/dev/null; } || \
+	  echo "could not install$$missing: the tests that use it skip"
+
+test: install test-tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The standard benchmark set (bench/README.md): codecs, convergence, slow links and transport

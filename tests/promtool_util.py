@@ -1,8 +1,8 @@
 """Shared helpers for the tests of the observability assets (deploy/prometheus, deploy/grafana).
 
-- ``promtool()`` / ``prometheus_binary()``: the path of Debian's binaries. Where they are missing
-  and the suite runs as root, Debian's ``prometheus`` package is installed once (bounded time);
-  otherwise the calling test is skipped with the reason.
+- ``promtool()`` / ``prometheus_binary()``: the path of Debian's binaries, or the calling test is
+  skipped with the reason. The test session installs nothing: ``make test`` installs the package
+  beforehand where it can (the Makefile's ``test-tools``).
 - ``dashboard_queries(path)``: every panel target's PromQL with the dashboard variables substituted,
   ready to send to a real Prometheus.
 - ``start_prometheus(...)`` / ``stop_prometheus(proc)``: a real Prometheus server on 127.0.0.1 with
@@ -32,53 +32,12 @@ DEPLOY = REPO / "deploy"
 PROMETHEUS_DIR = DEPLOY / "prometheus"
 DASHBOARDS_DIR = DEPLOY / "grafana" / "dashboards"
 
-# Bounds for installing the package; together below the suite's per-test timeout (300 s).
-APT_UPDATE_TIMEOUT_S = 120
-APT_INSTALL_TIMEOUT_S = 150
-
-_install_result: str | None = None  # None: not tried yet; "" : installed; otherwise why it failed
-
-
-def _apt(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    return subprocess.run(
-        ["apt-get", *args], env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout
-    )
-
-
-def _install_prometheus_package() -> str:
-    """Install Debian's prometheus package; returns "" on success, else the reason it failed."""
-    if os.geteuid() != 0:
-        return "not running as root, so Debian's prometheus package cannot be installed (apt-get install prometheus)"
-    if shutil.which("apt-get") is None:
-        return "apt-get is not available to install Debian's prometheus package"
-    install = ["install", "-y", "--no-install-recommends", "prometheus"]
-    try:
-        result = _apt(install, APT_INSTALL_TIMEOUT_S)
-        if result.returncode != 0:
-            # A fresh machine has no package lists yet ("Unable to locate package").
-            update = _apt(["update"], APT_UPDATE_TIMEOUT_S)
-            if update.returncode != 0:
-                return f"apt-get update failed: {update.stderr.strip()[-500:]}"
-            result = _apt(install, APT_INSTALL_TIMEOUT_S)
-        if result.returncode != 0:
-            return f"apt-get install prometheus failed: {result.stderr.strip()[-500:]}"
-    except subprocess.TimeoutExpired as exc:
-        return f"installing Debian's prometheus package took longer than {exc.timeout:.0f} s"
-    return ""
-
-
 def _binary(name: str) -> str:
-    """Path of ``name`` (promtool or prometheus); installs the package once or skips the test."""
-    global _install_result
+    """Path of ``name`` (promtool or prometheus), or skip the calling test."""
     path = shutil.which(name)
     if path is None:
-        if _install_result is None:
-            _install_result = _install_prometheus_package()
-        path = shutil.which(name)
-        if path is None:
-            reason = _install_result or f"Debian's prometheus package is installed but {name!r} is not on PATH"
-            pytest.skip(f"{name} is not available: {reason}")
+        pytest.skip(f"{name} is not installed: Debian package prometheus (`make test` installs it as root, "
+                    "or apt-get install prometheus)")
     return path
 
 

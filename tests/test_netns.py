@@ -180,8 +180,6 @@ def _agreed_rounds(state, peers: int) -> tuple[list[int], dict]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("prefix", ["ltswarm"], indirect=True)
 def test_three_capped_peers_complete_rounds_with_identical_params(prefix, tmp_path):
-    if importlib.util.find_spec("lowcomm.node.cli") is None:
-        pytest.skip("lowcomm.node.cli (the `lowcomm-node` CLI) is not in this checkout yet")
     peers = 3
     join_args = ["--set", "train.inner_steps=10", "--set", "train.batch_size=8", "--torch-threads", "1",
                  "--set", "sync.matchmaking_timeout=20"]

@@ -8,7 +8,7 @@
 - tests/promtool_util.py can start and stop a real server and query it; every dashboard query is
   valid PromQL for that server.
 
-promtool_util installs Debian's prometheus package where it is missing (as root), or skips.
+Without Debian's prometheus package (``make test`` installs it as root) these tests skip and say so.
 """
 
 from __future__ import annotations
