@@ -81,29 +81,48 @@ class Claims:
 
 
 class ReplayCache:
-    """Nonces of accepted tokens, each kept until its token would fail the clock check anyway."""
+    """Nonces of accepted tokens, each kept until its token would fail the clock check anyway.
+
+    At most ``max_entries`` nonces (a dict and a heap entry each, ~200 bytes). When it is full the
+    nonce closest to expiring is forgotten early, and from then on every token that expires no
+    later than it is refused too: a forgotten nonce can never be replayed, at the price of
+    refusing a few genuine tokens near the end of their window while the run's own load exceeds
+    what the cache holds (only authentic tokens get here).
+    """
 
     def __init__(self, max_entries: int = 100_000) -> None:
+        if max_entries < 1:
+            raise ValueError("a replay cache needs room for at least one nonce")
         self.max_entries = max_entries
         self._expiry: dict[str, float] = {}
         self._heap: list[tuple[float, str]] = []
+        self.floor = -float("inf")  # tokens expiring at or before it are refused (see above)
+        self._warned = False
 
     def __len__(self) -> int:
         return len(self._expiry)
 
+    def __bool__(self) -> bool:
+        return True  # an empty cache is still a cache (``replay_cache or ReplayCache()`` must keep it)
+
     def add(self, nonce: str, expires: float, now: float) -> bool:
-        """Remember ``nonce`` until ``expires``; False when it was seen (and is still remembered)."""
+        """Remember ``nonce`` until ``expires``; False when it was seen (and is still remembered),
+        or could have been seen and forgotten early (it expires no later than ``floor``)."""
         while self._heap and self._heap[0][0] < now:
             _, old = heapq.heappop(self._heap)
             self._expiry.pop(old, None)
-        if nonce in self._expiry:
+        if nonce in self._expiry or expires <= self.floor:
             return False
+        if len(self._expiry) < self.max_entries // 2:
+            self._warned = False
         if len(self._expiry) >= self.max_entries:
-            # Only authentic tokens get here, so only the run's own load fills the cache; the
-            # nonce closest to expiring goes first.
-            _, old = heapq.heappop(self._heap)
+            old_expiry, old = heapq.heappop(self._heap)
             self._expiry.pop(old, None)
-            log.warning("replay cache full (%d nonces): forgetting the oldest early", self.max_entries)
+            self.floor = max(self.floor, old_expiry)
+            if not self._warned:  # once per overload, not once per token
+                self._warned = True
+                log.warning("replay cache full (%d nonces): forgetting the oldest early and refusing tokens "
+                            "that expire before them", self.max_entries)
         self._expiry[nonce] = expires
         heapq.heappush(self._heap, (expires, nonce))
         return True
