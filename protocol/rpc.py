@@ -58,6 +58,10 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
         async for message in self.registry.handle(request_iterator, context):
             yield message
 
+    async def ReportShards(self, request: averaging_pb2.ShardReport,
+                           context: grpc.aio.ServicerContext) -> averaging_pb2.ShardReport:
+        return await self.registry.handle_report(request, context)
+
 
 class StateServicer(state_pb2_grpc.StateTransferServicer):
     def __init__(self, donor: StateDonor) -> None:

@@ -9,20 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("hello", "step", "address", "weight", "bandwidth_bps", "params_sha256")
+    __slots__ = ("hello", "step", "address", "weight", "bandwidth_bps", "params_sha256", "wait_s")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
     hello: _handshake_pb2.Hello
     step: int
     address: str
     weight: float
     bandwidth_bps: float
     params_sha256: str
-    def __init__(self, hello: _Optional[_Union[_handshake_pb2.Hello, _Mapping]] = ..., step: _Optional[int] = ..., address: _Optional[str] = ..., weight: _Optional[float] = ..., bandwidth_bps: _Optional[float] = ..., params_sha256: _Optional[str] = ...) -> None: ...
+    wait_s: float
+    def __init__(self, hello: _Optional[_Union[_handshake_pb2.Hello, _Mapping]] = ..., step: _Optional[int] = ..., address: _Optional[str] = ..., weight: _Optional[float] = ..., bandwidth_bps: _Optional[float] = ..., params_sha256: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class Member(_message.Message):
     __slots__ = ("peer_id", "address", "weight")
@@ -105,3 +107,13 @@ class ReduceMessage(_message.Message):
     result: ReduceResult
     chunk: bytes
     def __init__(self, header: _Optional[_Union[ReduceHeader, _Mapping]] = ..., result: _Optional[_Union[ReduceResult, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class ShardReport(_message.Message):
+    __slots__ = ("group_id", "sender_peer_id", "skip")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
+    group_id: bytes
+    sender_peer_id: str
+    skip: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, group_id: _Optional[bytes] = ..., sender_peer_id: _Optional[str] = ..., skip: _Optional[_Iterable[bool]] = ...) -> None: ...

@@ -27,7 +27,8 @@ if _version_not_supported:
 
 class AveragingStub:
     """Averaging is served by every reachable peer. A round uses JoinGroup once per follower
-    (to the leader) and Reduce once per (sender, shard owner) pair.
+    (to the leader), Reduce once per (sender, shard owner) pair, and ReportShards once per
+    (member, reachable member) pair after the reduce phase.
     """
 
     def __init__(self, channel):
@@ -46,11 +47,17 @@ class AveragingStub:
                 request_serializer=lowcomm_dot_v1_dot_averaging__pb2.ReduceMessage.SerializeToString,
                 response_deserializer=lowcomm_dot_v1_dot_averaging__pb2.ReduceMessage.FromString,
                 _registered_method=True)
+        self.ReportShards = channel.unary_unary(
+                '/lowcomm.v1.Averaging/ReportShards',
+                request_serializer=lowcomm_dot_v1_dot_averaging__pb2.ShardReport.SerializeToString,
+                response_deserializer=lowcomm_dot_v1_dot_averaging__pb2.ShardReport.FromString,
+                _registered_method=True)
 
 
 class AveragingServicer:
     """Averaging is served by every reachable peer. A round uses JoinGroup once per follower
-    (to the leader) and Reduce once per (sender, shard owner) pair.
+    (to the leader), Reduce once per (sender, shard owner) pair, and ReportShards once per
+    (member, reachable member) pair after the reduce phase.
     """
 
     def JoinGroup(self, request, context):
@@ -69,6 +76,16 @@ class AveragingServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportShards(self, request, context):
+        """After its reduce phase a member tells another member which shards it lacks, and gets the
+        callee's report back once the callee has heard from the group (or its deadline passed).
+        Every member applies only the shards that it holds and no report it received asks to skip,
+        so a shard whose owner failed half-way is skipped by all alike (protocol/agreement.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AveragingServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -82,6 +99,11 @@ def add_AveragingServicer_to_server(servicer, server):
                     request_deserializer=lowcomm_dot_v1_dot_averaging__pb2.ReduceMessage.FromString,
                     response_serializer=lowcomm_dot_v1_dot_averaging__pb2.ReduceMessage.SerializeToString,
             ),
+            'ReportShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportShards,
+                    request_deserializer=lowcomm_dot_v1_dot_averaging__pb2.ShardReport.FromString,
+                    response_serializer=lowcomm_dot_v1_dot_averaging__pb2.ShardReport.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'lowcomm.v1.Averaging', rpc_method_handlers)
@@ -92,7 +114,8 @@ def add_AveragingServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Averaging:
     """Averaging is served by every reachable peer. A round uses JoinGroup once per follower
-    (to the leader) and Reduce once per (sender, shard owner) pair.
+    (to the leader), Reduce once per (sender, shard owner) pair, and ReportShards once per
+    (member, reachable member) pair after the reduce phase.
     """
 
     @staticmethod
@@ -139,6 +162,33 @@ class Averaging:
             '/lowcomm.v1.Averaging/Reduce',
             lowcomm_dot_v1_dot_averaging__pb2.ReduceMessage.SerializeToString,
             lowcomm_dot_v1_dot_averaging__pb2.ReduceMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lowcomm.v1.Averaging/ReportShards',
+            lowcomm_dot_v1_dot_averaging__pb2.ShardReport.SerializeToString,
+            lowcomm_dot_v1_dot_averaging__pb2.ShardReport.FromString,
             options,
             channel_credentials,
             insecure,
