@@ -1,0 +1,61 @@
+"""A user's own model for ``[model] factory`` (tests/test_models.py, tests/test_hf_cli.py).
+
+``build`` returns a module whose forward gives the loss; ``build_pair`` returns a module and a
+separate loss function. Both draw their initial weights from torch's global RNG only, as the
+factory contract asks, so every peer builds the same weights from the run's seed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Bigram(nn.Module):
+    """Next-token logits from the current token and a learned mix of the previous one."""
+
+    def __init__(self, vocab_size: int, width: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.embed = nn.Embedding(vocab_size, width)
+        self.mix = nn.Linear(2 * width, width)
+        self.head = nn.Linear(width, vocab_size)
+
+    def logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        here = self.embed(inputs)
+        before = torch.cat([torch.zeros_like(here[:, :1]), here[:, :-1]], dim=1)
+        return self.head(torch.tanh(self.mix(torch.cat([here, before], dim=-1))))
+
+
+class BigramLoss(Bigram):
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(inputs)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class BigramLogits(Bigram):
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.logits(inputs)
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def build(vocab_size: int = 256, width: int = 32) -> nn.Module:
+    return BigramLoss(vocab_size, width)
+
+
+def build_pair(vocab_size: int = 256, width: int = 32) -> tuple[nn.Module, object]:
+    return BigramLogits(vocab_size, width), next_token_loss
+
+
+def build_half() -> nn.Module:
+    """Breaks the contract: half-precision parameters."""
+    return BigramLoss(256, 8).half()
+
+
+def build_nothing() -> int:
+    """Breaks the contract: not a module."""
+    return 3

@@ -1,0 +1,158 @@
+"""The corpus formats of ``[data] format`` and the tokenizers of ``[data] tokenizer`` (node/formats.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lowcomm.node.config import ConfigError, load_config
+from lowcomm.node.data import DataError, ShardSampler, TokenArray, eval_batches, load_data
+
+from .hf_assets import stdlib_text, train_tokenizer
+
+
+def data_section(*overrides: str):
+    return load_config(overrides=["data.seq_len=16", *overrides], environ={}).data
+
+
+def as_array(tokens) -> np.ndarray:
+    return np.concatenate([np.asarray(p) for p in tokens.parts]) if isinstance(tokens, TokenArray) else tokens
+
+
+DOCS = [stdlib_text(60_000).decode()[i:i + 3000] for i in range(0, 60_000, 3000)]
+
+
+# -- tokens -----------------------------------------------------------------------------------------
+
+
+def test_a_tokens_file_is_memory_mapped_and_split_at_its_tail(tmp_path):
+    ids = (np.arange(50_000) % 1000).astype(np.uint16)
+    ids.tofile(tmp_path / "train.bin")
+    corpus = load_data(data_section("data.format=tokens", f"data.path={tmp_path / 'train.bin'}"))
+    assert all(isinstance(part, np.memmap) for part in corpus.train.parts + corpus.eval.parts)
+    assert len(corpus.train) == 47_500 and len(corpus.eval) == 2_500  # eval_fraction 0.05 of one file
+    assert (as_array(corpus.train) == ids[:47_500]).all() and (as_array(corpus.eval) == ids[47_500:]).all()
+    assert corpus.vocab_size is None  # the default tokenizer says nothing about a tokens file
+
+
+def test_uint32_tokens_and_a_wrong_dtype(tmp_path):
+    ids = np.arange(100_001, dtype=np.uint32) * 7
+    ids.tofile(tmp_path / "big.bin")
+    corpus = load_data(data_section("data.format=tokens", "data.token_dtype=uint32", f"data.path={tmp_path}/*.bin"))
+    assert as_array(corpus.train)[-1] == ids[len(corpus.train) - 1]
+    with pytest.raises(DataError, match="not a whole number of uint16 ids"):
+        (tmp_path / "odd.bin").write_bytes(b"abc")
+        load_data(data_section("data.format=tokens", f"data.path={tmp_path / 'odd.bin'}"))
+
+
+def test_many_token_files_split_by_name_and_windows_cross_files(tmp_path):
+    for index in range(40):
+        np.full(500, index, dtype=np.uint16).tofile(tmp_path / f"part-{index:02d}.bin")
+    corpus = load_data(data_section("data.format=tokens", f"data.path={tmp_path}/*.bin", "data.eval_fraction=0.2"))
+    train_ids, eval_ids = set(as_array(corpus.train).tolist()), set(as_array(corpus.eval).tolist())
+    assert train_ids and eval_ids and not train_ids & eval_ids and len(train_ids | eval_ids) == 40
+    # A window may run from one file into the next, as over one concatenated array.
+    glued = as_array(corpus.train)
+    starts = np.array([0, 490, 1999, len(glued) - 17])
+    assert (corpus.train.windows(starts, 17) == glued[starts[:, None] + np.arange(17)]).all()
+
+
+def test_sampling_a_memory_map_is_deterministic_and_matches_an_array(tmp_path):
+    ids = (np.arange(30_000) * 31 % 997).astype(np.uint16)
+    ids.tofile(tmp_path / "t.bin")
+    corpus = load_data(data_section("data.format=tokens", f"data.path={tmp_path / 't.bin'}"))
+    mapped = ShardSampler(corpus.train, 16, 4, shards=3, peer_key="p", seed=2)
+    in_memory = ShardSampler(ids[:len(corpus.train)].copy(), 16, 4, shards=3, peer_key="p", seed=2)
+    for _ in range(5):
+        for got, want in zip(mapped.next_batch(), in_memory.next_batch()):
+            assert (got == want).all()
+    with pytest.raises(DataError, match="token id 996, outside the model's vocabulary of 500"):
+        eval_batches(corpus.eval, 16, 4, 2, vocab_limit=500)
+
+
+# -- jsonl --------------------------------------------------------------------------------------------
+
+
+def test_jsonl_reads_the_configured_field(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps({"body": doc, "id": i}) for i, doc in enumerate(DOCS)) + "\n\n")
+    corpus = load_data(data_section("data.format=jsonl", f"data.path={path}", "data.field=body"))
+    text = "\n".join(DOCS).encode()
+    assert bytes(as_array(corpus.train)) + bytes(as_array(corpus.eval)) == text  # bytes: one token per byte
+    with pytest.raises(DataError, match=r"docs.jsonl:1 has no text under 'text' \(it has: body, id\)"):
+        load_data(data_section("data.format=jsonl", f"data.path={path}"))
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    with pytest.raises(DataError, match="bad.jsonl:2 is not JSON"):
+        load_data(data_section("data.format=jsonl", f"data.path={tmp_path / 'bad.jsonl'}"))
+
+
+def test_formats_other_than_text_need_a_path():
+    with pytest.raises(ConfigError, match='format = "jsonl" needs path'):
+        data_section("data.format=jsonl")
+
+
+# -- tokenizer.json -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tokenizer(tmp_path: Path) -> Path:
+    pytest.importorskip("tokenizers", reason="the hf extra (tokenizers) is not installed")
+    return train_tokenizer(tmp_path / "tokenizer.json", DOCS, vocab_size=400)
+
+
+def test_text_through_a_trained_tokenizer(tmp_path, tokenizer):
+    from tokenizers import Tokenizer
+
+    (tmp_path / "a.txt").write_text(DOCS[0])
+    section = data_section(f"data.path={tmp_path / 'a.txt'}", f"data.tokenizer={tokenizer}")
+    corpus = load_data(section)
+    assert corpus.vocab_size == 400
+    ids = np.concatenate([as_array(corpus.train), as_array(corpus.eval)])
+    assert Tokenizer.from_file(str(tokenizer)).decode(ids.tolist()) == DOCS[0]
+    assert len(ids) < len(DOCS[0]) / 1.5  # merges: fewer tokens than bytes
+    assert ids.max() >= 256  # ids beyond the byte range: a uint8 array would have wrapped them
+
+
+def test_the_tokenizer_enters_the_fingerprint_by_content(tmp_path, tokenizer):
+    copy = tmp_path / "elsewhere.json"
+    copy.write_bytes(tokenizer.read_bytes())
+    fingerprint = [load_config(overrides=[f"data.tokenizer={t}"], environ={}).run_fingerprint() for t in (tokenizer, copy)]
+    assert fingerprint[0] == fingerprint[1] != load_config(environ={}).run_fingerprint()
+    body = json.loads(load_config(overrides=[f"data.tokenizer={tokenizer}"], environ={}).run_config_json())["data"]
+    assert body["vocab_size"] == 400 and len(body["tokenizer_sha256"]) == 64
+    with pytest.raises(ConfigError, match="not a file"):
+        load_config(overrides=[f"data.tokenizer={tmp_path / 'none.json'}"], environ={})
+
+
+# -- hf datasets ------------------------------------------------------------------------------------
+
+
+def test_hf_dataset_text_column_with_a_tokenizer_and_its_validation_split(tmp_path, tokenizer):
+    datasets = pytest.importorskip("datasets", reason="the hf extra (datasets) is not installed")
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCS[:15]}),
+                                   "validation": datasets.Dataset.from_dict({"text": DOCS[15:]})})
+    splits.save_to_disk(str(tmp_path / "ds"))
+    corpus = load_data(data_section("data.format=hf", f"data.path={tmp_path / 'ds'}", f"data.tokenizer={tokenizer}"))
+    from tokenizers import Tokenizer
+
+    decode = Tokenizer.from_file(str(tokenizer)).decode
+    assert decode(as_array(corpus.train).tolist()) == "\n".join(DOCS[:15])
+    assert decode(as_array(corpus.eval).tolist()) == "\n".join(DOCS[15:])
+    assert corpus.vocab_size == 400
+
+
+def test_hf_dataset_of_token_ids_is_tail_split(tmp_path):
+    datasets = pytest.importorskip("datasets", reason="the hf extra (datasets) is not installed")
+    rows = [list(range(i, i + 1000)) for i in range(0, 70_000, 1000)]  # ids past uint16
+    datasets.Dataset.from_dict({"input_ids": rows, "text": ["unused"] * len(rows)}).save_to_disk(str(tmp_path / "ds"))
+    corpus = load_data(data_section("data.format=hf", f"data.path={tmp_path / 'ds'}"))
+    ids = np.concatenate([as_array(corpus.train), as_array(corpus.eval)])
+    assert (ids == np.arange(70_000)).all()  # input_ids by default, no separator, no wrap-around
+    assert len(corpus.eval) == 3_500 and corpus.vocab_size is None
+    with pytest.raises(DataError, match="no column 'body'"):
+        load_data(data_section("data.format=hf", f"data.path={tmp_path / 'ds'}", "data.field=body"))
+    with pytest.raises(DataError, match="not a directory written by save_to_disk"):
+        load_data(data_section("data.format=hf", f"data.path={tmp_path}"))
