@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 FORGET_AFTER = 600.0  # a peer missing for this long is considered gone for good
 MAX_TARGETS = 8  # missing peers pinged per attempt (the initial peers are always pinged)
+MAX_REMEMBERED = 1024  # peers remembered at most (the most recently seen): memory stays bounded under churn
 PING_TIMEOUT = 10.0
 
 
@@ -81,6 +82,9 @@ class Reconnector:
         for peer, seen in list(self.last_seen.items()):
             if now - seen > FORGET_AFTER:
                 del self.last_seen[peer]
+        if len(self.last_seen) > MAX_REMEMBERED:  # churn (or a flood of records) within FORGET_AFTER
+            keep = sorted(self.last_seen.items(), key=lambda item: item[1])[-MAX_REMEMBERED:]
+            self.last_seen = dict(keep)
         return [p for p in self.last_seen if p not in live and p != self.my_peer_id]
 
     async def maybe_reconnect(self, live: Iterable[str], left: Iterable[str] = ()) -> list[str] | None:

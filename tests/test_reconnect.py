@@ -95,3 +95,14 @@ def test_a_reconnect_puts_both_sides_back_into_each_others_routing_table():
             second.shutdown()
     finally:
         first.shutdown()
+
+
+def test_remembered_peers_stay_bounded_under_churn():
+    from lowcomm.node import reconnect
+
+    r = Reconnector.__new__(Reconnector)  # only the bookkeeping: no DHT
+    r.my_peer_id, r.last_seen = "me", {}
+    for i in range(3 * reconnect.MAX_REMEMBERED):  # ten new peers a second, each seen once
+        r.missing([f"peer-{i}"], now=i / 10)
+    assert len(r.last_seen) == reconnect.MAX_REMEMBERED
+    assert f"peer-{3 * reconnect.MAX_REMEMBERED - 1}" in r.last_seen and "peer-0" not in r.last_seen
