@@ -1,0 +1,83 @@
+"""Multi-process swarms of the model and data plug-ins through the real CLI on loopback.
+
+Two swarms only (they are the slow part): a Hugging Face Llama trained by three peers from a local
+config.json on a memory-mapped tokens file, with a fourth peer of another model refused on both
+sides; and a factory model on jsonl text through a tokenizer.json trained here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .hf_assets import stdlib_text, train_tokenizer, write_byte_tokens, write_llama_config
+
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+pytestmark = pytest.mark.multiprocess
+
+ROUND_WAIT = 120  # one round on a loaded 2-core machine, model import and build included
+REPO = Path(__file__).resolve().parents[1]
+LIGHT = ["--set", "data.seq_len=64", "--set", "data.eval_batches=2", "--set", "train.warmup_steps=0"]
+
+
+def group_rounds(node, size: int) -> list[dict]:
+    return [e for e in node.rounds() if e["group_size"] >= size]
+
+
+def hash_at(node, step: int) -> str:
+    event = node.wait_for(lambda e: e.get("event") in ("round_done", "state_downloaded")
+                          and e.get("outer_step") == step, ROUND_WAIT)
+    return event["params_sha256"]
+
+
+def test_three_peers_train_a_llama_from_config_json_on_tokens_and_refuse_another_model(swarm, tmp_path):
+    config = write_llama_config(tmp_path / "llama" / "config.json")
+    tokens = write_byte_tokens(tmp_path / "data" / "train.bin", 1_000_000)
+    run = [*LIGHT, "--set", f"model.hf_config={config}", "--set", "data.format=tokens",
+           "--set", f"data.path={tokens}", "--set", "train.lr=3e-3", "--set", "sync.group_size=3"]
+    first = swarm.start(0, extra=run)
+    initial_eval = first.ready(ROUND_WAIT)["eval_loss"]
+    trio = [first, *(swarm.start(i, [first.multiaddr], extra=run) for i in (1, 2))]
+
+    # Three rounds of all three, one params hash per step.
+    trio[1].wait_for(lambda e: e.get("event") == "round_done" and len(group_rounds(trio[1], 3)) >= 3,
+                     ROUND_WAIT * 4)
+    for event in group_rounds(trio[1], 3)[:3]:
+        step = event["outer_step"]
+        assert {hash_at(node, step) for node in trio} == {event["params_sha256"]}, f"hashes differ at step {step}"
+    assert first.rounds()[-1]["eval_loss"] < initial_eval
+
+    # A peer whose config.json has one more layer is refused, and both sides say what differs.
+    other = write_llama_config(tmp_path / "other" / "config.json", num_hidden_layers=3)
+    stranger = swarm.start(3, [first.multiaddr], extra=[*run[:-6], "--set", f"model.hf_config={other}",
+                                                         *run[-6:]])
+    assert stranger.wait_exit(ROUND_WAIT) != 0
+    error = next(line for line in stranger.raw_lines if line.startswith("lowcomm-node: error:"))
+    assert "refused by the swarm" in error and "[hf_config] num_hidden_layers" in error, error
+    assert "Traceback" not in "\n".join(stranger.raw_lines)
+    refusals = [node.wait_for(lambda e: "refused" in e.get("msg", "") and "num_hidden_layers" in e.get("msg", ""),
+                              ROUND_WAIT) for node in trio[:1]]
+    assert refusals
+
+
+def test_a_factory_model_trains_on_jsonl_through_a_trained_tokenizer(swarm, tmp_path):
+    pytest.importorskip("tokenizers", reason="the hf extra (tokenizers) is not installed")
+    text = stdlib_text(400_000).decode()
+    documents = [text[i:i + 2000] for i in range(0, len(text), 2000)]
+    tokenizer = train_tokenizer(tmp_path / "tokenizer.json", documents, vocab_size=320)
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"content": doc}) + "\n" for doc in documents))
+    run = [*LIGHT, "--set", "model.factory=tests.factory_model:build_pair",
+           "--set", "model.factory_kwargs={ vocab_size = 320, width = 32 }", "--set", "train.lr=1e-2",
+           "--set", "data.format=jsonl", "--set", f"data.path={corpus}", "--set", "data.field=content",
+           "--set", f"data.tokenizer={tokenizer}", "--set", "sync.group_size=2"]
+    env = {"PYTHONPATH": str(REPO)}  # the factory module lives in tests/
+    first = swarm.start(0, extra=run, env=env)
+    initial_eval = first.ready(ROUND_WAIT)["eval_loss"]
+    second = swarm.start(1, [first.multiaddr], extra=run, env=env)
+    second.wait_for(lambda e: e.get("event") == "round_done" and len(group_rounds(second, 2)) >= 2, ROUND_WAIT * 3)
+    for event in group_rounds(second, 2)[:2]:
+        assert hash_at(first, event["outer_step"]) == event["params_sha256"]
+    assert first.rounds()[-1]["eval_loss"] < initial_eval
