@@ -4,18 +4,22 @@ The node's output (stdout and stderr, as in a shell) goes to a pty; every byte r
 fed to a terminal emulator (pyte), and the screen is checked after every read, not only at the
 end: lines the cursor has left are log lines starting at column 0 with no piece of the inner-phase
 progress bar in them, and a bar is only ever on the cursor's line (so at most one is visible).
-At the end every round's summary line is on the screen, whole.
+At the end every round's summary line is on the screen, whole. A fast test checks the log
+handler and the bar in-process (no CLI) the same way.
 """
 
 from __future__ import annotations
 
 import fcntl
+import io
+import logging
 import os
 import re
 import select
 import signal
 import struct
 import subprocess
+import sys
 import termios
 import time
 from pathlib import Path
@@ -23,6 +27,8 @@ from pathlib import Path
 import pytest
 
 from lowcomm.node.localswarm import node_command, peer_args
+from lowcomm.node.logs import HumanFormatter, TerminalHandler
+from lowcomm.node.progress import InnerProgress
 
 from .conftest import FAST
 
@@ -37,6 +43,34 @@ BAR = re.compile(r"round \d+ inner steps")
 BAR_PIECES = re.compile(r"inner steps|step/s|\b\d+/%d\b" % STEPS)
 # A round's summary, whole: from its time at column 0 to the hash prefix that ends it.
 ROUND_LINE = re.compile(r"^\d\d:\d\d:\d\d step (\d+) \| loss \d+\.\d{3} \| eval .* \| [0-9a-f]{12}$")
+
+
+def test_log_lines_go_above_the_live_bar(monkeypatch):
+    """The handler of human logs and the bar on one terminal, in one process: every line lands
+    whole above the bar, which stays on the last line."""
+    terminal = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", terminal)  # where InnerProgress draws
+    handler = TerminalHandler(terminal)
+    handler.setFormatter(HumanFormatter())
+    logger = logging.getLogger("lowcomm.test_terminal")
+    logger.addHandler(handler)
+    monkeypatch.setattr(logger, "propagate", False)
+    bar = InnerProgress(STEPS, 7, enabled=True)
+    try:
+        for done in range(1, 11):
+            bar.update(done, 2.5)
+            logger.warning("line %d", done)
+    finally:
+        logger.removeHandler(handler)
+    screen = pyte.Screen(COLUMNS, ROWS)
+    screen.set_mode(pyte.modes.LNM)  # a newline returns the carriage, as a tty's onlcr does
+    pyte.Stream(screen).feed(terminal.getvalue())
+    rows = [row.rstrip() for row in screen.display]
+    assert [STAMP.sub("", row) for row in rows[:10]] == [f"warning: line {n}" for n in range(1, 11)], rows[:11]
+    assert all(STAMP.match(row) for row in rows[:10]), rows[:11]
+    assert re.match(r"round 7 inner steps: +33%.*10/30", rows[10]), rows[10]
+    assert not any(rows[11:])
+    bar.close()
 
 
 def run_in_terminal(args: list[str], timeout_s: float) -> tuple[int, list[list[str]], list[str]]:
