@@ -24,7 +24,7 @@ other member (or given up on it: a call to it failed), or, once it has heard fro
 them, after a grace of twice the time that took (at least MIN_REPORT_GRACE), or at its
 deadline; it answers with everything it knows. So answers relay the reports of members the
 caller could not hear from directly: client-mode members (nobody can call them; they call every
-reachable member) and members whose call to the caller failed. A member decides when all its
+reachable member, and wait only for those) and members whose call to the caller failed. A member decides when all its
 own calls are answered or failed (or MIN_REPORT_GRACE after that wait: a callee that has not
 answered by then is hung or slower than the round). When every member is alive this takes one
 round trip after the slowest member's reduce phase.
@@ -84,14 +84,19 @@ SendReport = Callable[[str, averaging_pb2.ShardReport, float], Awaitable[averagi
 class ShardAgreement:
     """One member's view of which shards of one round every member may apply."""
 
-    def __init__(self, group_id: bytes, peer_id: str, members: Iterable[str], shards: int, deadline: float) -> None:
+    def __init__(self, group_id: bytes, peer_id: str, members: Iterable[str], shards: int, deadline: float,
+                 reachable: Iterable[str] | None = None) -> None:
+        """``reachable``: the members that have an address, when this member has none (client
+        mode): it can hear only from them, directly (other clients reach it relayed in their
+        answers). None: every member can reach this one."""
         self.group_id = group_id
         self.peer_id = peer_id
         self.members = frozenset(members)
         self.shards = shards
         self.deadline = deadline  # time.monotonic() after which nobody is waited for any more
         self.heard: set[str] = set()  # members whose report arrived (request or answer)
-        self._waiting = set(self.members) - {peer_id}  # neither heard from nor given up on
+        # Members neither heard from nor given up on.
+        self._waiting = set(self.members if reachable is None else reachable) - {peer_id}
         self._skip: set[int] = set()  # shards that some report (this member's included) asks to skip
         self._held: list[bool] | None = None  # this member's own outcome, once its reduce phase is over
         self.decision: list[bool] | None = None  # frozen by decide()
@@ -100,6 +105,7 @@ class ShardAgreement:
         # Set when an answer may be given: own outcome known and the wait for reports over (settle).
         self.ready = asyncio.Event()
         self._progress = asyncio.Event()  # a report arrived or a member was given up on
+        self.decided = asyncio.Event()  # set by decide()
 
     def check(self, report: averaging_pb2.ShardReport) -> str | None:
         """Why ``report`` cannot come from a member of this round, or None."""
@@ -138,7 +144,7 @@ class ShardAgreement:
         a grace after ``quorum`` of them are resolved: twice what the quorum took, at least
         MIN_REPORT_GRACE, the same shape as an owner's wait for senders."""
         started = time.monotonic()
-        others = len(self.members - {self.peer_id})
+        others = len(self._waiting)
         needed = max(1, math.ceil(quorum * others))
         quorum_at: float | None = None
         while self._waiting and not self.ready.is_set():
@@ -178,6 +184,7 @@ class ShardAgreement:
             self.decision = self.view()
             self._decided_skip = frozenset(self._skip)
             self.ready.set()
+            self.decided.set()
         return list(self.decision)
 
     def abandon(self) -> None:

@@ -263,8 +263,10 @@ async def run_allreduce(
     refused: set[int] = set()  # shards whose owner refused our contribution: our fault, we ask no skip
 
     # The agreement first: a member that is done before us may report to us at any moment.
+    me = next(m for m in members if m.peer_id == peer_id)
     agreement = ShardAgreement(group.group_id, peer_id, [m.peer_id for m in members], len(slices),
-                               started + EXCHANGE_END * group.reduce_timeout_s)
+                               started + EXCHANGE_END * group.reduce_timeout_s,
+                               reachable=None if me.address else [m.peer_id for m in members if m.address])
     registry.agreements.open(agreement)
 
     # Owner side next, so that fast senders find our accumulators open.

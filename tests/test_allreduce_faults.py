@@ -443,3 +443,111 @@ def test_a_peer_claiming_huge_weight_is_capped_relative_to_the_group():
     # Honest differences (two inner phases after a failed round) and bad values.
     assert bounded_weights(_members(honest, 2 * honest, honest)) == {"p0": honest, "p1": 2 * honest, "p2": honest}
     assert bounded_weights(_members(float("nan"), -3.0, float("inf"))) == {"p0": 1.0, "p1": 1.0, "p2": 1.0}
+
+
+# -- (e) the members agree on which shards to skip ------------------------------------------------
+
+
+def _gate_results(owner: Peer, blocked: set[str], reached: dict[str, asyncio.Event]) -> None:
+    """``owner`` streams its average back except to ``blocked`` senders, whose result stream stops
+    before its first message (until the owner dies); ``reached[sender]`` is set when the average
+    for that sender exists (the owner is about to stream it)."""
+    serve = owner.registry._serve
+
+    async def gated(acc, header, requests, context):
+        async for message in serve(acc, header, requests, context):
+            if message.HasField("result"):
+                reached[header.sender_peer_id].set()
+                if header.sender_peer_id in blocked:
+                    await asyncio.Event().wait()  # ends when the owner's server stops
+            yield message
+
+    owner.registry._serve = gated
+
+
+def _watch_reports(peer: Peer, arrived: dict[str, asyncio.Event]) -> None:
+    """``arrived[sender]`` is set when ``sender``'s shard report reaches ``peer``."""
+    handle = peer.registry.agreements.handle
+
+    async def watched(request, context):
+        arrived[request.sender_peer_id].set()
+        return await handle(request, context)
+
+    peer.registry.agreements.handle = watched
+
+
+@pytest.mark.parametrize("when", ["before", "during", "after", "lost"])
+def test_failed_owner_costs_its_shard_on_every_member_alike(when):
+    """A shard owner dies before its result stream (it has the average, nobody got it), during
+    it (one member got the average, the other did not), or after it (both got it); or it stays
+    alive but one member never gets its average ("lost"). The surviving members skip the shard
+    all alike, or apply it all alike, and end bit-identical: no member would download state.
+    A skipped shard leaves each member's exact x = Δ + residual in its residual, and the owner's
+    error feedback as it was."""
+
+    async def scenario():
+        peers = await start_peers(3, NUMEL, "int8", reduce_timeout=REDUCE_TIMEOUT)
+        try:
+            expected = {p.peer_id for p in peers}
+            group = (await asyncio.gather(*(p.form(0, expected) for p in peers)))[0]
+            owner_ids = [group.members[i].peer_id for i in group.shard_owners]
+            owner, first, second = peers[2], peers[0], peers[1]
+            j = owner_ids.index(owner.peer_id)
+            blocked = {"before": {first.peer_id, second.peer_id}, "during": {second.peer_id},
+                       "after": set(), "lost": {second.peer_id}}[when]
+            reached = {p.peer_id: asyncio.Event() for p in peers}
+            reports_at_second = {p.peer_id: asyncio.Event() for p in peers}
+            reports_at_first = {p.peer_id: asyncio.Event() for p in peers}
+            _gate_results(owner, blocked, reached)
+            _watch_reports(second, reports_at_second)
+            _watch_reports(first, reports_at_first)
+
+            deltas = random_deltas(3)
+            old = seed_residuals(peers)
+            gen = torch.Generator().manual_seed(9)
+            old_owner = []
+            for p in peers:
+                p.owner_residual.copy_(torch.randn(NUMEL, generator=gen) * 0.001)
+                old_owner.append(p.owner_residual.clone())
+            tasks = [asyncio.create_task(p.reduce(group, d)) for p, d in zip(peers, deltas)]
+
+            survivors = [first, second] if when != "lost" else peers
+            if when != "lost":
+                if when == "before":
+                    await asyncio.gather(*(reached[p.peer_id].wait() for p in (first, second)))
+                elif when == "during":
+                    await reports_at_second[first.peer_id].wait()  # first holds every average
+                    assert not reached[second.peer_id].is_set() or second.peer_id in blocked
+                else:
+                    await asyncio.gather(reports_at_second[first.peer_id].wait(),
+                                         reports_at_first[second.peer_id].wait())
+                tasks[2].cancel()
+                await owner.stop()
+                await asyncio.gather(tasks[2], return_exceptions=True)
+            async with asyncio.timeout(REDUCE_TIMEOUT * 3 + 5):
+                results = await asyncio.gather(*(tasks[peers.index(p)] for p in survivors))
+
+            held_by_first = {"before": False, "during": True, "after": True, "lost": True}[when]
+            assert results[0].held[j] is held_by_first  # the failure happened where the test says
+            skipped = when != "after"
+            for p, r in zip(survivors, results):
+                k = peers.index(p)
+                sl = r.slices[j]
+                assert (r.averages[j] is None) is skipped
+                assert all(a is not None for i, a in enumerate(r.averages) if i != j)
+                if skipped:
+                    assert torch.equal(p.residual[sl], deltas[k][sl] + old[k][sl])  # all of x carried over
+                    assert torch.equal(p.owner_residual[sl], old_owner[k][sl])  # nobody's feedback moved
+            for i in range(len(results[0].averages)):
+                if results[0].averages[i] is not None:
+                    assert all(torch.equal(r.averages[i], results[0].averages[i]) for r in results)
+            theta = torch.randn(NUMEL, generator=torch.Generator().manual_seed(5))
+            updated = new_params(theta, results)
+            assert len({digest(t) for t in updated}) == 1
+            assert torch.equal(updated[0][results[0].slices[j]], theta[results[0].slices[j]]) is skipped
+        finally:
+            for task in tasks if "tasks" in locals() else []:
+                task.cancel()
+            await stop_peers(peers)
+
+    run(scenario(), 30)
