@@ -11,6 +11,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -53,6 +54,9 @@ def _add_join_flags(parser: argparse.ArgumentParser) -> None:
     add("--client-mode", action="store_const", const=True, default=None,
         help="no inbound connections: own no shard, serve no state (behind NAT)")
     add("--max-rounds", type=int, metavar="N", help="exit 0 after N completed outer rounds")
+    add("--max-clock-offset", type=float, metavar="S",
+        help="largest offset (seconds) of this machine's clock from the swarm's that is corrected "
+             "(default 86400); beyond it the node stops; 0: never correct")
     add("--data", metavar="GLOB", help="train on these text files instead of the default corpus")
     add("--device", choices=["auto", "cpu", "cuda"], help="where inner steps run (default auto)")
     add("--torch-threads", type=int, metavar="N", help="torch threads of the training thread")
@@ -67,10 +71,32 @@ def _join_flags(args: argparse.Namespace) -> dict[str, Any]:
     return {key: getattr(args, key) for key in keys if getattr(args, key, None) is not None}
 
 
+def _validation_message(err: Exception) -> str:
+    """One line for hivemind's refusal of a bootstrap peer (clock or reachability)."""
+    from .clock import FIX, describe
+
+    text = str(err)
+    times = re.search(r"local: ([0-9.]+), peer: ([0-9.]+)", text)
+    if times:
+        offset = float(times.group(2)) - float(times.group(1))
+        return (f"this machine's clock is {describe(offset)} a bootstrap peer's ({abs(offset):.1f} s; hivemind's "
+                f"DHT allows 3 s and the offset was not corrected, see max_clock_offset): {FIX}")
+    if "can't access this node" in text:
+        return (f"a bootstrap peer cannot connect back to this node's DHT port ({text.split('.')[0]}); open the "
+                f"port in the firewall or NAT, or join with --client-mode")
+    return f"a bootstrap peer was refused: {text.splitlines()[0] if text else type(err).__name__}"
+
+
 def _start_dht(config: Config):
-    """Create the hivemind DHT before any event loop or gRPC object exists (it forks)."""
+    """Create the hivemind DHT before any event loop or gRPC object exists (it forks).
+
+    On the way the DHT process measures this machine's clock offset from the bootstrap peers and
+    adopts it (node/clock.py); a warning says so here.
+    """
+    from hivemind.dht.protocol import ValidationError
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
+    from .clock import ClockOffsetError
     from .dht import SupervisedDHT
 
     node = config.node
@@ -78,12 +104,17 @@ def _start_dht(config: Config):
     proto = "ip6" if ":" in host else "ip4"
     config.identity_path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        return SupervisedDHT(
+        dht = SupervisedDHT(
             initial_peers=node.peers,
             host_maddrs=[f"/{proto}/{host}/tcp/{node.dht_port}"],
             identity_path=str(config.identity_path),
             start=True,
+            max_clock_offset=node.max_clock_offset,
         )
+    except ClockOffsetError as err:
+        raise RuntimeError(str(err)) from None
+    except ValidationError as err:
+        raise RuntimeError(_validation_message(err)) from None
     except P2PDaemonError as err:
         text = str(err)
         if "bootstrap" in text:
@@ -97,6 +128,8 @@ def _start_dht(config: Config):
         raise RuntimeError(f"the DHT daemon failed to start: {text.splitlines()[0] if text else err}") from None
     except ValueError as err:  # malformed multiaddrs
         raise RuntimeError(f"invalid --peers multiaddr: {err}") from None
+    dht.clock.log_offset()
+    return dht
 
 
 def _read_file(path: Path, what: str) -> bytes:
@@ -162,6 +195,9 @@ def cmd_join(args: argparse.Namespace) -> int:
         lock = lock_checkpoint_dir(config.node.checkpoint_dir)
     except RuntimeError as err:
         return _fail(str(err))
+    from .memory import limit_malloc_arenas
+
+    limit_malloc_arenas()  # before the DHT forks and any thread allocates (node/memory.py)
     try:
         dht = _start_dht(config)
     except RuntimeError as err:

@@ -249,6 +249,10 @@ class NodeSection(_Section):
     """Seconds between refreshes of this peer's DHT record (records live 3 intervals)."""
     grace_period: float = Field(20.0, gt=0.0)
     """Seconds SIGTERM/SIGINT leaves a round in flight before abandoning it."""
+    max_clock_offset: float = Field(86_400.0, ge=0.0)
+    """Largest offset of this machine's clock from its bootstrap peers' that the node corrects
+    (it then runs on swarm time); beyond it the node stops and asks to synchronise the clock.
+    0: never correct (then a clock more than 0.5 s off stops the node)."""
 
     @field_validator("peers", mode="before")
     @classmethod

@@ -50,6 +50,7 @@ from .grpc_metrics import HandledCounter
 from .metrics import NodeMetrics, serve_metrics
 from .reconnect import Reconnector
 from .reports import ReportQueue, cpu_copy
+from .dht import swarm_clock
 from .swarm import HivemindDHT, PeerRecord, SwarmView, peers_key, read_swarm, signed
 from .rounds import RoundLoop, RoundReport  # noqa: F401 (RoundReport is part of this module's API)
 from .train_thread import TrainThread, lower_priority
@@ -73,9 +74,12 @@ class Node(RoundLoop):
         # A run secret authenticates every RPC and DHT record (protocol/auth.py); TLS is separate.
         if (run_secret is None) != (config.node.run_secret_file is None):
             raise ValueError("pass the bytes of [node] run_secret_file as run_secret (the CLI reads the file)")
-        self.auth = RunAuth(run_secret) if run_secret else None
+        # Tokens, signed records and DHT expirations run on swarm time: this machine's clock
+        # corrected by its offset from the bootstrap peers' (node/clock.py).
+        wall_clock = swarm_clock(dht)
+        self.auth = RunAuth(run_secret, clock=wall_clock) if run_secret else None
         self.tls = tls
-        self.dht_client = signed(HivemindDHT(dht), self.auth)
+        self.dht_client = signed(HivemindDHT(dht, wall_clock), self.auth)
         # Tokens name our outer step (0 until the state is restored).
         tokens = client_interceptors(self.auth, self.peer_id, lambda: getattr(getattr(self, "state", None), "step", 0)
                                      ) if self.auth else []

@@ -1,8 +1,13 @@
-"""The hivemind DHT, started so that it can never outlive the node.
+"""The hivemind DHT, started so that it can never outlive the node, on swarm time.
 
 hivemind runs the DHT in a forked process that in turn starts the ``p2pd`` daemon. A node killed
 with SIGKILL gets no chance to stop them, so both would be orphaned. On Linux each is asked to
 receive SIGKILL when its parent dies (``PR_SET_PDEATHSIG``): node → DHT process → p2pd.
+
+A node that joins through ``--peers`` measures its clock's offset from its bootstrap peers in
+the DHT process, between the creation of hivemind's DHT protocol and its bootstrap pings (whose
+time check would refuse a clock more than 3 s off), and runs that process's hivemind on swarm
+time (node/clock.py). The node reads the offset from ``clock`` once the DHT is ready.
 """
 
 from __future__ import annotations
@@ -14,8 +19,12 @@ import functools
 import os
 import signal
 import sys
+import time
+from typing import Callable
 
 import hivemind
+
+from .clock import DEFAULT_MAX_OFFSET, SwarmClock, decide, measure, run_hivemind_on
 
 _PR_SET_PDEATHSIG = 1
 
@@ -32,11 +41,63 @@ def die_with_parent() -> None:
 
 
 class SupervisedDHT(hivemind.DHT):
-    """``hivemind.DHT`` whose process and p2pd daemon die with the node."""
+    """``hivemind.DHT`` whose process and p2pd daemon die with the node, on swarm time.
+
+    ``max_clock_offset``: the largest offset from the bootstrap peers' clocks that is corrected;
+    beyond it the constructor raises ``ClockOffsetError`` (node/clock.py).
+    """
+
+    def __init__(self, *args, max_clock_offset: float = DEFAULT_MAX_OFFSET, **kwargs) -> None:
+        # Both before hivemind's constructor: with start=True it forks inside it.
+        self.clock = SwarmClock()
+        self.max_clock_offset = max_clock_offset
+        super().__init__(*args, **kwargs)
+
+    def swarm_time(self) -> float:
+        """Wall-clock seconds on swarm time: for RPC tokens, record signatures and expirations."""
+        return self.clock.time()
 
     def run(self) -> None:  # runs in the forked DHT process
         die_with_parent()
         spawn = asyncio.subprocess.create_subprocess_exec
         # Only this (forked) process is patched: p2pd, started from here, dies with it.
         asyncio.subprocess.create_subprocess_exec = functools.partial(spawn, preexec_fn=die_with_parent)
+        if self.initial_peers:
+            self._measure_clock_before_bootstrap()
         super().run()
+
+    def _measure_clock_before_bootstrap(self) -> None:
+        """Wrap hivemind's ``DHTProtocol.create`` (in this process only) so that, once the
+        protocol can talk to the initial peers and before ``DHTNode.create`` pings them with
+        its time check, the clock offset is measured and adopted.
+
+        hivemind offers no hook between the two; ``DHT.run`` creates the node itself.
+        """
+        from hivemind.dht.protocol import DHTProtocol
+        from hivemind.p2p import PeerID
+        from hivemind.utils.multiaddr import Multiaddr
+
+        peers = []
+        for maddr in self.initial_peers:
+            try:
+                peers.append(PeerID.from_base58(Multiaddr(str(maddr))["p2p"]))
+            except Exception:  # hivemind refuses malformed multiaddrs with its own message
+                continue
+        create = DHTProtocol.create.__func__
+        clock, max_offset = self.clock, self.max_clock_offset
+
+        async def create_on_swarm_time(cls, *args, **kwargs):
+            protocol = await create(cls, *args, **kwargs)
+            samples = await measure(protocol, peers)
+            offset, uncertainty = decide(samples, max_offset)  # ClockOffsetError reaches the node
+            clock.set(offset, uncertainty, len(samples))
+            if offset:
+                run_hivemind_on(clock.time)
+            return protocol
+
+        DHTProtocol.create = classmethod(create_on_swarm_time)
+
+
+def swarm_clock(dht: hivemind.DHT) -> Callable[[], float]:
+    """The wall clock a node shares with other peers: swarm time for SupervisedDHT, else local."""
+    return dht.swarm_time if isinstance(dht, SupervisedDHT) else time.time

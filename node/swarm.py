@@ -12,9 +12,9 @@ import math
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import hivemind
-from hivemind.utils import get_dht_time
 
 from lowcomm.protocol.auth import RunAuth
 
@@ -24,13 +24,18 @@ DHT_TIMEOUT = 10.0
 
 
 class HivemindDHT:
-    """hivemind.DHT adapted to the two calls the protocol needs (``GroupDHT``)."""
+    """hivemind.DHT adapted to the two calls the protocol needs (``GroupDHT``).
 
-    def __init__(self, dht: hivemind.DHT) -> None:
+    ``clock``: wall time as the DHT process reads it, swarm time on a node whose clock is off
+    (node/clock.py), so that expirations mean the same on every peer.
+    """
+
+    def __init__(self, dht: hivemind.DHT, clock: Callable[[], float] = time.time) -> None:
         self.dht = dht
+        self.clock = clock
 
     async def store(self, key: str, subkey: str, value: dict, ttl: float) -> bool:
-        future = self.dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=subkey, return_future=True)
+        future = self.dht.store(key, value, expiration_time=self.clock() + ttl, subkey=subkey, return_future=True)
         try:
             async with asyncio.timeout(DHT_TIMEOUT):  # not wait_for: it can lose a cancel (node/cancel.py)
                 return bool(await future)
