@@ -154,9 +154,10 @@ class GossipResponder:
 
     async def handle(self, requests: AsyncIterator[gossip_pb2.GossipMessage],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[gossip_pb2.GossipMessage]:
-        try:
-            first = await asyncio.wait_for(anext(requests), HEADER_TIMEOUT)
-        except (StopAsyncIteration, asyncio.TimeoutError):
+        try:  # not wait_for: on Python 3.11 it can swallow a cancel that comes with the message
+            async with asyncio.timeout(HEADER_TIMEOUT):
+                first = await anext(requests)
+        except (StopAsyncIteration, TimeoutError):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Exchange stream must start with hello and header")
         if not first.HasField("hello") or not first.HasField("header"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Exchange stream must start with hello and header")

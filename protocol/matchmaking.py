@@ -9,6 +9,12 @@ leader decides membership, so all members of a group receive the same member lis
 layout. When more peers came than ``group_size`` allows, the leader splits them into balanced
 groups by a per-step hash of their ids (Moshpit-style re-mixing: partners change every round,
 so information spreads through a large swarm in a few rounds).
+
+Deadlines: ``form_group(timeout=...)`` is one overall deadline for everything it does (the
+DHT registration and reads, redirects, JoinGroup calls, waiting as a leader); past it the call
+raises MatchmakingError, never later. A follower tells the leader how long it still waits
+(``JoinRequest.wait_s``), and a leader closes its group before the first of its followers gives
+up (REPLY_MARGIN before), so that nobody it counts in has already left.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.25  # how often a waiting peer re-reads the DHT; DHT reads are cheap and local-ish
 LONELY_LEADER_GRACE = 1.0  # seconds a leader without followers waits before it joins another leader
+REPLY_MARGIN = 0.5  # seconds a leader keeps between closing and a follower's own deadline, for the reply
+MIN_FOLLOWER_WAIT = 1.0  # a follower that says it waits less is not waited for (it may leave unanswered)
 
 
 class GroupDHT(Protocol):
@@ -49,6 +57,15 @@ class MatchmakingError(Exception):
 class _Follower:
     request: averaging_pb2.JoinRequest
     reply: asyncio.Future
+    joined_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def gives_up_at(self) -> float | None:
+        """When this follower stops waiting for the group (time.monotonic()), if it said so."""
+        wait = self.request.wait_s
+        if not math.isfinite(wait) or wait < MIN_FOLLOWER_WAIT:
+            return None
+        return self.joined_at + wait
 
 
 @dataclass
@@ -208,36 +225,43 @@ class Matchmaker:
         request = averaging_pb2.JoinRequest(hello=self.identity.hello(), step=step, address=self.address,
                                             weight=weight, bandwidth_bps=bandwidth_bps, params_sha256=params_hash)
         registration = {"address": self.address, "weight": weight, "bandwidth_bps": bandwidth_bps}
-        await self.dht.store(round_key(self.run, step, params_hash), self.peer_id, registration,
-                             ttl=timeout + self.reduce_timeout)
         unreachable: set[str] = set()
         yielded = False  # set when our lead just yielded: follow somebody else once before leading again
+        overall = asyncio.timeout(timeout)  # covers DHT calls, redirects and JoinGroup calls alike
         try:
-            while time.monotonic() < deadline:
-                if current.role == "leader":
-                    group = await self._lead(current, me, bandwidth_bps, expected_peers, deadline, unreachable)
+            async with overall:
+                await self.dht.store(round_key(self.run, step, params_hash), self.peer_id, registration,
+                                     ttl=timeout + self.reduce_timeout)
+                while True:
+                    if current.role == "leader":
+                        # A leader closes a little before the overall deadline: the close must not race it.
+                        close_by = deadline - min(REPLY_MARGIN, timeout / 10)
+                        group = await self._lead(current, me, bandwidth_bps, expected_peers, close_by, unreachable)
+                        if group is not None:
+                            return group
+                        yielded = True
+                    registrants = await self._reachable_registrants(current, unreachable)
+                    lowest = next(iter(registrants), None)
+                    if self.address and not yielded and (lowest is None or lowest > self.peer_id):
+                        current.role = "leader"
+                        continue
+                    yielded = False
+                    if lowest is None:  # client mode and no reachable registrant yet
+                        await self._wait(current, POLL_SECONDS)
+                        continue
+                    target = averaging_pb2.Redirect(peer_id=lowest, address=registrants[lowest])
+                    group = await self._follow(current, request, target, deadline)
                     if group is not None:
                         return group
-                    yielded = True
-                registrants = await self._reachable_registrants(current, unreachable)
-                lowest = next(iter(registrants), None)
-                if self.address and not yielded and (lowest is None or lowest > self.peer_id):
-                    current.role = "leader"
-                    continue
-                yielded = False
-                if lowest is None:  # client mode and no reachable registrant yet
+                    if current.role == "leader":  # somebody joined us while we were trying
+                        continue
+                    unreachable.add(lowest)
+                    current.role = "undecided"
                     await self._wait(current, POLL_SECONDS)
-                    continue
-                target = averaging_pb2.Redirect(peer_id=lowest, address=registrants[lowest])
-                group = await self._follow(current, request, target, deadline)
-                if group is not None:
-                    return group
-                if current.role == "leader":  # somebody joined us while we were trying
-                    continue
-                unreachable.add(lowest)
-                current.role = "undecided"
-                await self._wait(current, POLL_SECONDS)
-            raise MatchmakingError(f"no group formed for step {step} within {timeout:.1f}s")
+        except TimeoutError:
+            if not overall.expired():
+                raise
+            raise MatchmakingError(f"no group formed for step {step} within {timeout:.1f}s") from None
         finally:
             current.role = "closed"
             for follower in current.followers.values():
@@ -261,9 +285,10 @@ class Matchmaker:
 
     async def _wait(self, current: _Round, seconds: float) -> None:
         current.changed.clear()
-        try:
-            await asyncio.wait_for(current.changed.wait(), seconds)
-        except asyncio.TimeoutError:
+        try:  # not wait_for: on Python 3.11 it can swallow a cancel that comes with the event
+            async with asyncio.timeout(seconds):
+                await current.changed.wait()
+        except TimeoutError:
             pass
 
     async def _follow(self, current: _Round, request: averaging_pb2.JoinRequest,
@@ -276,10 +301,11 @@ class Matchmaker:
             current.role, current.leader = "follower", target
             self._redirect_followers(current, target)
             stub = averaging_pb2_grpc.AveragingStub(self.channel_for(target.address))
-            # The leader closes by its own deadline; allow a little more than ours for its answer.
-            remaining = max(1.0, deadline - time.monotonic()) + 5.0
+            # We wait no longer than our own deadline, and say so: the leader closes before it.
+            remaining = max(0.0, deadline - time.monotonic())
+            request.wait_s = remaining
             try:
-                response = await stub.JoinGroup(request, timeout=remaining)
+                response = await stub.JoinGroup(request, timeout=max(0.01, remaining))
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.FAILED_PRECONDITION:  # used only for incompatibility
                     raise IncompatiblePeer(f"peer {target.peer_id} at {target.address} refused to average with "
@@ -305,9 +331,10 @@ class Matchmaker:
                 if quorum_at is not None:
                     self.straggle_history.append(now - quorum_at)
                 break
-            if now >= deadline:
+            close_at = self._close_at(current, deadline)
+            if now >= close_at:
                 break
-            if quorum_at is None and len(joined) >= max(2, int(self.quorum * len(expected))):
+            if quorum_at is None and len(joined) >= max(2, math.ceil(self.quorum * len(expected))):
                 quorum_at = now
             if quorum_at is not None and now - quorum_at >= self.straggler_wait():
                 # Not recorded in the history: only complete arrivals measure how long stragglers take.
@@ -327,7 +354,7 @@ class Matchmaker:
                     self._redirect_followers(current, averaging_pb2.Redirect(peer_id=lower[0], address=others[lower[0]]))
                 current.role = "undecided"
                 return None
-            await self._wait(current, min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+            await self._wait(current, min(POLL_SECONDS, max(0.0, close_at - time.monotonic())))
         current.role = "closed"
         members = [me, *(self._member(f.request, p) for p, f in current.followers.items() if not f.reply.done())]
         bandwidth = {p: f.request.bandwidth_bps for p, f in current.followers.items()} | {self.peer_id: my_bandwidth}
@@ -347,6 +374,12 @@ class Matchmaker:
         assert mine is not None
         self.led_last_group = True
         return mine
+
+    @staticmethod
+    def _close_at(current: _Round, deadline: float) -> float:
+        """When a leader must close: its own deadline, or just before its first follower gives up."""
+        ends = [t - REPLY_MARGIN for f in current.followers.values() if (t := f.gives_up_at) is not None]
+        return min([deadline, *ends])
 
     def straggler_wait(self) -> float:
         """How long a leader with a quorum waits for the rest: twice the 90th percentile of what

@@ -58,8 +58,10 @@ class DownloadSlots:
                 next_expiry = min((l.expires_at for l in self._open if not l.expired(now)), default=deadline)
                 if now >= deadline:
                     raise SlotsBusy(f"{active} download(s) in progress and {overdue} overdue; limit {self.limit}")
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), max(0.01, min(deadline, next_expiry) - now))
+                # Not wait_for: on Python 3.11 it can swallow a cancel that comes with the notify.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.01, min(deadline, next_expiry) - now)):
+                        await self._changed.wait()
             lease = Lease(time.monotonic() + self.lease_seconds)
             self._open.add(lease)
         try:

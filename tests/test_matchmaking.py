@@ -325,3 +325,79 @@ def test_handshake_names_protocol_version_and_differing_keys():
     garbled.run_config_json = "not json"
     with pytest.raises(IncompatiblePeer, match="no readable run config"):
         ours.check(garbled)
+
+
+# -- one overall deadline -----------------------------------------------------------------------
+
+
+class StallingDHT(MemoryDHT):
+    """A DHT whose reads (and, with ``stall_store``, writes) never answer: a stuck DHT process."""
+
+    def __init__(self, stall_store: bool = False) -> None:
+        super().__init__()
+        self.stall_store = stall_store
+
+    async def store(self, key, subkey, value, ttl):
+        if self.stall_store:
+            await asyncio.Event().wait()
+        return await super().store(key, subkey, value, ttl)
+
+    async def get(self, key):
+        await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize("stall_store", [False, True])
+def test_a_stuck_dht_ends_in_matchmaking_error_at_the_deadline(stall_store):
+    """DHT calls count against the one matchmaking deadline (run() gives up after 5 s)."""
+    async def scenario():
+        peer = Peer("peer-00", NUMEL, "int8", StallingDHT(stall_store))
+        await peer.start()
+        try:
+            with pytest.raises(MatchmakingError, match="within 0.5s"):
+                await peer.form(0, {"peer-00", "peer-01"}, timeout=0.5)
+        finally:
+            await peer.stop()
+
+    run(scenario(), 5)
+
+
+def test_a_follower_gives_up_at_its_own_deadline_when_the_leader_never_answers():
+    """A leader that takes the JoinGroup call and never closes: the follower's call ends at the
+    follower's deadline (no margin on top of it; run() gives up after 4 s, the old margin was 5 s)."""
+    async def scenario():
+        dht = MemoryDHT()
+        leader, follower = await start_peers(2, NUMEL, dht=dht)
+        stuck = asyncio.Event()
+
+        async def never_closes(request, context):
+            stuck.set()
+            await asyncio.Event().wait()
+
+        leader.matchmaker.handle_join = never_closes
+        await dht.store(round_key("test", 0), leader.peer_id, {"address": leader.matchmaker.address}, ttl=60)
+        try:
+            with pytest.raises(MatchmakingError):
+                await follower.form(0, {leader.peer_id, follower.peer_id}, timeout=1.0)
+            assert stuck.is_set()
+        finally:
+            await stop_peers([leader, follower])
+
+    run(scenario(), 4)
+
+
+def test_a_leader_closes_before_its_follower_gives_up():
+    """The leader would wait 30 s for a third expected peer that never comes; its follower waits
+    only 1.5 s. The leader closes before the follower leaves, and both hold the same group."""
+    async def scenario():
+        dht = MemoryDHT()
+        leader, follower = await start_peers(2, NUMEL, dht=dht)
+        expected = {leader.peer_id, follower.peer_id, "peer-99"}
+        try:
+            leading = asyncio.create_task(leader.form(0, expected, timeout=30))
+            await dht.wait_stored(round_key("test", 0), {leader.peer_id})
+            groups = await asyncio.gather(follower.form(0, expected, timeout=1.5), leading)
+            assert_one_group(groups, {leader.peer_id, follower.peer_id})
+        finally:
+            await stop_peers([leader, follower])
+
+    run(scenario(), 10)
