@@ -240,3 +240,15 @@ def test_rendered_default_config_round_trips(tmp_path):
     assert parsed["sync"]["codec"] == Config().sync.codec
     path = write(tmp_path, text)
     assert load_config(path, environ={}) == Config()
+
+
+def test_rendered_config_documents_the_model_and_data_plug_ins(tmp_path):
+    text = render_default_config()
+    for key in ("factory", "factory_kwargs", "hf_config", "hf_pretrained", "format", "tokenizer", "token_dtype",
+                "field", "micro_batches"):
+        assert f"{key} = " in text, key
+    # The rendered file names preset = "tiny" explicitly; adding a model of another kind still works.
+    model_json = tmp_path / "config.json"
+    model_json.write_text('{"model_type": "llama"}')
+    path = write(tmp_path, text.replace('[model]\n', f'[model]\nhf_config = "{model_json}"\n', 1))
+    assert load_config(path, environ={}).model.kind == "hf_config"
