@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from lowcomm.node.config import load_config
+from lowcomm.protocol import accumulator
 from lowcomm.protocol import aggregation as agg
-from lowcomm.protocol import allreduce
 from lowcomm.protocol.aggregation import Aggregated, Aggregation, aggregate, lower_median
 from lowcomm.protocol.validate import ContributionRejected, check_norm, contribution_norm
 
@@ -298,7 +298,7 @@ def test_an_average_that_cannot_be_published_is_skipped_by_every_member(monkeypa
         out = aggregate(contributions, settings_)
         return Aggregated(torch.full_like(out.average, math.inf), out.used, out.rejected)
 
-    monkeypatch.setattr(allreduce, "aggregate", overflowing)
+    monkeypatch.setattr(accumulator, "aggregate", overflowing)  # where the owner aggregates
 
     async def scenario():
         peers = await start_peers(3, numel, "fp32")
