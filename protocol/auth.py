@@ -133,7 +133,12 @@ def _canonical(value: Any) -> bytes:
 
 
 class RunAuth:
-    """The run secret's keys: mints and checks RPC tokens, signs and checks DHT record values."""
+    """The run secret's keys: mints and checks RPC tokens, signs and checks DHT record values.
+
+    ``clock``: wall-clock seconds as every peer of the run reads them. The node passes its swarm
+    time (its clock corrected by the offset measured from its bootstrap peers, node/clock.py), so
+    a volunteer whose clock is minutes off still mints tokens inside ``skew``.
+    """
 
     def __init__(self, secret: bytes, skew: float = DEFAULT_SKEW, clock: Callable[[], float] = time.time,
                  replay_cache: ReplayCache | None = None) -> None:

@@ -46,6 +46,20 @@ def test_too_large_an_offset_or_disagreeing_peers_stop_the_node_with_the_offset_
     assert describe(7300.0) == "2 h 1 min behind" and describe(-4.04) == "4.0 s ahead of"
 
 
+def test_hivemind_refusing_a_bootstrap_peer_becomes_one_line():
+    from hivemind.dht.protocol import ValidationError
+
+    from lowcomm.node.cli import _validation_message
+
+    # hivemind's own text, as its bootstrap ping raises it when the offset was not corrected
+    clock = ValidationError("local time must be within 3 seconds  of others(local: 1000300.00000, peer: 1000000.00000)")
+    line = _validation_message(clock)
+    assert "5 min 0.0 s ahead of a bootstrap peer's (300.0 s" in line and "synchronise" in line
+    firewall = ValidationError("Peer QmX can't access this node. Probably, libp2p has failed to bypass the firewall")
+    assert "--client-mode" in _validation_message(firewall)
+    assert "\n" not in line + _validation_message(firewall) + _validation_message(ValidationError("other"))
+
+
 # -- real nodes on shifted clocks --------------------------------------------------------------------
 
 
