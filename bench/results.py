@@ -4,7 +4,7 @@
     python bench/results.py [--in-dir bench/out] [--out bench/RESULTS.md] [--plots bench/plots]
 
 Takes the newest run (``run_id``) of each benchmark in ``--in-dir`` (convergence.jsonl,
-slow_links.jsonl, transport.jsonl, codecs.jsonl, overlap.jsonl, standard.jsonl), writes the tables, checks
+slow_links.jsonl, transport.jsonl, codecs.jsonl, overlap.jsonl, soak.jsonl, standard.jsonl), writes the tables, checks
 the issue's goals against the numbers (met / missed, never asserted), draws the plots, and
 appends bench/analysis.md (the hand-written reading of the profile of the committed run).
 """
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import plots
 from common import BENCH, OUT, now_iso, read_jsonl
+from soak import soak_section
 
 GOAL_LOSS = 0.04
 GOAL_BYTES = 190
@@ -518,14 +519,15 @@ def main(argv: list[str] | None = None) -> int:
     over = newest(read_jsonl(args.in_dir / "overlap.jsonl"))
     other_overlap = {path.name: newest(read_jsonl(path)) for path in sorted(args.in_dir.glob("overlap-*.jsonl"))}
     standard = newest(read_jsonl(args.in_dir / "standard.jsonl"))
+    soak = [r for r in newest(read_jsonl(args.in_dir / "soak.jsonl")) if r.get("kind") == "summary"]
     goals: list[str] = []
     body = (convergence_section(conv, plot_dir, goals) + slow_links_section(slow, plot_dir, goals)
             + transport_section(trans, slow, plot_dir, goals) + codecs_section(cod)
-            + overlap_section(over, plot_dir, goals, other_overlap))
+            + overlap_section(over, plot_dir, goals, other_overlap) + soak_section(soak))
     lines = ["# Benchmark results", "",
              "Generated from the JSON lines in bench/out/ by `python bench/results.py`; how each number is "
              "measured is in bench/README.md. Goals are reported, not asserted.", ""]
-    lines += machine_section(conv + slow + trans + cod + over, standard)
+    lines += machine_section(conv + slow + trans + cod + over + soak, standard)
     lines += ["## Goals", "", *goals, ""]
     lines += body
     if args.analysis.exists():
