@@ -79,8 +79,9 @@ def _validation_message(err: Exception) -> str:
     times = re.search(r"local: ([0-9.]+), peer: ([0-9.]+)", text)
     if times:
         offset = float(times.group(2)) - float(times.group(1))
+        # Only when the node could not measure its offset before hivemind's check (node/clock.py).
         return (f"this machine's clock is {describe(offset)} a bootstrap peer's ({abs(offset):.1f} s; hivemind's "
-                f"DHT allows 3 s and the offset was not corrected, see max_clock_offset): {FIX}")
+                f"DHT allows 3 s and the offset could not be measured to correct it): {FIX}")
     if "can't access this node" in text:
         return (f"a bootstrap peer cannot connect back to this node's DHT port ({text.split('.')[0]}); open the "
                 f"port in the firewall or NAT, or join with --client-mode")
