@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from lowcomm.node.config import ConfigError, load_config
 from lowcomm.node.data import DataError, ShardSampler, TokenArray, eval_batches, load_data
@@ -156,3 +157,32 @@ def test_hf_dataset_of_token_ids_is_tail_split(tmp_path):
         load_data(data_section("data.format=hf", f"data.path={tmp_path / 'ds'}", "data.field=body"))
     with pytest.raises(DataError, match="not a directory written by save_to_disk"):
         load_data(data_section("data.format=hf", f"data.path={tmp_path}"))
+
+
+def mapped_rss(path: Path) -> int:
+    """Resident bytes of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isdigit() or line[:1] in "abcdef" and "-" in line.split()[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc/self/smaps")
+def test_drawing_batches_keeps_no_pages_of_a_tokens_file_resident(tmp_path):
+    ids = (np.arange(4_000_000) % 50_000).astype(np.uint16)  # 8 MB
+    path = tmp_path / "big.bin"
+    ids.tofile(path)
+    corpus = load_data(data_section("data.format=tokens", f"data.path={path}"))
+    assert mapped_rss(path) == 0
+    held_out = eval_batches(corpus.eval, 16, 8, 2)
+    sampler = ShardSampler(corpus.train, 16, 8, shards=4, peer_key="p", seed=0)
+    corpus.train.windows(np.array([0, 1_000_000, 3_000_000]), 16)
+    assert mapped_rss(path) > 0  # reading a window maps its pages ...
+    for _ in range(20):
+        inputs, targets = sampler.next_batch()
+        assert mapped_rss(path) == 0  # ... and every batch lets them go
+        assert (inputs[:, 1:] == targets[:, :-1]).all() and (inputs < 50_000).all()
+    assert (held_out[0][0][0] == torch.from_numpy(ids[len(corpus.train):len(corpus.train) + 16].astype(np.int64))).all()
