@@ -11,11 +11,12 @@ import io
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAGIC = b"LOWCOMM-CKPT-1\n"
 KEEP = 2
@@ -86,9 +87,18 @@ def read(path: Path) -> dict[str, Any]:
 
 def load_latest(directory: Path) -> tuple[dict[str, Any], Path] | None:
     """The newest checkpoint that passes its hash check; logs every file it had to skip."""
+    return load_newest(directory, lambda payload: payload)
+
+
+def load_newest(directory: Path, parse: Callable[[dict[str, Any]], T]) -> tuple[T, Path] | None:
+    """``parse`` of the newest checkpoint whose file hash checks out *and* that ``parse``
+    accepts (it raises ``KeyError``/``ValueError``/``CheckpointError`` for a payload it cannot
+    use, e.g. parameters that do not match the hash stored with them): a damaged newest
+    checkpoint falls back to the previous one, never straight to the initial weights.
+    Every skipped file is logged. Other exceptions of ``parse`` propagate."""
     for path in reversed(list_checkpoints(directory)):
         try:
-            return read(path), path
-        except (CheckpointError, OSError, RuntimeError, EOFError) as err:
+            return parse(read(path)), path
+        except (CheckpointError, OSError, RuntimeError, EOFError, KeyError, ValueError) as err:
             log.warning("skipping checkpoint %s: %s; falling back to an older one or to peer state", path.name, err)
     return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -45,6 +46,7 @@ from .errors import FatalError
 from .config import Config
 from .cancel import cancel_and_wait
 from .evaluator import Evaluator
+from .executors import TrackedThreadPool, shutdown_without_blocking
 from .globalstate import GlobalState
 from .grpc_metrics import HandledCounter
 from .metrics import NodeMetrics, serve_metrics
@@ -58,6 +60,9 @@ from .trainer import Trainer
 
 log = logging.getLogger("lowcomm.node")
 T = TypeVar("T")
+
+FORCED_EXIT_SECONDS = 10.0  # after a second stop signal, the process ends within this time
+EXIT_FORCED = 130  # exit status when the watchdog had to end the process
 
 
 class Node(RoundLoop):
@@ -85,13 +90,19 @@ class Node(RoundLoop):
                                      ) if self.auth else []
         self.channels = ChannelPool(tokens, tls)
         self.train_thread = TrainThread(config.node.compute_niceness)
-        self.codec_executor = ThreadPoolExecutor(2, thread_name_prefix="lowcomm-codec")
+        # Tracked: an abandoned round's jobs must end before its residual is rolled back (rounds.py).
+        self.codec_executor = TrackedThreadPool(2, thread_name_prefix="lowcomm-codec")
         # Eval of θ_global and checkpoint writes, one at a time and in commit order, so that the
         # training thread never stops for them.
         self.report_executor = ThreadPoolExecutor(1, thread_name_prefix="lowcomm-report",
                                                   initializer=lower_priority, initargs=(config.node.compute_niceness,))
         self.reports = ReportQueue(self.report_executor)  # newest wins: bounded copies of the state
+        self._committing: asyncio.Task | None = None  # the local part of the last round (rounds.py)
+        self._round_undo = None  # set while an all-reduce may write our residual (rounds._RoundUndo)
+        self._pending = None  # overlapped mode: the round running in the background (rounds._Pending)
+        self._main_task: asyncio.Task | None = None
         self.stop_requested = asyncio.Event()
+        self.force_stop = asyncio.Event()  # a second stop signal: no grace period any more
         self.stop_training = threading.Event()  # read by the training thread between inner steps
         self.phase = "starting"
         self.address = ""
@@ -103,6 +114,8 @@ class Node(RoundLoop):
         self.last_contribution: tuple[int, torch.Tensor] | None = None
         self.consensus_distance = math.nan  # gossip mode: relative L2 distance to the last partners
         self._nan_injected = False
+        # Checkpoints exist but none is usable: the state must come from the swarm (_restore).
+        self.must_download = False
         self._rounds_tried: set[int] = set()  # recent steps whose round this node started
         self.gossip = None  # a GossipMode (node/gossip_mode.py) when [sync] mode = "gossip"
         self.tokens_since_round = 0
@@ -137,11 +150,26 @@ class Node(RoundLoop):
 
     def request_stop(self) -> None:
         if self.stop_requested.is_set():
+            self._force_stop()
             return
         log.info("stop requested: finishing or abandoning the round in flight (grace %.0fs)",
                  self.config.node.grace_period)
         self.stop_requested.set()
         self.stop_training.set()
+
+    def _force_stop(self) -> None:
+        """A second SIGINT/SIGTERM: abandon whatever runs now, save and exit within seconds. A
+        watchdog makes sure of it even if something blocks: the DHT process and p2pd die with us
+        (node/dht.py) and the checkpoint directory is only ever replaced atomically."""
+        if self.force_stop.is_set():
+            return
+        log.warning("second stop signal: abandoning everything, exiting within %.0fs", FORCED_EXIT_SECONDS)
+        self.force_stop.set()
+        if self._main_task is not None:
+            self._main_task.cancel()
+        watchdog = threading.Timer(FORCED_EXIT_SECONDS, os._exit, args=(EXIT_FORCED,))
+        watchdog.daemon = True
+        watchdog.start()
 
     def _on_reject(self, reason: str, sender: str, detail: str) -> None:
         self.metrics.rejected_contributions.labels(reason=reason).inc()
@@ -167,15 +195,24 @@ class Node(RoundLoop):
             self.donor.publish(await self.in_codec_pool(self.state.snapshot))
             self._announce(metrics_port)
             heartbeat = asyncio.create_task(self._heartbeat(), name="heartbeat")
+            training = False
             try:
                 await self._catch_up(initial=True)
                 await self.health.set(HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
                 self.training_since = time.monotonic()
-                await self._main_loop()
+                training = True
+                self._main_task = asyncio.create_task(self._main_loop(), name="main-loop")
+                try:
+                    await self._main_task
+                except asyncio.CancelledError:
+                    if not self.force_stop.is_set():
+                        raise  # cancelled from outside, not by a second signal
             finally:
                 await cancel_and_wait(heartbeat, self._reconnecting)
-            await self._reports_written()
-            await self._shutdown()
+                if training:  # also after a failure: what the node learnt is saved
+                    await self._stop_rounds()
+                    await self._reports_written()
+                    await self._shutdown()
             return 0
         finally:
             if server is not None:
@@ -184,33 +221,44 @@ class Node(RoundLoop):
             if metrics_server is not None:
                 metrics_server.shutdown()
             await self.channels.close()
-            self.train_thread.shutdown()
-            self.codec_executor.shutdown(wait=True, cancel_futures=True)
-            self.report_executor.shutdown(wait=True, cancel_futures=True)
+            await asyncio.to_thread(self.train_thread.shutdown)
+            await shutdown_without_blocking(self.codec_executor, self.report_executor)
 
     def _restore(self) -> GlobalState:
-        """Runs in the training thread: the newest good checkpoint, or the seed's initial weights."""
+        """Runs in the training thread: the newest usable checkpoint (a damaged newest one falls
+        back to the previous one), or the seed's initial weights when there is none. When
+        checkpoints exist but none is usable, the node says so and must download the swarm's
+        state (``_catch_up``) rather than silently start over."""
         cfg = self.config
         for stale in checkpoint.remove_stale_temporaries(cfg.node.checkpoint_dir):
             log.info("removed %s, left by an interrupted checkpoint write", stale.name)
-        found = checkpoint.load_latest(cfg.node.checkpoint_dir)
-        if found is not None:
-            payload, path = found
+
+        def parse(payload: dict[str, Any]) -> tuple[GlobalState, dict[str, Any]]:
             if payload.get("config_fingerprint") != cfg.run_fingerprint():
                 raise FatalError(
-                    f"checkpoint {path} belongs to another run config; use another --checkpoint-dir "
-                    f"or the run config it was made with"
+                    f"a checkpoint in {cfg.node.checkpoint_dir} belongs to another run config; use another "
+                    f"--checkpoint-dir or the run config it was made with"
                 )
-            try:
-                state = GlobalState.from_checkpoint(payload, cfg.sync.outer_lr, cfg.sync.outer_momentum)
-            except (KeyError, ValueError) as err:
-                log.warning("checkpoint %s unusable (%s); starting from the initial weights or peer state", path, err)
-            else:
-                self.trainer.set_params(state.params)
-                self.trainer.load_local_state(payload["trainer"])
-                self.tokens_total = int(payload.get("tokens_total", 0))
-                log.info("resumed from checkpoint %s (outer step %d)", path, state.step)
-                return state
+            if not isinstance(payload.get("trainer"), dict):
+                raise KeyError("trainer state missing")
+            return GlobalState.from_checkpoint(payload, cfg.sync.outer_lr, cfg.sync.outer_momentum), payload
+
+        found = checkpoint.load_newest(cfg.node.checkpoint_dir, parse)
+        if found is not None:
+            (state, payload), path = found
+            self.trainer.set_params(state.params)
+            self.trainer.load_local_state(payload["trainer"])
+            self.tokens_total = int(payload.get("tokens_total", 0))
+            log.info("resumed from checkpoint %s (outer step %d)", path, state.step,
+                     extra={"event": "resumed", "outer_step": state.step, "params_sha256": state.params_hash,
+                            "checkpoint": path.name})
+            return state
+        damaged = checkpoint.list_checkpoints(cfg.node.checkpoint_dir)
+        if damaged:
+            self.must_download = True
+            log.error("no usable checkpoint in %s (%d damaged file(s) skipped): the node downloads the swarm's "
+                      "state instead of starting over", cfg.node.checkpoint_dir, len(damaged),
+                      extra={"event": "checkpoints_unusable"})
         return GlobalState.fresh(self.trainer.get_params(), cfg.sync.outer_lr, cfg.sync.outer_momentum)
 
     async def _start_server(self) -> grpc.aio.Server:
@@ -289,9 +337,10 @@ class Node(RoundLoop):
     # -- the swarm view -----------------------------------------------------------------------
 
     def my_record(self, leaving: bool = False) -> PeerRecord:
+        step, digest = self.state.published()  # together: never a new step with the old hash
         return PeerRecord(
-            peer_id=self.peer_id, address=self.address, outer_step=self.state.step,
-            params_sha256=self.state.params_hash, bandwidth_bps=self.bandwidth_bps,
+            peer_id=self.peer_id, address=self.address, outer_step=step,
+            params_sha256=digest, bandwidth_bps=self.bandwidth_bps,
             tokens_per_second=self.tokens_per_second, protocol_version=PROTOCOL_VERSION,
             config_fingerprint=self.identity.config_fingerprint, phase=self.phase, leaving=leaving,
         )
@@ -351,6 +400,11 @@ class Node(RoundLoop):
         if initial:
             await self._handshake(view)
         others = {pid: p for pid, p in view.peers.items() if pid != self.peer_id}
+        if initial and self.must_download and not others:
+            raise FatalError(
+                f"no usable checkpoint in {self.config.node.checkpoint_dir} and no peer to download the swarm's "
+                f"state from: join a live swarm with --peers, or move the damaged checkpoint files away to "
+                f"start over from the initial weights")
         if not others:
             return
         target = max(p.outer_step for p in others.values())
@@ -426,6 +480,7 @@ class Node(RoundLoop):
 
         await self.in_train_thread(adopt)
         self.donor.publish(await self.in_codec_pool(self.state.snapshot))
+        self.must_download = False
         self.metrics.state_downloads.inc()
         self.metrics.state_download_bytes.inc(got.bytes_downloaded)
         self.metrics.outer_step.set(self.state.step)
@@ -455,6 +510,24 @@ class Node(RoundLoop):
         GPU memory, and torch.save would copy it to the CPU anyway."""
         return cpu_copy(self.trainer.local_state())
 
+    async def _stop_rounds(self) -> None:
+        """Whatever round is still in flight (a failure or a forced stop interrupted the loop):
+        cancel it, wait for the work it left running and roll it back, so that the shutdown
+        checkpoint holds a consistent state."""
+        if self._main_task is not None:
+            await cancel_and_wait(self._main_task)
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.task is not None:
+            await cancel_and_wait(pending.task)
+        await self._settle_state()
+        if pending is not None:
+            committed = pending.commit is not None and not pending.commit.cancelled()
+            if not committed:
+                self._return_weight(pending)
+            # Before the shutdown fold: the local model takes the committed average (or loses the
+            # eager step of a round that averaged nothing), so that no progress is counted twice.
+            await self.in_train_thread(self._merge, pending, committed)
+
     async def _reports_written(self) -> None:
         """Wait for the evals and checkpoints of committed rounds still being written (the newest
         checkpoint is always among them: node/reports.py)."""
@@ -472,8 +545,9 @@ class Node(RoundLoop):
 
         await self.in_train_thread(fold_and_save)
         try:
-            await asyncio.wait_for(self.publish_record(leaving=True), 5.0)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(2.0 if self.force_stop.is_set() else 5.0):
+                await self.publish_record(leaving=True)
+        except TimeoutError:
             pass
         log.info("stopped cleanly at outer step %d (checkpoint in %s)", self.state.step,
                  self.config.node.checkpoint_dir, extra={"event": "node_stopped", "outer_step": self.state.step})
@@ -488,12 +562,13 @@ class Node(RoundLoop):
             for p in sorted(self.view.peers.values(), key=lambda p: p.peer_id)
         ]
         state = getattr(self, "state", None)
+        step, digest = state.published() if state else (0, "")
         return node_pb2.NodeStatus(
-            peer_id=self.peer_id, outer_step=state.step if state else 0,
-            params_sha256=state.params_hash if state else "",
+            peer_id=self.peer_id, outer_step=step,
+            params_sha256=digest,
             swarm_peers=len({p.peer_id for p in swarm} | {self.peer_id}), loss=self.last_loss,
             eval_loss=self.last_eval, tokens_total=self.tokens_total, phase=self.phase,
-            swarm_outer_step_max=max(self.view.max_step, state.step if state else 0),
+            swarm_outer_step_max=max(self.view.max_step, step),
             rounds_completed=self.rounds_completed, tokens_per_second=self.tokens_per_second, swarm=swarm,
             multiaddrs=self.multiaddrs, codec=self.config.sync.codec,
             mode=self.config.sync.mode, consensus_distance=self.consensus_distance, version=__version__,

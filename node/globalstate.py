@@ -7,7 +7,8 @@ shard averages did not deliver yet).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +25,18 @@ class GlobalState:
     residual: torch.Tensor  # sender-side error feedback
     owner_residual: torch.Tensor  # reducer-side error feedback of the shards this peer owns
     params_hash: str
+    # Step and hash change together: the heartbeat (event loop) reads them while a download is
+    # adopted in the training thread, and must never announce a new step with the old hash.
+    _published: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def published(self) -> tuple[int, str]:
+        """(step, params hash), read together."""
+        with self._published:
+            return self.step, self.params_hash
+
+    def _set_published(self, step: int, digest: str) -> None:
+        with self._published:
+            self.step, self.params_hash = step, digest
 
     @classmethod
     def fresh(cls, params: torch.Tensor, lr: float, momentum: float) -> "GlobalState":
@@ -32,18 +45,20 @@ class GlobalState:
                    torch.zeros(numel), torch.zeros(numel), params_sha256(params))
 
     def adopt(self, step: int, params: torch.Tensor, momentum: torch.Tensor) -> None:
-        """Take over the swarm's state (a download); our residuals stay: they are still our work."""
-        self.step = step
-        self.params = params.clone()
+        """Take over the swarm's state (a download); our residuals stay: they are still our work.
+        Runs off the event loop (hashing the parameters is slow for large models)."""
+        params = params.clone()
+        digest = params_sha256(params)
+        self.params = params
         self.outer.buffer = momentum.clone()
         self.owner_residual.zero_()
-        self.params_hash = params_sha256(self.params)
+        self._set_published(step, digest)
 
     def commit(self, params_hash: str | None = None) -> None:
         """The next step: θ_global now holds its result. ``params_hash`` when already computed
         (elsewhere, off the event loop), so that step and hash change together."""
         digest = params_hash or params_sha256(self.params)
-        self.step, self.params_hash = self.step + 1, digest
+        self._set_published(self.step + 1, digest)
 
     def snapshot(self) -> Snapshot:
         return Snapshot.build(self.step, self.params, self.outer.buffer)

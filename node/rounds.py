@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -45,6 +46,9 @@ class _Pending:
     step: int
     weight: float  # tokens the round's Δ stands for (given back to the next round if it fails)
     task: asyncio.Task | None = None  # _round_in_background: the round, its commit, the local shift
+    # Once the averages are in: apply, commit and report, shielded (local work always finishes).
+    commit: asyncio.Task | None = None
+    weight_returned: bool = False  # the weight went back to tokens_since_round (exactly once)
     merged: bool = False  # the local model holds the round's outcome (shifted, or the eager step undone)
 
 
@@ -58,6 +62,24 @@ class RoundReport:
     allreduce_seconds: float = 0.0
     matchmaking_seconds: float = 0.0
     tokens: float = 0.0  # what this node's Δ stood for (its weight in the round)
+
+
+@dataclass
+class RoundOutcome:
+    """The network part of a round, done: what ``_apply_and_commit`` turns into the next step."""
+
+    report: RoundReport
+    # Codec pool: the outer step on θ_global (returns the number of skipped shards); None when
+    # the round already changed the state itself (gossip mode shields and waits for its own work).
+    apply: Callable[[], int] | None = None
+
+
+@dataclass
+class _RoundUndo:
+    """How to take back what an abandoned all-reduce wrote into our residual: its value before."""
+
+    fragment: slice
+    residual: torch.Tensor
 
 
 class RoundLoop:
@@ -75,12 +97,12 @@ class RoundLoop:
             prepared = await self._prepare_round()
             if prepared is None:
                 continue
-            fragment, delta = prepared
-            report = await self._with_grace(self._round(fragment, delta, float(self.tokens_since_round)))
-            if report is not None:
+            fragment, delta, _ = prepared
+            outcome = await self._with_grace(self._round(fragment, delta, float(self.tokens_since_round)))
+            if outcome is not None:
                 self.tokens_since_round = 0
-                frozen = await self._commit_global()
-                await self._finish_commit(report, fragment, frozen, reset_local=True)
+                frozen = await self._shielded_commit(self._apply_and_commit(outcome))
+                await self._finish_commit(outcome.report, fragment, frozen, reset_local=True)
 
     def _should_stop(self) -> bool:
         max_rounds = self.config.node.max_rounds
@@ -89,23 +111,62 @@ class RoundLoop:
             return True
         return self.stop_requested.is_set()
 
-    async def _with_grace(self, coro) -> RoundReport | None:
-        """Run a round; on a stop request it gets the grace period, then it is abandoned."""
+    async def _with_grace(self, coro) -> RoundOutcome | None:
+        """Run a round's network part; on a stop request it gets the grace period (a second
+        signal ends that at once), then it is abandoned and rolled back (``_settle_state``)."""
         round_task = asyncio.create_task(coro, name="round")
-        stop_task = asyncio.create_task(self.stop_requested.wait())
         try:
-            await asyncio.wait({round_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-            if not round_task.done():
-                try:
-                    await asyncio.wait_for(asyncio.shield(round_task), self.config.node.grace_period)
-                except asyncio.TimeoutError:
-                    log.warning("abandoning the round in flight")
-                    await cancel_and_wait(round_task)
-                    self.metrics.round_failures.labels(reason="aborted").inc()
-                    return None
-            return round_task.result()
+            if await self._wait_or_stop(round_task):
+                return round_task.result()
+            log.warning("abandoning the round in flight")
+            await cancel_and_wait(round_task)
+            if round_task.cancelled():
+                self.metrics.round_failures.labels(reason="aborted").inc()
+                await self._settle_state()
+                return None
+            return round_task.result()  # it finished just as it was abandoned: keep its result
         finally:
-            stop_task.cancel()
+            if not round_task.done():  # we were cancelled ourselves (a forced stop)
+                await cancel_and_wait(round_task)
+                await self._settle_state()
+
+    async def _wait_or_stop(self, task: asyncio.Task) -> bool:
+        """Wait for ``task``; once a stop is requested, for at most the grace period, and not at
+        all after a second stop signal. Returns whether it is done."""
+        stop = asyncio.create_task(self.stop_requested.wait())
+        force = asyncio.create_task(self.force_stop.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                await asyncio.wait({task, force}, timeout=self.config.node.grace_period,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            return task.done()
+        finally:
+            stop.cancel()
+            force.cancel()
+
+    async def _shielded_commit(self, coro):
+        """Run the local part of a round (outer step, commit) so that it always finishes: a
+        thread cannot be interrupted, and θ_global changed without its commit would be saved
+        with the old step and hash. ``_settle_state`` waits for it if we are cancelled."""
+        self._committing = asyncio.create_task(coro, name="commit")
+        return await asyncio.shield(self._committing)
+
+    async def _settle_state(self) -> None:
+        """After a round was cancelled: wait for the work it left running (a commit, codec jobs
+        in the pool that write θ_global or the residual), then give the residual back its value
+        from before the all-reduce, so that the local progress is counted exactly once (the
+        shutdown fold or the next round sends it) and the checkpoint matches its hash."""
+        if self._committing is not None and not self._committing.done():
+            await asyncio.wait([self._committing])
+        await self.codec_executor.settle()
+        undo, self._round_undo = self._round_undo, None
+        if undo is not None:
+            def restore() -> None:
+                self.state.residual[undo.fragment].copy_(undo.residual)
+
+            await self.in_codec_pool(restore)
+            log.info("rolled back the abandoned round's residual", extra={"event": "round_rolled_back"})
 
     def _next_fragment(self) -> slice:
         """The part of the flat parameters this round syncs: all of it, or fragment (step mod K)."""
@@ -114,16 +175,23 @@ class RoundLoop:
         index = self.state.step % count
         return slice(bounds[index], bounds[index + 1])
 
-    async def _prepare_round(self) -> tuple[slice, torch.Tensor] | None:
-        """Δ of the next fragment at a round boundary; None when the local model diverged."""
+    async def _prepare_round(self) -> tuple[slice, torch.Tensor, torch.Tensor] | None:
+        """(fragment, Δ, local parameters of the fragment) at a round boundary; None when the
+        local model diverged. Whole-tensor arithmetic runs in the training thread, not on the
+        event loop."""
         step = self.state.step
         if os.environ.get("LOWCOMM_FAULT_NAN_ROUND") == str(self.rounds_attempted + 1) and not self._nan_injected:
             # Fault injection for tests: the local model diverges (NaN weights) before this round.
             self._nan_injected = True
             await self.in_train_thread(self.trainer.set_params, torch.full_like(self.state.params, math.nan))
         fragment = self._next_fragment()
-        local = await self.in_train_thread(self._local_params_now)
-        if not bool(torch.isfinite(local).all()):
+
+        def delta_now() -> tuple[bool, torch.Tensor, torch.Tensor]:
+            local = self._local_params_now()[fragment]
+            return bool(torch.isfinite(local).all()), self.state.params[fragment] - local, local
+
+        finite, delta, local = await self.in_train_thread(delta_now)
+        if not finite:
             # A diverged local model never sends: start over from θ_global, keep nothing of it.
             log.error("local model diverged (non-finite weights); resetting it to the global parameters",
                       extra={"event": "diverged", "outer_step": step})
@@ -131,7 +199,7 @@ class RoundLoop:
             self.tokens_since_round = 0
             self.metrics.round_failures.labels(reason="diverged").inc()
             return None
-        return fragment, self.state.params[fragment] - local[fragment]
+        return fragment, delta, local
 
     def _local_params_now(self) -> torch.Tensor:
         """Training thread: the local parameters, after whatever the inbox still had for them."""
@@ -152,13 +220,12 @@ class RoundLoop:
         (``overlap_apply = "arrival"``) or at the next boundary ("boundary"). An inner phase
         ends early when the round of its step already started elsewhere, so that no peer waits
         for a slower one; the training thread waits only for a round more than one step late."""
-        pending: _Pending | None = None
         while True:
-            await self._inner_phase(watch=self._watch_round_start(pending))
+            await self._inner_phase(watch=self._watch_round_start(self._pending))
             failed = False
-            if pending is not None:
-                failed = not await self._finish_overlapped(pending)
-                pending = None
+            if self._pending is not None:
+                failed = not await self._finish_overlapped(self._pending)
+                self._pending = None
             if self._should_stop():
                 break
             if failed or self._behind(self.view):
@@ -166,16 +233,16 @@ class RoundLoop:
             prepared = await self._prepare_round()
             if prepared is None:
                 continue
-            fragment, delta = prepared
-            pending = _Pending(fragment, delta, self.state.params[fragment] - delta, None, self.state.step,
-                               float(self.tokens_since_round))
+            fragment, delta, local = prepared
+            pending = _Pending(fragment, delta, local, None, self.state.step, float(self.tokens_since_round))
             # The tokens of the phase just ended go with this Δ; the next phase counts afresh.
             self.tokens_since_round = 0
             if self.config.sync.overlap == "eager":
-                estimate = self._eager_estimate(fragment, delta)
+                estimate = await self.in_codec_pool(self._eager_estimate, fragment, delta)
                 await self.in_train_thread(self.trainer.set_params_slice, fragment, estimate)
                 pending.estimate = estimate
             pending.task = asyncio.create_task(self._round_in_background(pending), name="background-round")
+            self._pending = pending
 
     def _eager_estimate(self, fragment: slice, delta: torch.Tensor) -> torch.Tensor:
         """Eager updates: where the local model trains on from while the round is on the wire,
@@ -197,16 +264,28 @@ class RoundLoop:
         boundary: peers that reach their boundary first then see us at the new step, with the
         new hash, and start the next round with us instead of averaging without us. With
         ``overlap_apply = "arrival"`` the local model gets the result right away too."""
-        report = await self._round(pending.fragment, pending.delta, pending.weight)
-        if report is None:
-            self.tokens_since_round += pending.weight  # the local model keeps that progress
-        else:
-            frozen = await self._commit_global()
+        outcome = await self._round(pending.fragment, pending.delta, pending.weight)
+        if outcome is None:
+            self._return_weight(pending)  # the local model keeps that progress
+            if self.config.sync.overlap_apply == "arrival":
+                await self.train_thread.run_soon(self._merge, pending, False)
+            return None
+        pending.commit = asyncio.create_task(self._commit_in_background(pending, outcome), name="background-commit")
+        self._committing = pending.commit
+        return await asyncio.shield(pending.commit)
+
+    async def _commit_in_background(self, pending: "_Pending", outcome: RoundOutcome) -> RoundReport:
+        frozen = await self._apply_and_commit(outcome)
         if self.config.sync.overlap_apply == "arrival":
-            await self.train_thread.run_soon(self._merge, pending, report is not None)
-        if report is not None:
-            await self._finish_commit(report, pending.fragment, frozen, reset_local=False)
-        return report
+            await self.train_thread.run_soon(self._merge, pending, True)
+        await self._finish_commit(outcome.report, pending.fragment, frozen, reset_local=False)
+        return outcome.report
+
+    def _return_weight(self, pending: "_Pending") -> None:
+        """A round that averaged nothing: its tokens go with the next round (exactly once)."""
+        if not pending.weight_returned:
+            pending.weight_returned = True
+            self.tokens_since_round += pending.weight
 
     def _merge(self, pending: "_Pending", succeeded: bool) -> None:
         """Training thread: give the local model the round's outcome. θ_global moved from where
@@ -231,18 +310,25 @@ class RoundLoop:
             log.info("the round of step %d is more than one step late; training waits for it", pending.step,
                      extra={"event": "round_late", "outer_step": pending.step})
             self.metrics.round_waits.inc()
-            try:
-                await asyncio.wait_for(asyncio.shield(pending.task),
-                                       None if not self.stop_requested.is_set() else self.config.node.grace_period)
-            except asyncio.TimeoutError:
+            if not await self._wait_or_stop(pending.task):
+                log.warning("abandoning the round in flight")
                 await cancel_and_wait(pending.task)
             self.metrics.round_wait_seconds.inc(time.monotonic() - waited)
-        finished = pending.task.done() and not pending.task.cancelled()
-        report = pending.task.result() if finished else None
-        if not finished:  # abandoned: its Δ stays in the local model (a failed round gave it back itself)
-            self.tokens_since_round += pending.weight
-        await self.in_train_thread(self._merge, pending, report is not None)
-        return report is not None
+        if pending.commit is not None:
+            # The averages were in: the commit always finishes, even when the round was abandoned.
+            await asyncio.wait([pending.commit])
+            pending.commit.result()
+            succeeded = True
+        else:
+            if pending.task.cancelled():  # abandoned in the network part: its Δ stays in the local model
+                self.metrics.round_failures.labels(reason="aborted").inc()
+                await self._settle_state()
+                self._return_weight(pending)
+            else:
+                pending.task.result()  # a failure that is not the round's (e.g. refused by the swarm) ends the node
+            succeeded = False
+        await self.in_train_thread(self._merge, pending, succeeded)
+        return succeeded
 
     def _watch_round_start(self, pending: "_Pending | None"):
         """The watcher of an overlapped inner phase: ends it (sets ``cut``) as soon as another
@@ -357,12 +443,14 @@ class RoundLoop:
         needed = max(1, math.ceil(self.config.sync.quorum * (len(others) + 1)) - 1)
         return bool(others) and averaging >= needed
 
-    async def _round(self, fragment: slice, delta: torch.Tensor, weight: float) -> RoundReport | None:
-        """Average ``delta`` (Δ of ``fragment``, trained on ``weight`` tokens) and apply the outer
-        step to θ_global[fragment].
+    async def _round(self, fragment: slice, delta: torch.Tensor, weight: float) -> RoundOutcome | None:
+        """The network part of a round: average ``delta`` (Δ of ``fragment``, trained on
+        ``weight`` tokens) with a group. ``_apply_and_commit`` then applies the outer step to
+        θ_global[fragment]: separately, because that local work must finish once begun, while
+        this part may be abandoned (``_with_grace``).
 
-        Returns what the round did, or None when it failed before changing anything (the local
-        progress then stays in the local model and goes into the next round).
+        Returns what the round brought, or None when it failed before changing anything (the
+        local progress then stays in the local model and goes into the next round).
         """
         started = time.monotonic()
         self.phase = "averaging"
@@ -374,10 +462,11 @@ class RoundLoop:
         log.debug("round for step %d starts from params %s", step, self.state.params_hash[:8])
         if self.gossip is not None:  # gossip mode: its own partner choice, states differ by design
             report = await self.gossip.round(step, delta, weight)
-            if report is not None:
-                report.seconds = time.monotonic() - started
-                report.tokens = weight
-            return report
+            if report is None:
+                return None
+            report.seconds = time.monotonic() - started
+            report.tokens = weight
+            return RoundOutcome(report)
         if self._behind(await self.refresh_view()):
             # The swarm moved on while we trained, or holds other parameters at our step:
             # averaging now would fork a competing state. Our progress is kept (the catch-up
@@ -415,13 +504,13 @@ class RoundLoop:
                             step, len(others))
                 self.metrics.round_failures.labels(reason="no_group").inc()
                 return None
-            report = await self._solo_step(fragment, delta)
+            outcome = self._solo_step(fragment, delta)
         else:
-            report = await self._allreduce(group, fragment, delta)
-        report.seconds = time.monotonic() - started
-        report.matchmaking_seconds = matchmaking_seconds
-        report.tokens = weight
-        return report
+            outcome = await self._allreduce(group, fragment, delta)
+        outcome.report.seconds = time.monotonic() - started
+        outcome.report.matchmaking_seconds = matchmaking_seconds
+        outcome.report.tokens = weight
+        return outcome
 
     async def _fault_hold(self, step: int, group) -> None:
         """Fault injection for tests: stall inside a round (after the group formed, before sending
@@ -436,29 +525,60 @@ class RoundLoop:
                         extra={"event": "fault_hold", "outer_step": step})
             await asyncio.Event().wait()
 
-    async def _solo_step(self, fragment: slice, delta: torch.Tensor) -> RoundReport:
+    async def _fault_busy_codec(self, step: int, residual: torch.Tensor) -> None:
+        """Fault injection for tests: LOWCOMM_FAULT_BUSY_CODEC_ROUND=<n> makes this process's n-th
+        round with a partner hand the codec pool a job that writes the residual now and again
+        after the grace period of a stop request (like an encode still running when the round is
+        abandoned), then hold the round until it is abandoned."""
+        if len(residual) == 0 or os.environ.get("LOWCOMM_FAULT_BUSY_CODEC_ROUND") != str(self.group_rounds):
+            return
+        grace = self.config.node.grace_period
+
+        def busy() -> None:
+            residual.fill_(math.nan)
+            self.stop_training.wait()
+            time.sleep(grace + 2.0)
+            residual.fill_(math.nan)
+            log.warning("fault injection: the busy codec job ended", extra={"event": "fault_codec_job_done"})
+
+        self.codec_executor.submit(busy)
+        log.warning("fault injection: codec pool busy in the round of step %d", step,
+                    extra={"event": "fault_busy_codec", "outer_step": step})
+        await asyncio.Event().wait()
+
+    def _solo_step(self, fragment: slice, delta: torch.Tensor) -> RoundOutcome:
         """Alone in the swarm: the outer step uses our own Δ (plus what the residual carried)."""
-        def work() -> None:
+        def work() -> int:
             grad = delta + self.state.residual[fragment]
             self.state.residual[fragment].zero_()
             self.state.outer.step_slice(self.state.params, fragment.start, grad)
+            return 0
 
-        await self.in_codec_pool(work)
-        return RoundReport(group_size=1, seconds=0.0, bytes_sent=0, bytes_received=0, skipped_shards=0)
+        return RoundOutcome(RoundReport(group_size=1, seconds=0.0, bytes_sent=0, bytes_received=0, skipped_shards=0),
+                            apply=work)
 
-    async def _allreduce(self, group, fragment: slice, delta: torch.Tensor) -> RoundReport:
+    async def _allreduce(self, group, fragment: slice, delta: torch.Tensor) -> RoundOutcome:
         reduce_started = time.monotonic()
         residual = self.state.residual[fragment]  # views: updated in place by the all-reduce
-        contribution = self.state.residual.clone()
-        contribution[fragment] += delta
+
+        def before() -> tuple[torch.Tensor, torch.Tensor]:
+            contribution = self.state.residual.clone()
+            contribution[fragment] += delta
+            return contribution, residual.clone()
+
+        contribution, residual_before = await self.in_codec_pool(before)
+        # If this all-reduce is abandoned, _settle_state gives the residual this value back.
+        self._round_undo = _RoundUndo(fragment, residual_before)
+        await self._fault_busy_codec(group.step, residual)
         result = await run_allreduce(group, self.peer_id, delta, residual, self.state.owner_residual[fragment],
                                      self.registry, self.channels, self.codec_executor, quorum=self.config.sync.quorum)
+        self._round_undo = None
         sent, received = result.bytes_sent, result.bytes_received
 
         def apply() -> int:
             return apply_averages(self.state, fragment, result)
 
-        skipped = await self.in_codec_pool(apply)
+        skipped = sum(average is None for average in result.averages)
         self.last_contribution = (group.step + 1, contribution)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("round %s from %s: members %s bounds %s averages %s", group.group_id.hex()[:8],
@@ -474,7 +594,14 @@ class RoundLoop:
             self.bandwidth_bps = sent / seconds
         if skipped:
             self.metrics.round_failures.labels(reason="shard_skipped").inc()
-        return RoundReport(len(group.members), 0.0, sent, received, skipped, allreduce_seconds=seconds)
+        return RoundOutcome(RoundReport(len(group.members), 0.0, sent, received, skipped, allreduce_seconds=seconds),
+                            apply=apply)
+
+    async def _apply_and_commit(self, outcome: RoundOutcome) -> dict:
+        """The local part of a round: the outer step on θ_global, then the commit."""
+        if outcome.apply is not None:
+            await self.in_codec_pool(outcome.apply)
+        return await self._commit_global()
 
     async def _commit_global(self) -> dict:
         """The round's result becomes our state: new step and hash, served to joiners, published.
