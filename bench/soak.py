@@ -59,16 +59,18 @@ def role(proc: psutil.Process, main_pid: int) -> str:
 
 
 def memory(main_pid: int) -> dict[str, dict[str, float]]:
-    """MB of RSS and PSS per role of the node whose main process is ``main_pid`` (empty if gone)."""
+    """MB of RSS, PSS and USS (pages of that process alone) per role of the node whose main process
+    is ``main_pid`` (empty if gone)."""
     out: dict[str, dict[str, float]] = {}
     with contextlib.suppress(psutil.Error):
         main = psutil.Process(main_pid)
         for proc in [main, *main.children(recursive=True)]:
             with contextlib.suppress(psutil.Error):
                 info = proc.memory_full_info()
-                entry = out.setdefault(role(proc, main_pid), {"rss_mb": 0.0, "pss_mb": 0.0, "threads": 0})
+                entry = out.setdefault(role(proc, main_pid), {"rss_mb": 0.0, "pss_mb": 0.0, "uss_mb": 0.0, "threads": 0})
                 entry["rss_mb"] += round(info.rss / 2**20, 1)
                 entry["pss_mb"] += round(info.pss / 2**20, 1)
+                entry["uss_mb"] += round(info.uss / 2**20, 1)
                 entry["threads"] += proc.num_threads()
     return out
 

@@ -199,6 +199,10 @@ def cmd_join(args: argparse.Namespace) -> int:
     from .memory import limit_malloc_arenas
 
     limit_malloc_arenas()  # before the DHT forks and any thread allocates (node/memory.py)
+    from .memory import freeze_before_fork, limit_malloc_arenas
+
+    limit_malloc_arenas()  # before the DHT forks and any thread allocates (node/memory.py)
+    freeze_before_fork()
     try:
         dht = _start_dht(config)
     except RuntimeError as err:
