@@ -46,14 +46,15 @@ from . import codecs
 from ._pb.lowcomm.v1 import averaging_pb2, averaging_pb2_grpc
 from .agreement import AgreementBook, ReportFailed, ShardAgreement, agree
 from .accumulator import MAX_WEIGHT_RATIO, RejectCallback, ShardAccumulator, bounded_weights
+from .schedule import stage_budget, upload_order
+from .sender import CHUNK_BYTES, chunks, reduce_with_owner
 from .aggregation import Aggregation
 from .validate import ContributionRejected, check_contribution
 
-__all__ = ["AllReduceResult", "MAX_WEIGHT_RATIO", "ReduceRegistry", "ShardAccumulator", "bounded_weights",
+__all__ = ["AllReduceResult", "CHUNK_BYTES", "MAX_WEIGHT_RATIO", "ReduceRegistry", "ShardAccumulator", "bounded_weights",
            "run_allreduce", "shard_slices"]
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 2 * 2**20  # DESIGN: stream in 1-4 MiB messages
 HEADER_TIMEOUT = 10.0  # seconds a server waits for the first message of a Reduce stream
 RESULT_MARGIN = 0.25  # fraction of the reduce timeout a sender allows for the average's transfer back
 EXCHANGE_END = 1.5  # the shard-report exchange ends this many reduce timeouts after the group arrived...
@@ -62,11 +63,6 @@ EXCHANGE_MIN_SECONDS = 1.0  # ...or this long after this member's reduce phase, 
 def shard_slices(group: averaging_pb2.Group) -> list[slice]:
     bounds = list(group.shard_bounds)
     return [slice(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
-
-
-def _chunks(payload: bytes) -> list[bytes]:
-    view = memoryview(payload)
-    return [bytes(view[i:i + CHUNK_BYTES]) for i in range(0, len(payload), CHUNK_BYTES)] or [b""]
 
 
 class ReduceRegistry:
@@ -157,7 +153,7 @@ class ReduceRegistry:
         yield averaging_pb2.ReduceMessage(result=averaging_pb2.ReduceResult(
             codec=acc.codec.id, numel=acc.numel, payload_bytes=len(acc.result_payload), contributors=acc.contributors,
         ))
-        for chunk in _chunks(acc.result_payload):
+        for chunk in chunks(acc.result_payload):
             acc.bytes_out += len(chunk)
             yield averaging_pb2.ReduceMessage(chunk=chunk)
 
@@ -239,12 +235,14 @@ async def run_allreduce(
     channel_for: Callable[[str], grpc.aio.Channel],
     executor: Executor,
     quorum: float = 1.0,
+    staggered: bool = True,
 ) -> AllReduceResult:
     """Average ``delta`` with the group; updates ``residual`` (and ``owner_residual``) in place.
 
     ``residual`` is this peer's sender-side error feedback over the flat parameters; after the
     call it holds everything that this peer's contribution did not deliver this round: for a
-    skipped shard, all of x = Δ + residual.
+    skipped shard, all of x = Δ + residual. ``staggered``: upload to one owner after the other
+    (schedule.py) instead of to all at once.
     """
     codec = codecs.get_codec(group.codec)
     members = list(group.members)
@@ -260,6 +258,11 @@ async def run_allreduce(
     # leaves in the residual) and, for shards it owns, its owner residual before the round.
     carried: list[torch.Tensor | None] = [None] * len(slices)
     owner_before: dict[int, torch.Tensor] = {}
+    # Stage k's upload waits for stage k-1's (or its budget): each owner's downlink gets one sender at a time.
+    order = upload_order(group, peer_id)
+    after = {shard: order[k - 1] for k, shard in enumerate(order) if k > 0 and staggered}
+    uploaded = {shard: asyncio.Event() for shard in order}
+    budget = stage_budget(group, len(order))
     refused: set[int] = set()  # shards whose owner refused our contribution: our fault, we ask no skip
 
     # The agreement first: a member that is done before us may report to us at any moment.
@@ -315,40 +318,35 @@ async def run_allreduce(
                 payload, _ = codecs.encode_with_feedback(codec, delta[sl], residual[sl])
                 return x, payload
 
-            x, payload = await loop.run_in_executor(executor, encode)
-            carried[index] = x
-            stats["payload"] += len(payload)
+            try:  # encoding runs while earlier stages upload
+                x, payload = await loop.run_in_executor(executor, encode)
+                carried[index] = x
+                stats["payload"] += len(payload)
+                if index in after:
+                    try:
+                        async with asyncio.timeout(budget):
+                            await uploaded[after[index]].wait()
+                    except TimeoutError:
+                        pass  # a slow owner delays our later stages by the budget at most
+            except BaseException:
+                uploaded[index].set()
+                raise
             stub = averaging_pb2_grpc.AveragingStub(channel_for(owner.address))
             # The owner answers by its own deadline; give it a margin for the transfer back.
             timeout = max(1.0, deadline - time.monotonic()) + margin
+            header = averaging_pb2.ReduceHeader(
+                group_id=group.group_id, shard_index=index, sender_peer_id=peer_id, codec=codec.id,
+                numel=sl.stop - sl.start, payload_bytes=len(payload))
 
-            async def outgoing() -> AsyncIterator[averaging_pb2.ReduceMessage]:
-                yield averaging_pb2.ReduceMessage(header=averaging_pb2.ReduceHeader(
-                    group_id=group.group_id, shard_index=index, sender_peer_id=peer_id, codec=codec.id,
-                    numel=sl.stop - sl.start, payload_bytes=len(payload)))
-                for chunk in _chunks(payload):
-                    stats["sent"] += len(chunk)
-                    yield averaging_pb2.ReduceMessage(chunk=chunk)
+            def count_sent(n: int) -> None:
+                stats["sent"] += n
 
             try:
-                call = stub.Reduce(outgoing(), timeout=timeout)
-                header = None
-                received = bytearray()
-                async for message in call:
-                    if header is None:
-                        if not message.HasField("result"):
-                            raise ValueError("owner's answer does not start with a result header")
-                        header = message.result
-                        if header.numel != sl.stop - sl.start or header.payload_bytes != codec.encoded_size(header.numel):
-                            raise ValueError("owner's result does not match the shard")
-                        continue
-                    if len(received) + len(message.chunk) > header.payload_bytes:
-                        raise ValueError("owner sent more bytes than declared")
-                    received += message.chunk
-                if header is None or len(received) != header.payload_bytes:
-                    raise ValueError("owner's answer ended early")
+                result, received = await reduce_with_owner(
+                    stub, header, payload, codec.encoded_size(sl.stop - sl.start), timeout, count_sent,
+                    uploaded[index].set)
                 stats["received"] += len(received)
-                average = await loop.run_in_executor(executor, codec.decode, received, header.numel)
+                average = await loop.run_in_executor(executor, codec.decode, received, result.numel)
                 check_contribution(average)
             except (grpc.aio.AioRpcError, ValueError, codecs.CodecError, ContributionRejected) as err:
                 detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
@@ -357,7 +355,9 @@ async def run_allreduce(
                     refused.add(index)
                 residual[sl].copy_(x)  # nothing of ours was delivered: carry all of it
                 return None
-            if peer_id not in header.contributors:
+            finally:
+                uploaded[index].set()  # also when the stream failed before its upload ended
+            if peer_id not in result.contributors:
                 residual[sl].copy_(x)  # the average came without our part: carry all of it
             return average
 

@@ -7,7 +7,10 @@ import asyncio
 import pytest
 import torch
 
-from .swarm_harness import apply_outer, digest, start_peers
+from lowcomm.protocol.allreduce import run_allreduce
+from lowcomm.protocol.schedule import upload_order
+
+from .swarm_harness import apply_outer, digest, start_peers, stop_peers
 
 
 def run(coro):
@@ -39,5 +42,113 @@ def test_three_peers_end_bit_identical(codec):
             assert torch.allclose(approx, mean, atol=tolerance + 1e-7)
         finally:
             await asyncio.gather(*(p.stop() for p in peers))
+
+    run(scenario())
+
+
+# -- the staggered schedule (protocol/schedule.py) ------------------------------------------------
+
+
+class RecordingChannels:
+    """A peer's ``channel_for`` that records, per Reduce stream, when it was opened and when its
+    upload was done (gRPC took the last request message), into one shared list."""
+
+    def __init__(self, channels, caller: str, log: list[tuple[str, str, str]]) -> None:
+        self._channels, self._caller, self._log = channels, caller, log
+
+    def __call__(self, address: str):
+        return _RecordingChannel(self._channels(address), self._caller, address, self._log)
+
+    async def close(self) -> None:
+        await self._channels.close()
+
+
+class _RecordingChannel:
+    def __init__(self, channel, caller: str, address: str, log) -> None:
+        self._channel, self._caller, self._address, self._log = channel, caller, address, log
+
+    def __getattr__(self, name: str):
+        return getattr(self._channel, name)
+
+    def stream_stream(self, method: str, *args, **kwargs):
+        real = self._channel.stream_stream(method, *args, **kwargs)
+        if not method.endswith("/Reduce"):
+            return real
+
+        def call(requests, **call_kwargs):
+            self._log.append(("open", self._caller, self._address))
+
+            async def recorded():
+                async for message in requests:
+                    yield message
+                self._log.append(("uploaded", self._caller, self._address))
+
+            return real(recorded(), **call_kwargs)
+
+        return call
+
+
+async def one_round(peers, group, deltas, staggered: bool):
+    return await asyncio.gather(*(
+        run_allreduce(group, p.peer_id, d, p.residual, p.owner_residual, p.registry, p.channels, p.executor,
+                      staggered=staggered)
+        for p, d in zip(peers, deltas)))
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp32"])
+def test_staggered_schedule_gives_the_same_bits_as_uploading_to_all_at_once(codec):
+    numel = 40_009
+
+    async def scenario():
+        gen = torch.Generator().manual_seed(4)
+        deltas = [torch.randn(numel, generator=gen) * 0.01 for _ in range(4)]
+        outcomes = {}
+        for staggered in (True, False):
+            peers = await start_peers(4, numel, codec)
+            try:
+                expected = {p.peer_id for p in peers}
+                group = (await asyncio.gather(*(p.form(0, expected) for p in peers)))[0]
+                results = await one_round(peers, group, deltas, staggered)
+                for r in results:
+                    assert all(torch.equal(a, b) for a, b in zip(r.averages, results[0].averages))
+                outcomes[staggered] = ([digest(a) for a in results[0].averages],
+                                       [digest(p.residual) for p in peers], [digest(p.owner_residual) for p in peers])
+            finally:
+                await stop_peers(peers)
+        assert outcomes[True] == outcomes[False]
+
+    run(scenario())
+
+
+def test_staggered_members_upload_to_one_owner_after_the_other():
+    """Each member opens its stream to the owner k shards after its own only once its upload to
+    the owner k-1 shards after is done, in schedule order (so every owner's downlink sees one
+    sender per stage)."""
+    numel = 400_000  # a few chunks of int8 per shard: uploads take a while
+
+    async def scenario():
+        peers = await start_peers(4, numel, "int8")
+        events: list[tuple[str, str, str]] = []
+        try:
+            for p in peers:
+                p.channels = RecordingChannels(p.channels, p.peer_id, events)
+            expected = {p.peer_id for p in peers}
+            group = (await asyncio.gather(*(p.form(0, expected) for p in peers)))[0]
+            address_of = {m.peer_id: m.address for m in group.members}
+            owners = [group.members[i].peer_id for i in group.shard_owners]
+            gen = torch.Generator().manual_seed(6)
+            deltas = [torch.randn(numel, generator=gen) for _ in peers]
+            await one_round(peers, group, deltas, staggered=True)
+            for p in peers:
+                mine = [(kind, address) for kind, caller, address in events if caller == p.peer_id]
+                order = [address_of[owners[s]] for s in upload_order(group, p.peer_id)]
+                assert mine == [e for a in order for e in (("open", a), ("uploaded", a))], p.peer_id
+            # Stage 1 of member i goes to the owner of shard i+1: no two members upload to one
+            # owner in the same stage.
+            firsts = [upload_order(group, p.peer_id)[0] for p in peers]
+            assert sorted(firsts) == list(range(len(owners)))
+
+        finally:
+            await stop_peers(peers)
 
     run(scenario())

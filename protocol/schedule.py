@@ -1,0 +1,37 @@
+"""In which order a member uploads its parts of the shards: the staggered butterfly (issue 17).
+
+If every member uploads to every owner at once, N−1 flows share each owner's downlink and its
+small queue drops packets (incast). Staggered, member i uploads at stage k to the owner k shards
+after its own (shard index modulo the number of shards): when the group has as many owners as
+members, each owner's downlink has one sender per stage, and every uplink one receiver. A
+client-mode member (no shard of its own) counts from its index in the member list.
+
+Stages are not a barrier: a member's stage k starts when its own stage k−1 upload is done (or
+failed), or after a budget (``stage_budget``) even if it is not, so that one slow or dead owner
+delays a member's later uploads by at most that budget, never past the owners' deadlines. The
+results come back over the same streams whenever the owners finalize, and skip-on-failure,
+deadlines and the shard agreement are the same as without stages. Owners aggregate in the order
+of sender ids (aggregation.py), not of arrival, so the schedule never changes a bit of the
+result.
+"""
+
+from __future__ import annotations
+
+from ._pb.lowcomm.v1 import averaging_pb2
+
+STAGES_WITHIN = 0.5  # every stage has started by this fraction of the reduce timeout at the latest
+
+
+def upload_order(group: averaging_pb2.Group, peer_id: str) -> list[int]:
+    """The indices of the shards ``peer_id`` does not own, in the order it uploads to them."""
+    members = [m.peer_id for m in group.members]
+    owners = [members[i] for i in group.shard_owners]
+    shards = len(owners)
+    rank = owners.index(peer_id) if peer_id in owners else members.index(peer_id)
+    remote = [s for s in range(shards) if owners[s] != peer_id]
+    return sorted(remote, key=lambda s: (s - rank) % shards)
+
+
+def stage_budget(group: averaging_pb2.Group, stages: int) -> float:
+    """Seconds a stage waits for the previous one's upload before it starts anyway."""
+    return STAGES_WITHIN * group.reduce_timeout_s / max(1, stages)
