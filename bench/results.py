@@ -18,6 +18,7 @@ from pathlib import Path
 
 import plots
 from common import BENCH, OUT, now_iso, read_jsonl
+from data_memory import results_section as data_memory_section
 from soak import soak_section
 
 GOAL_LOSS = 0.04
@@ -523,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     goals: list[str] = []
     body = (convergence_section(conv, plot_dir, goals) + slow_links_section(slow, plot_dir, goals)
             + transport_section(trans, slow, plot_dir, goals) + codecs_section(cod)
-            + overlap_section(over, plot_dir, goals, other_overlap) + soak_section(soak))
+            + overlap_section(over, plot_dir, goals, other_overlap) + soak_section(soak)
+            + data_memory_section(read_jsonl(args.in_dir / "data_memory.jsonl")))
     lines = ["# Benchmark results", "",
              "Generated from the JSON lines in bench/out/ by `python bench/results.py`; how each number is "
              "measured is in bench/README.md. Goals are reported, not asserted.", ""]

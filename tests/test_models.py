@@ -39,6 +39,14 @@ def tokens(tmp_path: Path) -> Path:
     return write_byte_tokens(tmp_path / "train.bin", 400_000)
 
 
+@pytest.fixture
+def text(tmp_path: Path) -> str:
+    """A small text corpus (the default one, the whole standard library, takes seconds to read)."""
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(stdlib_text(300_000))
+    return f"data.path={path}"
+
+
 # -- Hugging Face models ---------------------------------------------------------------------------
 
 
@@ -124,8 +132,8 @@ def test_factory_fingerprint_covers_name_arguments_and_shapes():
 
 
 @pytest.mark.parametrize("factory", ["tests.factory_model:build", "tests.factory_model:build_pair"])
-def test_factory_models_are_seeded_and_train(factory):
-    cfg = config(f"model.factory={factory}", "train.lr=1e-2")
+def test_factory_models_are_seeded_and_train(factory, text):
+    cfg = config(f"model.factory={factory}", "train.lr=1e-2", text)
     assert torch.equal(flat(build_model_for(cfg)), flat(build_model_for(cfg)))
     rng = torch.get_rng_state()
     trainer = Trainer(cfg, "peer-a")
@@ -157,9 +165,9 @@ def test_a_factory_whose_loss_is_not_a_scalar_is_named():
 # -- gradient accumulation and vocabularies ---------------------------------------------------------
 
 
-def test_micro_batches_accumulate_and_count_their_tokens():
-    one = Trainer(config("train.micro_batches=1"), "peer-a")
-    three = Trainer(config("train.micro_batches=3"), "peer-a")
+def test_micro_batches_accumulate_and_count_their_tokens(text):
+    one = Trainer(config("train.micro_batches=1", text), "peer-a")
+    three = Trainer(config("train.micro_batches=3", text), "peer-a")
     stats = three.train_phase(2, lambda: False)
     assert stats.steps == 2 and stats.tokens == 2 * 3 * 4 * 32
     assert three.inner_steps_done == 2
