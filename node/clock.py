@@ -17,8 +17,10 @@ clocks and are left alone; offsets beyond ``max_clock_offset`` (a wrong date rat
 drifting clock) stop the node with one line that names the offset and the fix; so do bootstrap
 peers that disagree among themselves by more than hivemind tolerates.
 
-The offset is measured once, at start; a clock stepped later (NTP starting after the node) is
-not followed.
+The offset is measured once, at start. From then on swarm time runs on the steady (boot-time)
+clock, so a wall clock stepped later (NTP starting after the node, the date set by hand) does
+not move it; a free-running clock's drift (its rate error, typically under a few seconds a day)
+does.
 """
 
 from __future__ import annotations
@@ -90,44 +92,64 @@ def decide(samples: Sequence[Sample], max_offset: float) -> tuple[float, float]:
     return offset, uncertainty
 
 
-class SwarmClock:
-    """Local wall clock + offset, shared between the node and its forked DHT process.
+def steady_clock() -> float:
+    """Seconds of a clock that setting the date never moves: Linux's boot time (it counts suspend,
+    unlike ``time.monotonic``), else the monotonic clock. NTP may slew its rate, never step it."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic()
 
-    The values live in shared memory created before the fork: the DHT process measures and
-    writes them, the node reads them once the DHT is ready.
+
+class SwarmClock:
+    """Swarm time, shared between the node and its forked DHT process.
+
+    Once set, swarm time runs on the steady clock: ``time() = steady() + base``, with ``base``
+    fixed when the offset is measured. So a wall clock stepped while the node runs (NTP starting
+    after the node, the date set by hand) moves neither the DHT's time nor the tokens'. The values
+    live in shared memory created before the fork: the DHT process measures and writes them, the
+    node reads them on every call.
     """
 
-    def __init__(self) -> None:
-        self._shared = multiprocessing.RawArray("d", 3)  # offset, uncertainty, peers measured
+    def __init__(self, wall: Callable[[], float] = time.time, steady: Callable[[], float] = steady_clock) -> None:
+        self._wall, self._steady = wall, steady
+        # base (swarm time - steady clock), offset measured, its uncertainty, peers measured
+        self._shared = multiprocessing.RawArray("d", 4)
+        self.set(0.0, 0.0, 0)
 
     @property
-    def offset(self) -> float:
-        """Swarm time minus local time, in seconds (0: the local clock is used)."""
-        return self._shared[0]
-
-    @property
-    def uncertainty(self) -> float:
+    def measured_offset(self) -> float:
+        """Swarm time minus this machine's wall clock when it was measured (0: no correction)."""
         return self._shared[1]
 
     @property
+    def offset(self) -> float:
+        """Swarm time minus this machine's wall clock now."""
+        return self.time() - self._wall()
+
+    @property
+    def uncertainty(self) -> float:
+        return self._shared[2]
+
+    @property
     def peers_measured(self) -> int:
-        return int(self._shared[2])
+        return int(self._shared[3])
 
     def set(self, offset: float, uncertainty: float, peers: int) -> None:
-        self._shared[0], self._shared[1], self._shared[2] = offset, uncertainty, float(peers)
+        """Swarm time is the wall clock + ``offset`` now, and runs on the steady clock from here."""
+        base = self._wall() + offset - self._steady()
+        self._shared[0], self._shared[1], self._shared[2], self._shared[3] = base, offset, uncertainty, float(peers)
 
     def time(self) -> float:
         """Seconds since the epoch on swarm time (what ``time.time`` would say on a synchronised clock)."""
-        return time.time() + self._shared[0]
+        return self._steady() + self._shared[0]
 
     def log_offset(self) -> None:
         """One warning when the node runs on a corrected clock (the volunteer should still fix it)."""
-        if self.offset:
+        offset = self.measured_offset
+        if offset:
             log.warning("this machine's clock is %s the swarm's (%.1f s, ±%.3f s, measured against %d peer(s)); "
                         "running on swarm time. To be safe, %s",
-                        describe(self.offset), abs(self.offset), self.uncertainty, self.peers_measured,
+                        describe(offset), abs(offset), self.uncertainty, self.peers_measured,
                         FIX.removesuffix(" and start again"),
-                        extra={"event": "clock_offset", "offset_s": self.offset, "uncertainty_s": self.uncertainty,
+                        extra={"event": "clock_offset", "offset_s": offset, "uncertainty_s": self.uncertainty,
                                "peers": self.peers_measured})
 
 

@@ -6,8 +6,8 @@ receive SIGKILL when its parent dies (``PR_SET_PDEATHSIG``): node → DHT proces
 
 A node that joins through ``--peers`` measures its clock's offset from its bootstrap peers in
 the DHT process, between the creation of hivemind's DHT protocol and its bootstrap pings (whose
-time check would refuse a clock more than 3 s off), and runs that process's hivemind on swarm
-time (node/clock.py). The node reads the offset from ``clock`` once the DHT is ready.
+time check would refuse a clock more than 3 s off). hivemind in that process and the node both
+read swarm time from ``clock`` (node/clock.py), which no later step of the wall clock moves.
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ class SupervisedDHT(hivemind.DHT):
         spawn = asyncio.subprocess.create_subprocess_exec
         # Only this (forked) process is patched: p2pd, started from here, dies with it.
         asyncio.subprocess.create_subprocess_exec = functools.partial(spawn, preexec_fn=die_with_parent)
+        # On every node, even one that needs no correction: swarm time ignores steps of the wall clock.
+        run_hivemind_on(self.clock.time)
         if self.initial_peers:
             self._measure_clock_before_bootstrap()
         super().run()
@@ -91,8 +93,6 @@ class SupervisedDHT(hivemind.DHT):
             samples = await measure(protocol, peers)
             offset, uncertainty = decide(samples, max_offset)  # ClockOffsetError reaches the node
             clock.set(offset, uncertainty, len(samples))
-            if offset:
-                run_hivemind_on(clock.time)
             return protocol
 
         DHTProtocol.create = classmethod(create_on_swarm_time)

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from lowcomm.node.clock import ClockOffsetError, Sample, decide, describe
+from lowcomm.node.clock import ClockOffsetError, Sample, SwarmClock, decide, describe
 
 ROUND_WAIT = 90  # generous bound for one round on a loaded 2-core machine
 
@@ -44,6 +44,20 @@ def test_too_large_an_offset_or_disagreeing_peers_stop_the_node_with_the_offset_
     with pytest.raises(ClockOffsetError, match=r"disagree on the time by 300\.0 s"):
         decide([Sample("peer-a", 0.0, 0.001), Sample("peer-b", 300.0, 0.001)], max_offset=3600)
     assert describe(7300.0) == "2 h 1 min behind" and describe(-4.04) == "4.0 s ahead of"
+
+
+def test_swarm_time_keeps_running_when_the_wall_clock_is_stepped():
+    wall, steady = [1_000_000.0], [50.0]
+    clock = SwarmClock(lambda: wall[0], lambda: steady[0])
+    assert clock.time() == 1_000_000.0 and clock.offset == 0.0  # no correction: the wall clock
+    clock.set(-300.0, 0.002, 2)  # measured: 5 minutes ahead
+    assert clock.time() == 999_700.0 and clock.measured_offset == -300.0
+    wall[0] += 10.0
+    steady[0] += 10.0
+    assert clock.time() == 999_710.0
+    wall[0] += 1.0 - 300.0  # a second later NTP steps the wall clock to the right time
+    steady[0] += 1.0
+    assert clock.time() == 999_711.0 and clock.offset == pytest.approx(0.0)
 
 
 def test_hivemind_refusing_a_bootstrap_peer_becomes_one_line():
