@@ -41,13 +41,15 @@ from lowcomm.protocol.rpc import (
 )
 from lowcomm.protocol.state import Donor, StateDonor, StateError, download_state
 
-from . import checkpoint
+from . import checkpoint, decisions
 from .errors import FatalError
 from .config import Config
 from .cancel import cancel_and_wait
 from .evaluator import Evaluator
+from .faults import Faults
 from .executors import TrackedThreadPool, shutdown_without_blocking
 from .globalstate import GlobalState
+from .gossip_mode import STEP_WINDOW as GOSSIP_STEP_WINDOW
 from .grpc_metrics import HandledCounter
 from .metrics import NodeMetrics, serve_metrics
 from .reconnect import Reconnector
@@ -114,6 +116,7 @@ class Node(RoundLoop):
         self.last_contribution: tuple[int, torch.Tensor] | None = None
         self.consensus_distance = math.nan  # gossip mode: relative L2 distance to the last partners
         self._nan_injected = False
+        self.faults = Faults.from_env()  # fault injection for tests (node/faults.py)
         # Checkpoints exist but none is usable: the state must come from the swarm (_restore).
         self.must_download = False
         self._rounds_tried: set[int] = set()  # recent steps whose round this node started
@@ -379,11 +382,13 @@ class Node(RoundLoop):
         if answered is not None:
             self.metrics.dht_rebootstraps.labels(outcome="reached" if answered else "unreachable").inc()
 
+    def position(self) -> decisions.Position:
+        step, digest = self.state.published()
+        return decisions.Position(self.peer_id, step, digest)
+
     async def _expected_peers(self) -> set[str]:
         """Peers the leader waits for: live, compatible, at our step with our parameters."""
-        view = await self.refresh_view()
-        return {p.peer_id for p in view.at_step(self.state.step) if p.params_sha256 == self.state.params_hash} | {
-            self.peer_id}
+        return decisions.expected_peers(await self.refresh_view(), self.position())
 
     # -- catch-up -----------------------------------------------------------------------------
 
@@ -399,48 +404,23 @@ class Node(RoundLoop):
                     break
         if initial:
             await self._handshake(view)
-        others = {pid: p for pid, p in view.peers.items() if pid != self.peer_id}
-        if initial and self.must_download and not others:
+        if initial and self.must_download and not decisions.others(view, self.position()):
             raise FatalError(
                 f"no usable checkpoint in {self.config.node.checkpoint_dir} and no peer to download the swarm's "
                 f"state from: join a live swarm with --peers, or move the damaged checkpoint files away to "
                 f"start over from the initial weights")
-        if not others:
+        plan = decisions.catch_up_target(view, self.position(),
+                                         gossip_window=GOSSIP_STEP_WINDOW if self.gossip is not None else None)
+        if plan is None:
             return
-        target = max(p.outer_step for p in others.values())
-        if target < self.state.step:
-            return
-        if self.gossip is not None and not self.gossip.needs_download(target):
-            return  # gossip mode: a peer within the step window catches up by mixing, not downloading
-        digest, _ = view.majority_hash(target)
-        if target == self.state.step:
-            digest = self._majority_elsewhere(view)
-            if digest is None:
-                return
-            log.warning("our params at step %d differ from the majority of the swarm; re-downloading", target)
-        donors = [Donor(p.peer_id, p.address) for p in others.values()
-                  if p.outer_step == target and p.params_sha256 == digest and p.address]
-        if not donors:
-            return
+        if plan.because_minority:
+            log.warning("our params at step %d differ from the majority of the swarm; re-downloading", plan.step)
         self.phase = "catching_up"
-        await self._download(target, digest, donors)
+        await self._download(plan.step, plan.params_hash, [Donor(p.peer_id, p.address) for p in plan.donors])
 
     def _majority_elsewhere(self, view: SwarmView) -> str | None:
-        """The params hash that wins at our step when it is not ours, else None.
-
-        Peers at one step can hold different parameters after a round split into several groups
-        (or after a partial failure); the hash most peers hold wins (ties: the smallest hash),
-        and the others adopt it, so the swarm never drifts apart.
-        """
-        if self.gossip is not None:
-            return None  # in gossip mode parameters differ between peers by design
-        step, mine = self.state.step, self.state.params_hash
-        counts: dict[str, int] = {mine: 1}
-        for peer in view.peers.values():
-            if peer.peer_id != self.peer_id and peer.outer_step == step and peer.params_sha256:
-                counts[peer.params_sha256] = counts.get(peer.params_sha256, 0) + 1
-        winner = min(counts, key=lambda digest: (-counts[digest], digest))
-        return None if winner == mine else winner
+        """The params hash that wins at our step when it is not ours (all-reduce mode), else None."""
+        return None if self.gossip is not None else decisions.majority_elsewhere(view, self.position())
 
     async def _handshake(self, view: SwarmView) -> None:
         """Refuse to run next to a swarm of another run config, naming the difference."""

@@ -30,7 +30,7 @@ was (the daemon then folds the unsent progress into the residual as usual).
 Steps: in gossip mode a step counts a peer's own rounds. Partners are at most ``STEP_WINDOW``
 steps apart (a peer much further ahead or behind has a state too old or too new to average
 with); a peer more than ``STEP_WINDOW`` steps behind the swarm's furthest peer downloads state
-like a joiner instead of mixing (``needs_download``, called by the daemon's catch-up).
+like a joiner instead of mixing (``needs_download``; the catch-up decides it with node/decisions.py).
 
 Codec: the run's codec, except that ``topk`` gossips in int8: sparsifying suits pseudo-gradients,
 whose coordinates are mostly small, but not parameters, where every coordinate matters.

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from lowcomm.protocol.matchmaking import POLL_SECONDS, MatchmakingError
 from lowcomm.protocol.state import Snapshot, params_sha256
 
 from .apply import apply_averages
+from . import decisions
 from .cancel import cancel_and_wait
 from .errors import FatalError
 from .progress import InnerProgress
@@ -180,7 +180,7 @@ class RoundLoop:
         local model diverged. Whole-tensor arithmetic runs in the training thread, not on the
         event loop."""
         step = self.state.step
-        if os.environ.get("LOWCOMM_FAULT_NAN_ROUND") == str(self.rounds_attempted + 1) and not self._nan_injected:
+        if self.faults.nan_round == self.rounds_attempted + 1 and not self._nan_injected:
             # Fault injection for tests: the local model diverges (NaN weights) before this round.
             self._nan_injected = True
             await self.in_train_thread(self.trainer.set_params, torch.full_like(self.state.params, math.nan))
@@ -256,8 +256,7 @@ class RoundLoop:
 
     def _behind(self, view) -> bool:
         """Whether the (heartbeat's) view has peers past our step or a majority elsewhere at it."""
-        return any(p.outer_step > self.state.step for p in view.peers.values()) or (
-            self._majority_elsewhere(view) is not None)
+        return decisions.behind(view, self.position(), gossip=self.gossip is not None)
 
     async def _round_in_background(self, pending: "_Pending") -> RoundReport | None:
         """A background round that commits θ_global the moment it is done, not at the next
@@ -365,9 +364,7 @@ class RoundLoop:
         cut = threading.Event()
         done_steps = 0
 
-        # Fault injection for tests: LOWCOMM_FAULT_SLOW_STEP=<seconds> added to every inner step
-        # turns this node into a straggler.
-        slow = float(os.environ.get("LOWCOMM_FAULT_SLOW_STEP", "0") or 0)
+        slow = self.faults.slow_step  # fault injection for tests: a straggler
 
         def on_step(done: int, loss: float) -> None:
             nonlocal done_steps
@@ -435,13 +432,7 @@ class RoundLoop:
                 return
 
     def _outpaced(self, view) -> bool:
-        """Whether peers at our step with our parameters already averaging, together with us,
-        make a quorum of those peers: then the leader may close the round at any moment."""
-        step, digest = self.state.step, self.state.params_hash
-        others = [p for p in view.at_step(step) if p.peer_id != self.peer_id and p.params_sha256 == digest]
-        averaging = sum(p.phase == "averaging" for p in others)
-        needed = max(1, math.ceil(self.config.sync.quorum * (len(others) + 1)) - 1)
-        return bool(others) and averaging >= needed
+        return decisions.outpaced(view, self.position(), self.config.sync.quorum)
 
     async def _round(self, fragment: slice, delta: torch.Tensor, weight: float) -> RoundOutcome | None:
         """The network part of a round: average ``delta`` (Δ of ``fragment``, trained on
@@ -498,10 +489,9 @@ class RoundLoop:
             # Alone, a peer takes its own outer step only if nobody else is in the swarm: with
             # others present (perhaps still catching up to us) it waits for them by not moving on,
             # and its progress goes into the next round.
-            others = [p for p in self.view.peers.values() if p.peer_id != self.peer_id]
-            if others:
+            if not decisions.solo_step_allowed(self.view, self.position()):
                 log.warning("nobody averaged with us at step %d although %d peer(s) are live; training on",
-                            step, len(others))
+                            step, len(decisions.others(self.view, self.position())))
                 self.metrics.round_failures.labels(reason="no_group").inc()
                 return None
             outcome = self._solo_step(fragment, delta)
@@ -517,9 +507,9 @@ class RoundLoop:
         anything) until the process is killed. LOWCOMM_FAULT_HOLD_ROUND=<n>: in this process's
         n-th round with at least one partner; LOWCOMM_FAULT_HOLD_AS_LEADER=<size>: in the first round in which this peer
         led (and so had already sent out) a group of at least that size."""
-        as_leader = os.environ.get("LOWCOMM_FAULT_HOLD_AS_LEADER")
-        if (len(group.members) > 1 and os.environ.get("LOWCOMM_FAULT_HOLD_ROUND") == str(self.group_rounds)) or (
-            as_leader and self.matchmaker.led_last_group and len(group.members) >= int(as_leader)
+        as_leader = self.faults.hold_as_leader
+        if (len(group.members) > 1 and self.faults.hold_round == self.group_rounds) or (
+            as_leader and self.matchmaker.led_last_group and len(group.members) >= as_leader
         ):
             log.warning("fault injection: holding the round of step %d", step,
                         extra={"event": "fault_hold", "outer_step": step})
@@ -530,7 +520,7 @@ class RoundLoop:
         round with a partner hand the codec pool a job that writes the residual now and again
         after the grace period of a stop request (like an encode still running when the round is
         abandoned), then hold the round until it is abandoned."""
-        if len(residual) == 0 or os.environ.get("LOWCOMM_FAULT_BUSY_CODEC_ROUND") != str(self.group_rounds):
+        if len(residual) == 0 or self.faults.busy_codec_round != self.group_rounds:
             return
         grace = self.config.node.grace_period
 

@@ -1,0 +1,115 @@
+"""The round driver's decisions, as plain functions of (swarm view, our step and hash, config).
+
+Each answers one question a node asks between inner phases or at a round's start. They read
+nothing but their arguments (no clock, no network, no node attributes), so they are unit-tested
+without sockets and the simulator can call the same code for a thousand peers.
+
+``view`` is a ``SwarmView`` (node/swarm.py): the live, compatible peers' records. Our own record
+may or may not be in it (it is whatever the DHT returned); every function leaves it out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .swarm import PeerRecord, SwarmView
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where this peer stands: its id, committed outer step and params hash."""
+
+    peer_id: str
+    step: int
+    params_hash: str
+
+
+def others(view: SwarmView, me: Position) -> list[PeerRecord]:
+    return [p for p in view.peers.values() if p.peer_id != me.peer_id]
+
+
+def majority_elsewhere(view: SwarmView, me: Position) -> str | None:
+    """The params hash that wins at our step when it is not ours, else None.
+
+    Peers at one step can hold different parameters after a round split into several groups
+    (or after a partial failure); the hash most peers hold wins (ties: the smallest hash), and
+    the others adopt it, so the swarm never drifts apart. We count ourselves for our own hash.
+    """
+    counts: dict[str, int] = {me.params_hash: 1}
+    for peer in others(view, me):
+        if peer.outer_step == me.step and peer.params_sha256:
+            counts[peer.params_sha256] = counts.get(peer.params_sha256, 0) + 1
+    winner = min(counts, key=lambda digest: (-counts[digest], digest))
+    return None if winner == me.params_hash else winner
+
+
+def behind(view: SwarmView, me: Position, gossip: bool = False) -> bool:
+    """Whether averaging now would fork a competing state: a peer is past our step, or (in
+    all-reduce mode, where members must agree) a majority holds other parameters at our step.
+    In gossip mode parameters differ by design, so only steps count."""
+    if any(p.outer_step > me.step for p in others(view, me)):
+        return True
+    return not gossip and majority_elsewhere(view, me) is not None
+
+
+def outpaced(view: SwarmView, me: Position, quorum: float) -> bool:
+    """Whether the peers at our step with our parameters that are already averaging make,
+    together with us, a quorum of those peers: the leader may then close the round at any
+    moment, and a slower peer should end its inner phase and join with the steps it did."""
+    peers = [p for p in others(view, me) if p.outer_step == me.step and p.params_sha256 == me.params_hash]
+    averaging = sum(p.phase == "averaging" for p in peers)
+    needed = max(1, math.ceil(quorum * (len(peers) + 1)) - 1)
+    return bool(peers) and averaging >= needed
+
+
+def expected_peers(view: SwarmView, me: Position) -> set[str]:
+    """The peers a leader waits for: live, compatible, at our step with our parameters (and us)."""
+    return {p.peer_id for p in view.at_step(me.step) if p.params_sha256 == me.params_hash} | {me.peer_id}
+
+
+def solo_step_allowed(view: SwarmView, me: Position) -> bool:
+    """Alone in a group, a peer takes its own outer step only when nobody else is in the swarm:
+    with others present (perhaps still catching up to us) it waits for them by not moving on,
+    and its progress goes into the next round."""
+    return not others(view, me)
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """A state download to make: the step and params hash to fetch, and from whom."""
+
+    step: int
+    params_hash: str | None
+    donors: list[PeerRecord]
+    because_minority: bool  # at our own step, but the majority holds other parameters
+
+
+def catch_up_target(view: SwarmView, me: Position, gossip_window: int | None = None) -> CatchUp | None:
+    """What to download, if anything: the newest step any peer committed, with the hash most
+    peers hold there; at our own step only when we are in a minority. ``gossip_window`` (gossip
+    mode): a swarm at most that many steps ahead is caught up with by mixing, not downloading.
+    Donors are the peers that serve state (they have an address) at that step and hash."""
+    peers = others(view, me)
+    if not peers:
+        return None
+    target = max(p.outer_step for p in peers)
+    if target < me.step:
+        return None
+    if gossip_window is not None:
+        if target - me.step <= gossip_window:
+            return None
+        digest, _ = view.majority_hash(target)
+        minority = False
+    elif target == me.step:
+        digest = majority_elsewhere(view, me)
+        if digest is None:
+            return None
+        minority = True
+    else:
+        digest, _ = view.majority_hash(target)
+        minority = False
+    donors = [p for p in peers if p.outer_step == target and p.params_sha256 == digest and p.address]
+    if not donors:
+        return None
+    return CatchUp(target, digest, donors, minority)

@@ -1,0 +1,116 @@
+"""The round driver's decisions (node/decisions.py), without sockets: plain functions of a view."""
+
+from __future__ import annotations
+
+import pytest
+
+from lowcomm.node import decisions
+from lowcomm.node.decisions import Position
+from lowcomm.node.swarm import PeerRecord, SwarmView
+
+ME = "peer-m"
+
+
+def record(peer_id: str, step: int, digest: str, phase: str = "training", address: str = "127.0.0.1:1") -> PeerRecord:
+    return PeerRecord(peer_id=peer_id, address=address, outer_step=step, params_sha256=digest, bandwidth_bps=0.0,
+                      tokens_per_second=0.0, protocol_version=1, config_fingerprint="f", phase=phase)
+
+
+def view(*records: PeerRecord) -> SwarmView:
+    return SwarmView({r.peer_id: r for r in records}, {}, 0.0)
+
+
+def me(step: int = 5, digest: str = "h") -> Position:
+    return Position(ME, step, digest)
+
+
+def test_our_own_record_never_counts_as_another_peer():
+    v = view(record(ME, 5, "h"))
+    assert decisions.others(v, me()) == []
+    assert decisions.solo_step_allowed(v, me())
+    assert decisions.catch_up_target(v, me()) is None
+    assert not decisions.behind(v, me())
+
+
+def test_behind_when_a_peer_is_past_our_step_or_a_majority_holds_other_params():
+    assert decisions.behind(view(record("a", 6, "x")), me())
+    assert not decisions.behind(view(record("a", 4, "x")), me())
+    two_elsewhere = view(record("a", 5, "x"), record("b", 5, "x"))
+    assert decisions.behind(two_elsewhere, me())
+    assert not decisions.behind(two_elsewhere, me(), gossip=True)  # states differ by design there
+
+
+@pytest.mark.parametrize("ours, theirs, winner", [
+    (1, {"x": 1}, "h"),  # a tie of one against one: the smaller hash wins ("h" < "x")
+    (1, {"a": 1}, "a"),  # the same tie, won by the other side
+    (1, {"x": 2}, "x"),
+    (3, {"x": 2}, "h"),
+])
+def test_majority_elsewhere_counts_us_and_breaks_ties_by_the_smallest_hash(ours, theirs, winner):
+    records = [record(f"same{i}", 5, "h") for i in range(ours - 1)]
+    records += [record(f"{digest}{i}", 5, digest) for digest, count in theirs.items() for i in range(count)]
+    records.append(record("other-step", 7, "z"))  # another step never votes at ours
+    got = decisions.majority_elsewhere(view(*records), me())
+    assert got == (None if winner == "h" else winner)
+
+
+def test_outpaced_needs_a_quorum_of_our_step_and_params_averaging():
+    averaging = [record(f"p{i}", 5, "h", phase="averaging") for i in range(2)]
+    training = [record(f"t{i}", 5, "h") for i in range(3)]
+    strangers = [record("q", 5, "other", phase="averaging"), record("r", 6, "h", phase="averaging")]
+    # 5 peers with us at (5, h): quorum 2/3 of 6 is 4, i.e. 3 others; 2 are averaging.
+    assert not decisions.outpaced(view(*averaging, *training, *strangers), me(), quorum=2 / 3)
+    assert decisions.outpaced(view(*averaging, *training[:1], *strangers), me(), quorum=2 / 3)  # 2 of 3 others
+    assert not decisions.outpaced(view(*strangers), me(), quorum=2 / 3)  # nobody at our step and hash
+    # Rounded up: quorum 0.5 of 4 (us + 3) is 2, i.e. one other is enough.
+    assert decisions.outpaced(view(averaging[0], *training[:2]), me(), quorum=0.5)
+
+
+def test_expected_peers_are_those_at_our_step_with_our_params():
+    v = view(record("a", 5, "h"), record("b", 5, "x"), record("c", 4, "h"))
+    assert decisions.expected_peers(v, me()) == {"a", ME}
+
+
+def test_solo_step_only_when_nobody_else_is_in_the_swarm():
+    assert decisions.solo_step_allowed(view(), me())
+    assert not decisions.solo_step_allowed(view(record("a", 0, "y")), me())  # even a peer far behind
+
+
+def test_catch_up_downloads_the_newest_step_with_its_majority_hash_from_serving_peers():
+    v = view(record("a", 7, "x"), record("b", 7, "x"), record("c", 7, "y"), record("d", 7, "x", address=""),
+             record("e", 6, "x"))
+    plan = decisions.catch_up_target(v, me())
+    assert plan is not None and not plan.because_minority
+    assert (plan.step, plan.params_hash) == (7, "x")
+    assert sorted(p.peer_id for p in plan.donors) == ["a", "b"]  # d is a client: it serves nothing
+
+
+def test_catch_up_at_our_step_only_in_a_minority():
+    assert decisions.catch_up_target(view(record("a", 5, "h"), record("b", 5, "x")), me()) is None  # tie: ours wins
+    plan = decisions.catch_up_target(view(record("a", 5, "x"), record("b", 5, "x")), me())
+    assert plan is not None and plan.because_minority and plan.params_hash == "x"
+    assert decisions.catch_up_target(view(record("a", 3, "x")), me()) is None  # nobody ahead
+
+
+def test_catch_up_in_gossip_mode_only_beyond_the_step_window():
+    assert decisions.catch_up_target(view(record("a", 9, "x")), me(), gossip_window=4) is None
+    plan = decisions.catch_up_target(view(record("a", 10, "x")), me(), gossip_window=4)
+    assert plan is not None and plan.step == 10
+    # At our own step in gossip mode, other params are normal: no download.
+    assert decisions.catch_up_target(view(record("a", 5, "x"), record("b", 5, "x")), me(), gossip_window=4) is None
+
+
+def test_no_donor_no_download():
+    assert decisions.catch_up_target(view(record("a", 8, "x", address="")), me()) is None
+
+
+def test_faults_are_parsed_once_and_a_typo_fails_loudly():
+    from lowcomm.node.faults import Faults
+
+    assert Faults.from_env({}) == Faults()
+    faults = Faults.from_env({"LOWCOMM_FAULT_HOLD_ROUND": "2", "LOWCOMM_FAULT_SLOW_STEP": "0.2", "OTHER": "x"})
+    assert (faults.hold_round, faults.slow_step, faults.nan_round) == (2, 0.2, None)
+    with pytest.raises(ValueError, match="LOWCOMM_FAULT_HOLD_RUOND"):
+        Faults.from_env({"LOWCOMM_FAULT_HOLD_RUOND": "2"})
+    with pytest.raises(ValueError, match="not a number"):
+        Faults.from_env({"LOWCOMM_FAULT_NAN_ROUND": "two"})
