@@ -3,8 +3,8 @@
 The round arithmetic (tests/round_arithmetic.py: decode, owner average, outer step, over 1M+
 values and six rounds through every lossy codec) runs in subprocesses, each under another
 ``ATEN_CPU_CAPABILITY`` (torch's generic, AVX2 or AVX-512 kernels) and 1 or 2 torch threads,
-and every run must print the same SHA-256. Each run reports the kernels torch actually picked: a
-capability this CPU lacks is left out, with the reason in the test output.
+and every run must print the same SHA-256. Each run reports the kernels torch actually picked: the
+tests of a capability this CPU lacks are skipped, naming the kernels torch ran instead.
 """
 
 from __future__ import annotations
@@ -36,44 +36,42 @@ def run_worker(capability: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[tuple[str, int], dict]:
-    """(capability, threads) -> the worker's result, for the capabilities torch honoured here."""
+def runs() -> dict[str, list[dict]]:
+    """capability -> the worker's result per thread count (in THREADS order)."""
     with ThreadPoolExecutor(2) as pool:  # two at a time: the suite's machine has two cores
         results = dict(zip(CAPABILITIES, pool.map(run_worker, CAPABILITIES)))
-    honoured = {}
-    for capability, per_thread in results.items():
-        for threads, result in zip(THREADS, per_thread, strict=True):
-            if result["capability"].lower() != capability:
-                # torch falls back to the best kernels the CPU has when asked for more.
-                print(f"left out ATEN_CPU_CAPABILITY={capability}: this CPU ran {result['capability']} kernels instead")
-                break
-            assert result["threads"] == threads, f"torch.set_num_threads({threads}) did not take effect"
-            honoured[capability, threads] = result
-    return honoured
+    for per_thread in results.values():
+        assert [r["threads"] for r in per_thread] == list(THREADS), "torch.set_num_threads did not take effect"
+    return results
 
 
-def kernels(runs: dict) -> set[str]:
-    return {capability for capability, _ in runs}
+def honoured(runs: dict[str, list[dict]], capability: str) -> list[dict]:
+    """The runs under ``capability``; a skip with the reason when torch did not pick those kernels
+    (it falls back to the best the CPU has when asked for more)."""
+    ran = {r["capability"] for r in runs[capability]}
+    if ran != {capability.upper()}:
+        pytest.skip(f"this CPU lacks ATEN_CPU_CAPABILITY={capability}: torch ran its {', '.join(sorted(ran))} kernels")
+    return runs[capability]
 
 
-def test_round_arithmetic_is_bit_identical_across_kernels_and_threads(runs):
-    assert ("default", 1) in runs and ("default", 2) in runs, "the generic kernels run everywhere"
-    if len(kernels(runs)) < 2:
-        pytest.skip("this CPU offers torch no vectorised kernels besides the default ones")
-    digests = {f"{capability}/{threads} threads": r["sha256"] for (capability, threads), r in runs.items()}
-    assert len(set(digests.values())) == 1, f"θ_global differs between kernels or thread counts: {digests}"
+def test_generic_kernels_give_one_digest_on_1_and_2_threads(runs):
+    generic = honoured(runs, "default")
+    assert len({r["sha256"] for r in generic}) == 1, generic
 
 
-def test_the_former_fused_outer_step_differs_across_kernels(runs):
-    """The check above can fail: the outer step as written before (``add/sub(..., alpha=)``)
-    gives the generic kernels other bits than the vectorised ones on the same inputs. Thread
+@pytest.mark.parametrize("capability", CAPABILITIES[1:])
+def test_vectorised_kernels_give_the_generic_digest(runs, capability):
+    generic = honoured(runs, "default")[0]["sha256"]
+    digests = {f"{capability}/{r['threads']} threads": r["sha256"] for r in honoured(runs, capability)}
+    assert set(digests.values()) == {generic}, f"θ_global differs from the generic kernels' {generic}: {digests}"
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES[1:])
+def test_the_former_fused_outer_step_gives_other_bits(runs, capability):
+    """The checks above can fail: the outer step as written before (``add/sub(..., alpha=)``)
+    gives the vectorised kernels other bits than the generic ones on the same inputs. Thread
     counts never mattered (the ops are elementwise); the kernels did."""
-    vectorised = kernels(runs) - {"default"}
-    if not vectorised:
-        pytest.skip("this CPU offers torch no vectorised kernels besides the default ones")
-    for capability in kernels(runs):
-        assert len({runs[capability, t]["fused_sha256"] for t in THREADS}) == 1
-    generic = runs["default", 1]["fused_sha256"]
-    for capability in vectorised:
-        assert runs[capability, 1]["fused_sha256"] != generic, (
-            f"the fused step gave the same bits on {capability} as on the generic kernels")
+    generic = honoured(runs, "default")
+    vectorised = honoured(runs, capability)
+    assert len({r["fused_sha256"] for r in generic + vectorised}) == 2
+    assert vectorised[0]["fused_sha256"] != generic[0]["fused_sha256"]
