@@ -9,6 +9,7 @@ tests of a capability this CPU lacks are skipped, naming the kernels torch ran i
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import platform
@@ -75,3 +76,28 @@ def test_the_former_fused_outer_step_gives_other_bits(runs, capability):
     vectorised = honoured(runs, capability)
     assert len({r["fused_sha256"] for r in generic + vectorised}) == 2
     assert vectorised[0]["fused_sha256"] != generic[0]["fused_sha256"]
+
+
+# Modules whose arithmetic reaches θ_global, the outer momentum or a decoded average.
+SHARED_STATE_MODULES = ("protocol/outer.py", "protocol/aggregation.py", "protocol/allreduce.py", "protocol/gossip.py",
+                        "protocol/state.py", "protocol/codecs", "node/rounds.py", "node/globalstate.py",
+                        "node/gossip_mode.py")
+FUSED = {"addcmul", "addcmul_", "addcdiv", "addcdiv_", "lerp", "lerp_", "addmm", "addmv", "baddbmm", "fma"}
+
+
+def test_no_fused_multiply_add_where_the_shared_state_is_computed():
+    """The subprocess runs above cover the code they run; this covers the rest of those modules:
+    no ``alpha=`` keyword (a fused multiply-add in vectorised kernels only) and no fused op."""
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for name in SHARED_STATE_MODULES:
+        path = root / name
+        for source in sorted(path.glob("*.py")) if path.is_dir() else [path]:
+            for node in ast.walk(ast.parse(source.read_text(), str(source))):
+                if not isinstance(node, ast.Call):
+                    continue
+                func = node.func
+                called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                if called in FUSED or any(k.arg == "alpha" for k in node.keywords):
+                    found.append(f"{source.relative_to(root)}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert not found, "fused multiply-adds round differently per CPU kernel (see protocol/outer.py):\n" + "\n".join(found)
