@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import grpc
 import pytest
@@ -551,3 +552,70 @@ def test_failed_owner_costs_its_shard_on_every_member_alike(when):
             await stop_peers(peers)
 
     run(scenario(), 30)
+
+
+def test_shard_reports_that_break_the_protocol_are_refused_over_grpc(monkeypatch):
+    """ReportShards through a real server: garbage bytes, a report for an unknown group, from a
+    non-member or with the wrong number of shards get a clear status; with a run secret a report
+    that names another sender than its token is refused. The server keeps serving."""
+    from lowcomm.protocol import agreement
+    from lowcomm.protocol.agreement import ShardAgreement
+    from lowcomm.protocol.auth import RunAuth, client_interceptors
+
+    from .test_auth import SECRET, authed_peer
+
+    monkeypatch.setattr(agreement, "FIND_TIMEOUT", 0.2)
+
+    async def scenario():
+        (plain,) = await start_peers(1, 100, "fp32")
+        secret = await authed_peer("peer-a", SECRET, MemoryDHT(), 100)
+        channels = ChannelPool()
+        try:
+            for peer in (plain, secret):
+                peer.registry.agreements.open(ShardAgreement(b"g" * 16, peer.peer_id, [peer.peer_id, "peer-b"], 2,
+                                                             time.monotonic() + 60))
+            stub = averaging_pb2_grpc.AveragingStub(channels(f"127.0.0.1:{plain.port}"))
+
+            async def code_of(report):
+                try:
+                    await stub.ReportShards(report, timeout=5)
+                except grpc.aio.AioRpcError as err:
+                    return err.code()
+                return grpc.StatusCode.OK
+
+            garbage = channels(f"127.0.0.1:{plain.port}").unary_unary(
+                "/lowcomm.v1.Averaging/ReportShards", lambda b: b, lambda b: b)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await garbage(b"\xff\xff\xff", timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            report = averaging_pb2.ShardReport
+            assert await code_of(report(group_id=b"x" * 16, sender_peer_id="peer-b", skip=[False] * 2)) \
+                == grpc.StatusCode.NOT_FOUND
+            assert await code_of(report(group_id=b"g" * 16, sender_peer_id="peer-z", skip=[False] * 2)) \
+                == grpc.StatusCode.INVALID_ARGUMENT
+            assert await code_of(report(group_id=b"g" * 16, sender_peer_id="peer-b", skip=[False] * 3)) \
+                == grpc.StatusCode.INVALID_ARGUMENT
+
+            # peer-b's token, a report in peer-c's name: refused before the handler sees it.
+            authed = ChannelPool(client_interceptors(RunAuth(SECRET), "peer-b", lambda: 0))
+            try:
+                stub_b = averaging_pb2_grpc.AveragingStub(authed(secret.matchmaker.address))
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub_b.ReportShards(report(group_id=b"g" * 16, sender_peer_id="peer-c", skip=[False] * 2),
+                                              timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "peer-c" in err.value.details()
+            finally:
+                await authed.close()
+            assert secret.registry.agreements.get(b"g" * 16).heard == set()  # nothing of it was kept
+            # A valid report is kept and answered (here after the deadline, with this peer's view).
+            plain.registry.agreements.get(b"g" * 16).own([True, True], [False, True], 0.0)
+            plain.registry.agreements.get(b"g" * 16).decide()
+            answer = await stub.ReportShards(report(group_id=b"g" * 16, sender_peer_id="peer-b", skip=[False] * 2),
+                                             timeout=5)
+            assert list(answer.skip) == [False, True] and answer.sender_peer_id == plain.peer_id
+        finally:
+            await channels.close()
+            await stop_peers([plain, secret])
+
+    run(scenario(), 20)
