@@ -1,10 +1,11 @@
 """Butterfly all-reduce of encoded pseudo-gradient shards over gRPC streams (DESIGN §4).
 
 The flat Δ is cut into one contiguous shard per owner (the group's ``shard_bounds``). Every
-member streams its encoded part of shard j to the owner of j (``Reduce``); the owner decodes,
-accumulates in float32 weighted by tokens, and once every member has sent (or its deadline has
-passed) encodes the average once, with its own error-feedback residual, and streams the same
-bytes back to every sender. Every member, the owner included, uses the *decoded* average, so all
+member streams its encoded part of shard j to the owner of j (``Reduce``, sender.py), one owner
+after the other in the staggered order of schedule.py so that no owner's downlink is shared by
+all senders at once; the owner decodes, accumulates in float32 weighted by tokens, and once
+every member has sent (or its deadline has passed) encodes the average once, with its own
+error-feedback residual, and streams the same bytes back to every sender. Every member, the owner included, uses the *decoded* average, so all
 members end the round with bit-identical values.
 
 Validation and robust aggregation (DESIGN §4 "Trust"): a contribution is checked for codec,
