@@ -2,7 +2,7 @@
 """Where the memory of one node goes: its start-up stages in one process, then a real node's processes.
 
     nice -n 10 python bench/node_memory.py [--rounds 30] [--inner-steps 5] [--env KEY=VALUE ...]
-                                           [--json-out bench/out/node_memory.jsonl]
+                                           [--label TEXT] [--json-out bench/out/node_memory.jsonl]
 
 1. **Stages** (a fresh interpreter, ``--stages``): what the node's main process builds, in the
    order the node builds it (imports, corpus, trainer in a thread of its own, replica, first
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner-steps", type=int, default=5)
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--time-limit", type=float, default=900)
+    parser.add_argument("--label", default="", help="what code was measured (e.g. a commit), kept in the record")
     parser.add_argument("--json-out", type=Path, default=OUT / "node_memory.jsonl")
     parser.add_argument("--stages", action="store_true", help=argparse.SUPPRESS)  # the child of part 1
     args = parser.parse_args(argv)
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     for name, m in processes.items():
         say(f"  {name}: RSS {m['rss_mb']:.0f} MB, PSS {m['pss_mb']:.0f}, USS {m['uss_mb']:.0f}, {m['threads']} threads")
-    append_jsonl(args.json_out, record_base("node_memory", run_id=time.strftime("%Y%m%dT%H%M%S"), env=env,
+    append_jsonl(args.json_out, record_base("node_memory", run_id=time.strftime("%Y%m%dT%H%M%S"), env=env, label=args.label,
                                             rounds=args.rounds, inner_steps=args.inner_steps, stages=staged,
                                             processes=processes, main_by_mapping=mappings))
     return 0

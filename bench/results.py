@@ -520,11 +520,12 @@ def main(argv: list[str] | None = None) -> int:
     over = newest(read_jsonl(args.in_dir / "overlap.jsonl"))
     other_overlap = {path.name: newest(read_jsonl(path)) for path in sorted(args.in_dir.glob("overlap-*.jsonl"))}
     standard = newest(read_jsonl(args.in_dir / "standard.jsonl"))
-    soak = [r for r in newest(read_jsonl(args.in_dir / "soak.jsonl")) if r.get("kind") == "summary"]
+    soak_run = newest(read_jsonl(args.in_dir / "soak.jsonl"))  # summary and samples
+    soak = [r for r in soak_run if r.get("kind") == "summary"]
     goals: list[str] = []
     body = (convergence_section(conv, plot_dir, goals) + slow_links_section(slow, plot_dir, goals)
             + transport_section(trans, slow, plot_dir, goals) + codecs_section(cod)
-            + overlap_section(over, plot_dir, goals, other_overlap) + soak_section(soak)
+            + overlap_section(over, plot_dir, goals, other_overlap) + soak_section(soak_run)
             + data_memory_section(read_jsonl(args.in_dir / "data_memory.jsonl")))
     lines = ["# Benchmark results", "",
              "Generated from the JSON lines in bench/out/ by `python bench/results.py`; how each number is "

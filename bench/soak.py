@@ -110,6 +110,16 @@ class Peer:
         procs.append(self.proc)
 
 
+def second_half_slope(samples: list[dict]) -> float | None:
+    """Peer 0's total-RSS slope (MB per 100 rounds) over the second half of its rounds: warm-up
+    (allocator pools, p2pd's connections) is long over there, so growth there would be a leak."""
+    mine = [s for s in samples if s["node"] == 0 and s["processes"] and s.get("rounds_in_life", 1) > 0]
+    if not mine:
+        return None
+    half = max(s["outer_step"] for s in mine) / 2
+    return slope_per_100_rounds([(s["outer_step"], s["total_rss_mb"]) for s in mine if s["outer_step"] >= half])
+
+
 def summarize(samples: list[dict], peers: int, warmup: int) -> dict[str, Any]:
     nodes = {}
     for index in range(peers):
@@ -132,6 +142,7 @@ def summarize(samples: list[dict], peers: int, warmup: int) -> dict[str, Any]:
         "peer0_rss_slope_mb_per_100_rounds": slope_per_100_rounds([(s["outer_step"], s["total_rss_mb"]) for s in steady]),
         "peer0_main_rss_slope_mb_per_100_rounds": slope_per_100_rounds(
             [(s["outer_step"], s["processes"]["main"]["rss_mb"]) for s in steady if "main" in s["processes"]]),
+        "peer0_rss_slope_second_half_mb_per_100_rounds": second_half_slope(samples),
         "peer0_rss_after_warmup_mb": {"min": min((s["total_rss_mb"] for s in steady), default=None),
                                       "max": max((s["total_rss_mb"] for s in steady), default=None)},
     }
@@ -145,19 +156,26 @@ def _mb(entry: dict | None, role_name: str) -> str:
 
 
 def soak_section(records: list[dict]) -> list[str]:
-    """The "Soak" section of RESULTS.md from the newest run's summary (results.py calls it)."""
+    """The "Soak" section of RESULTS.md from the records of the newest run (its summary, and its
+    samples where present; results.py calls it)."""
     lines = ["## 6. Soak: memory over hundreds of rounds with churn", ""]
     records = [r for r in records if r.get("bench") == "soak"]
     summary = next((r for r in reversed(records) if r.get("kind") == "summary"), None)
     if summary is None:
         return lines + ["Not run.", ""]
+    samples = [r for r in records if r.get("kind") == "sample" and r.get("run_id") == summary["run_id"]]
+    late = summary.get("peer0_rss_slope_second_half_mb_per_100_rounds")
+    if late is None and samples:
+        late = second_half_slope(samples)
     env = " ".join(f"{k}={v}" for k, v in summary.get("env", {}).items())
     lines += [f"`{summary['command']}`{' with ' + env if env else ''}: {summary['peers']} `lowcomm-node join` processes "
               f"(`tiny`, one torch thread, H={summary['inner_steps']}, {summary['batch_size']} sequences of "
               f"{summary['seq_len']} bytes) on loopback; every {summary['churn_every']} rounds one peer other than "
               f"peer 0 is killed (SIGKILL of its session) and restarted on its checkpoint directory. "
               f"**{summary['rounds']} rounds, {summary['restarts']} restarts**, {summary['wall_seconds'] / 60:.1f} min"
-              + (f"; {'; '.join(summary['notes'])}" if summary.get("notes") else "") + ".", "",
+              + (f"; {'; '.join(summary['notes'])}" if summary.get("notes") else "")
+              + (f"; on {m['cores']} cores (`{m['cpu_model']}`), load average {m['loadavg_at_start']} at the start"
+                 if (m := summary.get("machine")) else "") + ".", "",
               "MB of RSS (PSS in brackets: shared pages split between the processes that map them) per process "
               "of each node, at its first sample at or after round 20 and at its last (samples of a process "
               "that has committed a round; `life`: how many times that peer was started):", ""]
@@ -176,8 +194,9 @@ def soak_section(records: list[dict]) -> list[str]:
     if after.get("min") is not None:
         lines += ["", f"Peer 0 (never restarted) after warm-up (round ≥ {summary.get('warmup', 40)}): total RSS "
                   f"{after['min']:.0f}–{after['max']:.0f} MB, slope {slope:+.1f} MB per 100 rounds (main process "
-                  f"{main_slope:+.1f}), least squares over every sample; the samples are the `kind: sample` lines "
-                  f"of run {summary['run_id']} in bench/out/soak.jsonl."]
+                  f"{main_slope:+.1f}), least squares over every sample"
+                  + (f"; over the second half of the run {late:+.1f} MB per 100 rounds" if late is not None else "")
+                  + f". The samples are the `kind: sample` lines of run {summary['run_id']} in bench/out/soak.jsonl."]
     return lines + [""]
 
 

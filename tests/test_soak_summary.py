@@ -36,6 +36,7 @@ def test_summary_skips_starting_processes_and_measures_the_slope() -> None:
     summary = soak.summarize(samples, peers=2, warmup=40)
     assert summary["peer0_rss_slope_mb_per_100_rounds"] == pytest.approx(10.0)
     assert summary["peer0_main_rss_slope_mb_per_100_rounds"] == pytest.approx(10.0)
+    assert summary["peer0_rss_slope_second_half_mb_per_100_rounds"] == pytest.approx(10.0)
     peer1 = summary["nodes"]["peer-1"]
     assert peer1["at_round_20"]["outer_step"] == 25 and peer1["at_round_20"]["life"] == 2
     assert peer1["at_end"]["outer_step"] == 190
