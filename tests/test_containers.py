@@ -16,9 +16,11 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
@@ -86,10 +88,15 @@ class Cluster:
         }
 
     def script(self, command: str, timeout: float) -> str:
-        proc = subprocess.run([str(SCRIPT), command], cwd=REPO, env=self.env, capture_output=True,
-                              text=True, timeout=timeout)
-        assert proc.returncode == 0, f"cluster.sh {command} failed:\n{proc.stdout}\n{proc.stderr}"
-        return proc.stdout
+        # Output to a file, not a pipe: the containers' monitors (conmon) inherit the script's
+        # stdio, and a pipe would only reach end-of-file when the last container exits.
+        with tempfile.TemporaryFile(mode="w+") as out:
+            proc = subprocess.run([str(SCRIPT), command], cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
+                                  stdout=out, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+            out.seek(0)
+            text = out.read()
+        assert proc.returncode == 0, f"cluster.sh {command} failed:\n{text}"
+        return text
 
     def podman(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
         proc = subprocess.run(["podman", *args], env=self.env, capture_output=True, text=True,
@@ -111,8 +118,12 @@ class Cluster:
 
     def status(self, container: str) -> dict[str, Any] | None:
         """`lowcomm-node status --json` inside the container; None while it does not answer."""
-        proc = self.podman("exec", container, "lowcomm-node", "status", "--json", "--timeout", "10",
-                           timeout=60, check=False)
+        try:
+            # Python's start-up alone can take a minute when the machine is overloaded.
+            proc = self.podman("exec", container, "lowcomm-node", "status", "--json", "--timeout", "20",
+                               timeout=240, check=False)
+        except subprocess.TimeoutExpired:
+            return None
         return json.loads(proc.stdout) if proc.returncode == 0 else None
 
     def logs_since(self, container: str, since: str) -> list[dict[str, Any]]:
@@ -150,17 +161,36 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float = ROUND_WA
     pytest.fail(f"timed out waiting for {what}")
 
 
-def agreed_step(cluster: Cluster, nodes: list[str], above: int) -> tuple[int, str] | None:
-    """(step, hash) when every node reports the same outer step > ``above`` and the same hash."""
-    reports = [cluster.status(node) for node in nodes]
-    if any(report is None for report in reports):
+class Agreement:
+    """What each node said its (outer step, params hash) was, asked in parallel on every poll.
+
+    On a loaded machine one `lowcomm-node status` in a container can take longer than a round,
+    so the nodes are never asked at one instant: they agree at step s when every one of them
+    reported step s, each with the same hash.
+    """
+
+    def __init__(self, cluster: Cluster, nodes: list[str]) -> None:
+        self.cluster = cluster
+        self.nodes = nodes
+        self.seen: dict[str, dict[int, str]] = {node: {} for node in nodes}
+
+    def poll(self) -> None:
+        with ThreadPoolExecutor(len(self.nodes)) as pool:
+            for node, report in zip(self.nodes, pool.map(self.cluster.status, self.nodes)):
+                if report is not None:
+                    self.seen[node][report["outer_step"]] = report["params_sha256"]
+
+    def latest(self, node: str) -> int:
+        return max(self.seen[node], default=-1)
+
+    def agreed_above(self, above: int) -> tuple[int, str] | None:
+        """The newest step > ``above`` every node reported with one hash, after one more poll."""
+        self.poll()
+        common = set.intersection(*(set(steps) for steps in self.seen.values()))
+        for step in sorted((s for s in common if s > above), reverse=True):
+            if len({self.seen[node][step] for node in self.nodes}) == 1:
+                return step, self.seen[self.nodes[0]][step]
         return None
-    views = {(r["outer_step"], r["params_sha256"]) for r in reports}
-    if len(views) == 1:
-        step, digest = views.pop()
-        if step > above:
-            return step, digest
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -180,9 +210,10 @@ def cluster() -> Iterator[Cluster]:
 
 def test_node_image_is_small_unprivileged_cpu_and_has_no_build_tools(cluster: Cluster) -> None:
     image = cluster.env.get("NODE_IMAGE") or "localhost/lowcomm:0.1.0-cpu"
-    config = json.loads(cluster.podman("image", "inspect", image).stdout)[0]["Config"]
-    assert config["User"].split(":")[0] == "10001"
-    assert "lowcomm-node healthcheck" in " ".join(config["Healthcheck"]["Test"])
+    inspect = json.loads(cluster.podman("image", "inspect", image).stdout)[0]
+    assert inspect["Config"]["User"].split(":")[0] == "10001"
+    # Podman reports the docker format's HEALTHCHECK next to the OCI config, not inside it.
+    assert "lowcomm-node healthcheck" in " ".join(inspect["Healthcheck"]["Test"])
     probe = ("import shutil, torch; "
              "print(torch.__version__); "
              "print(*[t for t in ('gcc', 'cc', 'c++', 'make', 'pip', 'pip3') if shutil.which(t)])")
@@ -199,8 +230,8 @@ def test_cluster_agrees_is_scraped_survives_a_killed_peer_and_leaves_nothing(clu
     assert len(nodes) == PEERS + 1, nodes
 
     # Every node at one outer step >= MIN_STEP with one params hash, as the nodes themselves say.
-    step, digest = wait_for(f"all nodes at one outer step >= {MIN_STEP}",
-                            lambda: agreed_step(cluster, nodes, MIN_STEP - 1))
+    everyone = Agreement(cluster, nodes)
+    wait_for(f"all nodes at one outer step >= {MIN_STEP}", lambda: everyone.agreed_above(MIN_STEP - 1))
 
     # Prometheus (its targets API, through the published port) scrapes every node, found by
     # DNS service discovery of the compose services.
@@ -217,15 +248,17 @@ def test_cluster_agrees_is_scraped_survives_a_killed_peer_and_leaves_nothing(clu
         up = {t["labels"]["instance"].rsplit(":", 1)[0] for t in targets if t["health"] == "up"}
         return up if up >= ips else None
 
-    assert wait_for("Prometheus scraping every node", scraped, timeout=180) >= ips
+    assert wait_for("Prometheus scraping every node", scraped, timeout=300) >= ips
 
     # Kill one peer outright: the others go on without it, past the step it died at.
     victim = cluster.containers("peer")[-1]
     others = [node for node in nodes if node != victim]
-    killed_at = max(cluster.status(victim)["outer_step"], step)
+    everyone.poll()
+    killed_at = max(everyone.latest(node) for node in nodes)
     kill_time = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     cluster.podman("kill", "--signal", "KILL", victim)
-    wait_for("the other nodes to agree on a later step", lambda: agreed_step(cluster, others, killed_at))
+    survivors = Agreement(cluster, others)
+    wait_for("the other nodes to agree on a later step", lambda: survivors.agreed_above(killed_at))
 
     # Restarted (podman's restart policy may have done it already; start is then a no-op), it
     # loads its newest checkpoint from its volume, then catches up with the swarm again.
@@ -234,9 +267,10 @@ def test_cluster_agrees_is_scraped_survives_a_killed_peer_and_leaves_nothing(clu
                        lambda: [r for r in cluster.logs_since(victim, kill_time) if r.get("event") == "resumed"],
                        timeout=300)
     assert resumed[0]["outer_step"] >= 1, resumed[0]
-    swarm_step = max(cluster.status(node)["outer_step"] for node in others)
-    wait_for("the restarted peer to rejoin the swarm's step and hash",
-             lambda: agreed_step(cluster, nodes, swarm_step - 1))
+    rejoined = Agreement(cluster, nodes)
+    rejoined.poll()
+    swarm_step = max(rejoined.latest(node) for node in others)
+    wait_for("the restarted peer to rejoin the swarm's step and hash", lambda: rejoined.agreed_above(swarm_step))
 
     cluster.script("down", timeout=300)
     assert cluster.leftovers() == {}

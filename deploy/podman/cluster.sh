@@ -43,9 +43,12 @@ export NODE_IMAGE PROMETHEUS_IMAGE PROMETHEUS_PORT
 
 die() { echo "cluster: error: $*" >&2; exit 1; }
 
+# Without systemd podman logs an error for every container with a healthcheck (it cannot add
+# the timer); the checks run through wait_healthy instead, so that line is dropped.
 compose() {
     "$PODMAN_COMPOSE" --podman-path podman --in-pod false -p "$PROJECT" \
-        -f deploy/docker-compose.yml -f "$here/compose.podman.yml" "$@"
+        -f deploy/docker-compose.yml -f "$here/compose.podman.yml" "$@" \
+        2> >(grep -v 'unable to get systemd connection to .* healthchecks' >&2)
 }
 
 # Containers of one compose service of this project, oldest first.
