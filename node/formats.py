@@ -23,9 +23,13 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .errors import FatalError
 
-class FormatError(Exception):
-    """A corpus file or tokenizer cannot be read; node/data.py re-raises it as a DataError."""
+
+class FormatError(FatalError):
+    """A corpus file or tokenizer cannot be read (node/data.py re-raises it as a DataError). A
+    FatalError: the fingerprint reads the tokenizer before any corpus, and must end the node
+    with one line too."""
 
 
 class ByteTokenizer:

@@ -9,10 +9,13 @@ trained here.
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
+
+from lowcomm.node.localswarm import node_command
 
 from .hf_assets import stdlib_text, train_tokenizer, write_byte_tokens, write_llama_config
 
@@ -96,3 +99,13 @@ def test_a_factory_model_trains_on_jsonl_through_a_trained_tokenizer(swarm, tmp_
     assert first.rounds()[-1]["eval_loss"] < initial_eval
     # Gradient accumulation counts every micro-batch: tokens come in steps of 2 × 8 × 64.
     assert all(e["tokens_total"] > 0 and e["tokens_total"] % (2 * 8 * 64) == 0 for e in first.rounds())
+
+
+def test_a_factory_that_cannot_be_imported_ends_the_node_with_one_line(tmp_path):
+    cmd = [*node_command(), "join", "--host", "127.0.0.1", "--dht-port", "0", "--grpc-port", "0",
+           "--metrics-port", "0", "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-format", "json",
+           "--set", "model.factory=no_such_package.models:build"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("lowcomm-node: error:")]
+    assert result.returncode != 0 and "Traceback" not in result.stderr + result.stdout
+    assert len(errors) == 1 and "cannot import no_such_package.models" in errors[0], result.stderr
