@@ -185,14 +185,14 @@ def _load_formatted(section: "DataSection", max_bytes: int) -> Corpus:
         train_rows, held_rows, pretokenized = formats.hf_splits(section.path or "", section.field, tokenizer, max_bytes)
         sep = formats.separator(tokenizer)
         dtype: type = tokenizer.dtype
-        if pretokenized and section.tokenizer == "bytes":
-            sep = np.zeros(0, dtype=np.uint8)  # ids of an unknown tokenizer: no newline id to add
         if pretokenized:
-            # Ids from the dataset itself: the narrowest type that holds them, and a vocabulary
-            # known only if [data] tokenizer names the tokenizer that made them.
+            # Ids from the dataset itself: kept in the narrowest type that holds them. Unless
+            # [data] tokenizer names the tokenizer that made them, their vocabulary is unknown
+            # (they are checked against the model's as drawn) and so is the id of a newline.
             largest = max((int(r.max()) for r in (*train_rows, *(held_rows or [])) if r.size), default=0)
             dtype = np.uint16 if largest < 2**16 else np.uint32
-            vocab = vocab if section.tokenizer != "bytes" else None
+            if section.tokenizer == "bytes":
+                sep, vocab = np.zeros(0, dtype=np.uint8), None
         train = TokenArray([formats.join(train_rows, sep, dtype)])
         if held_rows is None:
             train, held_out = _tail_split(train, section.eval_fraction)
