@@ -196,9 +196,6 @@ def cmd_join(args: argparse.Namespace) -> int:
         lock = lock_checkpoint_dir(config.node.checkpoint_dir)
     except RuntimeError as err:
         return _fail(str(err))
-    from .memory import limit_malloc_arenas
-
-    limit_malloc_arenas()  # before the DHT forks and any thread allocates (node/memory.py)
     from .memory import freeze_before_fork, limit_malloc_arenas
 
     limit_malloc_arenas()  # before the DHT forks and any thread allocates (node/memory.py)
