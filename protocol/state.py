@@ -256,10 +256,15 @@ async def download_state(
             alive = [d for d in alive if d not in failed_donors]
         return None if remaining else blob
 
+    def blob_hash(data: bytearray) -> str:
+        return hashlib.sha256(data).hexdigest()
+
+    # Whole-state hashing and parsing run in a thread: ~0.5 GB for the gpt2 preset would stall
+    # the event loop (RPCs, heartbeats) for a second or more.
     blob = await fetch_from(usable)
     if blob is None:
         raise StateError(f"could not download step {expected_step}: every donor failed on some range")
-    if hashlib.sha256(blob).hexdigest() != reference.state_sha256:
+    if await asyncio.to_thread(blob_hash, blob) != reference.state_sha256:
         # Every chunk matched the hash its donor sent, yet the whole does not: some donor hashed
         # bytes it altered. Ranges do not say which, so fetch the whole state from one donor at a
         # time until one serves exactly the blob the donors announced.
@@ -268,15 +273,15 @@ async def download_state(
         blob = None
         for donor in usable:
             candidate = await fetch_from([donor])
-            if candidate is not None and hashlib.sha256(candidate).hexdigest() == reference.state_sha256:
+            if candidate is not None and await asyncio.to_thread(blob_hash, candidate) == reference.state_sha256:
                 blob = candidate
                 break
             log.warning("state donor %s did not serve the announced state of step %d", donor.peer_id, expected_step)
         if blob is None:
             raise StateError("downloaded state does not match the donors' state hash")
-    step, params, momentum = parse_blob(blob, expected_numel)
+    step, params, momentum = await asyncio.to_thread(parse_blob, blob, expected_numel)
     if step != expected_step:
         raise StateError(f"downloaded state is for step {step}, expected {expected_step}")
-    if expected_params_sha256 is not None and params_sha256(params) != expected_params_sha256:
+    if expected_params_sha256 is not None and await asyncio.to_thread(params_sha256, params) != expected_params_sha256:
         raise StateError("downloaded params do not match the hash the swarm published")
     return DownloadedState(step, params, momentum, downloaded, len(usable))
