@@ -132,10 +132,11 @@ def load_corpus(pattern: str | None, eval_fraction: float, max_bytes: int = 64 *
             break
     train = np.frombuffer(b"\n".join(train_parts), dtype=np.uint8)
     held_out = np.frombuffer(b"\n".join(eval_parts), dtype=np.uint8)
-    if len(held_out) == 0 and len(train) > 0:
-        # Few files: hold out the tail of the text instead of whole files.
-        cut = int(len(train) * (1 - eval_fraction))
-        train, held_out = train[:cut], train[cut:]
+    if len(held_out) == 0 or len(train) == 0:
+        # Few files (all of them on one side of the hash): hold out the tail of the text instead.
+        text = train if len(train) else held_out
+        cut = int(len(text) * (1 - eval_fraction))
+        train, held_out = text[:cut], text[cut:]
     return Corpus(train=train, eval=held_out, files=len(files))
 
 
@@ -162,8 +163,8 @@ def _split_documents(named: Iterable[tuple[str, list[np.ndarray]]], eval_fractio
             break
     train = TokenArray([formats.join(splits[False], sep, tokenizer.dtype)])
     held_out = TokenArray([formats.join(splits[True], sep, tokenizer.dtype)])
-    if len(held_out) == 0 and len(train) > 0:
-        train, held_out = _tail_split(train, eval_fraction)
+    if len(held_out) == 0 or len(train) == 0:
+        train, held_out = _tail_split(train if len(train) else held_out, eval_fraction)
     return train, held_out
 
 
@@ -204,8 +205,8 @@ def _load_formatted(section: "DataSection", max_bytes: int) -> Corpus:
         maps = [(_name(path, root), formats.open_tokens(path, section.token_dtype)) for path in files]
         train = TokenArray([m for name, m in maps if not _is_eval(name, section.eval_fraction)])
         held_out = TokenArray([m for name, m in maps if _is_eval(name, section.eval_fraction)])
-        if len(held_out) == 0:
-            train, held_out = _tail_split(train, section.eval_fraction)
+        if len(held_out) == 0 or len(train) == 0:  # one file, or all on one side of the hash
+            train, held_out = _tail_split(train if len(train) else held_out, section.eval_fraction)
         # The default "bytes" says nothing about a tokens file: ids are checked against the model.
         return Corpus(train=train, eval=held_out, files=len(files),
                       vocab_size=vocab if section.tokenizer != "bytes" else None)

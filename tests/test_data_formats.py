@@ -186,3 +186,13 @@ def test_drawing_batches_keeps_no_pages_of_a_tokens_file_resident(tmp_path):
         assert mapped_rss(path) == 0  # ... and every batch lets them go
         assert (inputs[:, 1:] == targets[:, :-1]).all() and (inputs < 50_000).all()
     assert (held_out[0][0][0] == torch.from_numpy(ids[len(corpus.train):len(corpus.train) + 16].astype(np.int64))).all()
+
+
+@pytest.mark.parametrize("fmt", ["tokens", "text"])
+def test_a_single_file_whose_name_hashes_to_the_held_out_side_is_tail_split(tmp_path, fmt):
+    from lowcomm.node.data import _is_eval
+
+    name = next(f"corpus-{i}.bin" for i in range(10_000) if _is_eval(f"corpus-{i}.bin", 0.05))
+    (np.arange(40_000) % 200).astype(np.uint16 if fmt == "tokens" else np.uint8).tofile(tmp_path / name)
+    corpus = load_data(data_section(f"data.format={fmt}", f"data.path={tmp_path / name}"))
+    assert len(corpus.train) == 38_000 and len(corpus.eval) == 2_000  # not an empty training split
