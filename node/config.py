@@ -24,7 +24,7 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-CODEC_CHOICES = ("fp32", "fp16", "bf16", "int8", "int4", "topk")
+CODEC_CHOICES = ("fp32", "fp16", "bf16", "int8", "int4", "topk", "sparseloco")
 
 
 class _Section(BaseModel):
@@ -158,7 +158,27 @@ class TrainSection(_Section):
     """Seed of the initial weights (identical on every peer) and of the data order."""
 
 
+# ``[sync] method``: a named sync algorithm sets several keys together (README, "Sync options").
+# FIXED keys are the method's definition: setting one to another value is an error. DEFAULTS are
+# its tuned starting points: an explicit value of the key wins over them.
+METHOD_FIXED: dict[str, dict[str, Any]] = {
+    "diloco": {},
+    # The decayed error feedback of the sparseloco codec stands in for the outer momentum.
+    "sparseloco": {"codec": "sparseloco", "outer_momentum": 0.0},
+}
+METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "diloco": {},
+    # θ ← θ − 1·mean(decoded), every contribution's norm clipped to the shard's median norm.
+    "sparseloco": {"outer_lr": 1.0, "aggregation": "clipped_mean", "clip_factor": 1.0},
+}
+
+
 class SyncSection(_Section):
+    method: Literal["diloco", "sparseloco"] = "diloco"
+    """diloco: the codec below under outer Nesterov SGD. sparseloco: top-k 2-bit sparse
+    pseudo-gradients with decayed error feedback and no outer momentum; sets codec = "sparseloco"
+    and outer_momentum = 0 (other values are an error) and defaults outer_lr = 1.0, aggregation =
+    "clipped_mean", clip_factor = 1.0 (explicit values win)."""
     mode: Literal["allreduce", "gossip"] = "allreduce"
     """How peers average: butterfly all-reduce inside groups (identical state), or gossip with a few
     random partners per round (states differ by design; the consensus distance is measured)."""
@@ -186,7 +206,7 @@ class SyncSection(_Section):
     """trimmed_mean: share of the largest and of the smallest values dropped per coordinate."""
     norm_bound_factor: float = Field(20.0, gt=1.0)
     """A contribution whose norm exceeds this multiple of the median norm of its shard is rejected."""
-    codec: Literal["fp32", "fp16", "bf16", "int8", "int4", "topk"] = "int8"
+    codec: Literal["fp32", "fp16", "bf16", "int8", "int4", "topk", "sparseloco"] = "int8"
     """Encoding of pseudo-gradients on the wire (lossy codecs use error feedback)."""
     group_size: int = Field(16, ge=2)
     """Largest group a leader closes."""
@@ -203,6 +223,25 @@ class SyncSection(_Section):
     """Floor of the adaptive grace for stragglers, in seconds."""
     reduce_timeout: float = Field(60.0, gt=0.0)
     """Seconds a member waits for one shard's average before it skips that shard."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_method(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or data.get("method", "diloco") not in METHOD_FIXED:
+            return data  # not a mapping, or an unknown method: the field's own check reports it
+        method = data.get("method", "diloco")
+        for key, value in METHOD_FIXED[method].items():
+            if key in data and data[key] != value:
+                raise ValueError(f"method = \"{method}\" sets {key} = {value!r}; remove {key} = {data[key]!r} "
+                                 f"or choose method = \"diloco\"")
+        return {**METHOD_DEFAULTS[method], **METHOD_FIXED[method], **data}
+
+    @model_validator(mode="after")
+    def _sparse_needs_allreduce(self) -> "SyncSection":
+        # Gossip averages parameters, not pseudo-gradients: a sparse top-k of θ would zero most of it.
+        if self.mode == "gossip" and self.codec == "sparseloco":
+            raise ValueError("codec = \"sparseloco\" (and method = \"sparseloco\") work with mode = \"allreduce\" only")
+        return self
 
 
 class NodeSection(_Section):
@@ -419,6 +458,10 @@ def _describe(err: ValidationError, layers: _Layers) -> str:
             else:
                 known = ", ".join(Config.model_fields[section].annotation.model_fields)
                 lines.append(f"{source}: unknown key '{key}' in [{section}] (known keys: {known})")
+            continue
+        if key is None and isinstance(problem.get("input"), Mapping):  # a rule across keys of one section
+            message = problem["msg"].removeprefix("Value error, ")
+            lines.append(f"{_source_of_section(layers, section)}: [{section}] is invalid: {message}")
             continue
         where = f"[{section}] {key}" if key else f"[{section}]"
         got = problem.get("input")

@@ -198,7 +198,8 @@ def check_round_trip(codec, x_np: np.ndarray) -> None:
 
 def test_codec_ids_match_proto_enum():
     assert [(c.name, int(c)) for c in CodecId] == [
-        ("FP32", 1), ("FP16", 2), ("BF16", 3), ("INT8", 4), ("INT4", 5), ("TOPK", 6)
+        ("FP32", 1), ("FP16", 2), ("BF16", 3), ("INT8", 4), ("INT4", 5), ("TOPK", 6),
+        ("SPARSELOCO", 7),
     ]
     proto = Path(__file__).resolve().parents[1] / "proto" / "lowcomm" / "v1" / "tensor.proto"
     if not proto.exists():
@@ -212,7 +213,7 @@ def test_codec_ids_match_proto_enum():
 
 
 def test_registry():
-    assert codecs.CODEC_NAMES == ("fp32", "fp16", "bf16", "int8", "int4", "topk")
+    assert codecs.CODEC_NAMES == ("fp32", "fp16", "bf16", "int8", "int4", "topk", "sparseloco")
     for name in codecs.CODEC_NAMES:
         c = codecs.get_codec(name)
         assert c.name == name
@@ -223,7 +224,7 @@ def test_registry():
         assert isinstance(c, codecs.Codec)
     assert codecs.get_codec("int8", block_size=256).block_size == 256
     assert codecs.get_codec("topk", fraction=0.5).fraction == 0.5
-    for bad in ("int2", "", 0, 7, 99):
+    for bad in ("int2", "", 0, 8, 99):
         with pytest.raises(ValueError, match="fp32.*fp16.*bf16.*int8.*int4.*topk"):
             codecs.get_codec(bad)
     with pytest.raises(ValueError):

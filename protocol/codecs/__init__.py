@@ -21,6 +21,9 @@ topk     ``n_blocks`` float32 scales, then ``K`` uint16 indices, then ``K`` int8
          [-127, 127], where block b keeps k_b of its values (the largest magnitudes), its
          indices ascending, relative to the block start; K = sum(k_b);
          value = q * scale, scale = absmax(kept values of the block) / 127
+sparseloco  per chunk of <= 4096 values two float32 levels (or one int8 scale), then 12-bit
+         packed chunk-local indices, then 2-bit codes (or int8); see ``sparseloco``. Its error
+         feedback decays: ``encode_with_feedback`` encodes x + feedback_decay * residual
 =======  ==================================================================================
 
 ``n_blocks = ceil(numel / block_size)``; the last block may be partial. A block whose absmax
@@ -61,6 +64,7 @@ import torch
 from ._base import TINY, Codec, CodecError, CodecId, _check_input
 from .blockquant import Int4Codec, Int8Codec
 from .floats import Bf16Codec, Fp16Codec, Fp32Codec
+from .sparseloco import SparseLoCoCodec
 from .topk import TopKCodec
 
 __all__ = [
@@ -74,6 +78,7 @@ __all__ = [
     "Fp32Codec",
     "Int4Codec",
     "Int8Codec",
+    "SparseLoCoCodec",
     "TopKCodec",
     "encode_with_feedback",
     "get_codec",
@@ -86,12 +91,12 @@ __all__ = [
 _CODECS: types.MappingProxyType = types.MappingProxyType(
     {
         cls.name: cls
-        for cls in (Fp32Codec, Fp16Codec, Bf16Codec, Int8Codec, Int4Codec, TopKCodec)
+        for cls in (Fp32Codec, Fp16Codec, Bf16Codec, Int8Codec, Int4Codec, TopKCodec, SparseLoCoCodec)
     }
 )
 _BY_ID = types.MappingProxyType({cls.id: cls for cls in _CODECS.values()})
 
-CODEC_NAMES: tuple[str, ...] = ("fp32", "fp16", "bf16", "int8", "int4", "topk")
+CODEC_NAMES: tuple[str, ...] = ("fp32", "fp16", "bf16", "int8", "int4", "topk", "sparseloco")
 assert CODEC_NAMES == tuple(_CODECS)
 
 
@@ -119,8 +124,10 @@ def get_codec(name_or_id: str | int | CodecId, **options) -> Codec:
 
 
 def encode_with_feedback(codec: Codec, x: torch.Tensor, residual: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-    """Error feedback: encodes x + residual, sets residual[:] = (x + residual) - decoded (in place),
-    returns (payload, decoded). For lossless fp32, residual becomes zero.
+    """Error feedback: encodes s = x + residual, sets residual[:] = s - decoded (in place),
+    returns (payload, decoded). For lossless fp32, residual becomes zero. A codec with a
+    ``feedback_decay`` β < 1 (sparseloco) encodes s = x + β·residual instead: what it did not
+    send fades by β per round (SparseLoCo's accumulator).
 
     ``decoded`` is exactly what any receiver's ``codec.decode(payload, numel)`` returns.
     If encoding fails (CodecError for non-finite values), ``residual`` is left unchanged.
@@ -130,7 +137,12 @@ def encode_with_feedback(codec: Codec, x: torch.Tensor, residual: torch.Tensor) 
         raise ValueError("residual must be a float32 CPU tensor")
     if residual.shape != x.shape or not residual.is_contiguous():
         raise ValueError(f"residual must be contiguous with shape {tuple(x.shape)}, got {tuple(residual.shape)}")
-    s = x + residual
+    decay = getattr(codec, "feedback_decay", 1.0)
+    if decay == 1.0:
+        s = x + residual
+    else:
+        s = residual.mul(decay)
+        s.add_(x)
     payload = codec.encode(s)
     decoded = codec.decode(payload, s.numel())
     torch.sub(s, decoded, out=residual)

@@ -22,6 +22,7 @@ class CodecId(enum.IntEnum):
     INT8 = 4
     INT4 = 5
     TOPK = 6
+    SPARSELOCO = 7
 
 
 class CodecError(ValueError):

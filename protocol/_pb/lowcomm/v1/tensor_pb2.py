@@ -24,13 +24,13 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17lowcomm/v1/tensor.proto\x12\nlowcomm.v1*~\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_FP16\x10\x02\x12\x0e\n\nCODEC_BF16\x10\x03\x12\x0e\n\nCODEC_INT8\x10\x04\x12\x0e\n\nCODEC_INT4\x10\x05\x12\x0e\n\nCODEC_TOPK\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17lowcomm/v1/tensor.proto\x12\nlowcomm.v1*\x94\x01\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_FP16\x10\x02\x12\x0e\n\nCODEC_BF16\x10\x03\x12\x0e\n\nCODEC_INT8\x10\x04\x12\x0e\n\nCODEC_INT4\x10\x05\x12\x0e\n\nCODEC_TOPK\x10\x06\x12\x14\n\x10\x43ODEC_SPARSELOCO\x10\x07\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lowcomm.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODEC']._serialized_start=39
-  _globals['_CODEC']._serialized_end=165
+  _globals['_CODEC']._serialized_start=40
+  _globals['_CODEC']._serialized_end=188
 # @@protoc_insertion_point(module_scope)

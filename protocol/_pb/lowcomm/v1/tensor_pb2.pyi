@@ -13,6 +13,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_INT8: _ClassVar[Codec]
     CODEC_INT4: _ClassVar[Codec]
     CODEC_TOPK: _ClassVar[Codec]
+    CODEC_SPARSELOCO: _ClassVar[Codec]
 CODEC_UNSPECIFIED: Codec
 CODEC_FP32: Codec
 CODEC_FP16: Codec
@@ -20,3 +21,4 @@ CODEC_BF16: Codec
 CODEC_INT8: Codec
 CODEC_INT4: Codec
 CODEC_TOPK: Codec
+CODEC_SPARSELOCO: Codec
