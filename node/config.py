@@ -142,7 +142,7 @@ class TrainSection(_Section):
     inner_steps: int = Field(50, ge=1)
     """H: inner optimizer steps between two outer rounds."""
     batch_size: int = Field(16, ge=1)
-    """Sequences per inner step."""
+    """Sequences per forward pass; an inner step sees batch_size × micro_batches of them."""
     lr: float = Field(1e-3, gt=0.0)
     """Peak learning rate of the inner AdamW optimizer."""
     weight_decay: float = Field(0.1, ge=0.0)
