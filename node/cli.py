@@ -346,8 +346,8 @@ def _toml_value(value: Any) -> str:
 def render_default_config() -> str:
     """The default config as commented TOML; [node] keys are commented out (usually flags)."""
     lines = [
-        "# lowcomm run config. Every peer of a run must use the same [run], [model], [data] seq_len,",
-        "# [train] and [sync] values (peers compare a fingerprint of them before averaging).",
+        "# lowcomm run config. Every peer of a run must use the same [run], [model], [data] seq_len and",
+        "# tokenizer, [train] and [sync] values (peers compare a fingerprint of them before averaging).",
         "# Precedence: defaults < this file < LOWCOMM_* environment variables < command-line flags.",
     ]
     defaults = Config()
