@@ -231,7 +231,8 @@ def test_cluster_agrees_is_scraped_survives_a_killed_peer_and_leaves_nothing(clu
 
     # Every node at one outer step >= MIN_STEP with one params hash, as the nodes themselves say.
     everyone = Agreement(cluster, nodes)
-    wait_for(f"all nodes at one outer step >= {MIN_STEP}", lambda: everyone.agreed_above(MIN_STEP - 1))
+    step, digest = wait_for(f"all nodes at one outer step >= {MIN_STEP}", lambda: everyone.agreed_above(MIN_STEP - 1))
+    print(f"{len(nodes)} nodes agree at outer step {step}, params {digest[:16]}")
 
     # Prometheus (its targets API, through the published port) scrapes every node, found by
     # DNS service discovery of the compose services.
@@ -258,7 +259,8 @@ def test_cluster_agrees_is_scraped_survives_a_killed_peer_and_leaves_nothing(clu
     kill_time = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     cluster.podman("kill", "--signal", "KILL", victim)
     survivors = Agreement(cluster, others)
-    wait_for("the other nodes to agree on a later step", lambda: survivors.agreed_above(killed_at))
+    step, _ = wait_for("the other nodes to agree on a later step", lambda: survivors.agreed_above(killed_at))
+    print(f"killed {victim} at swarm step {killed_at}; the other {len(others)} agree at step {step}")
 
     # Restarted (podman's restart policy may have done it already; start is then a no-op), it
     # loads its newest checkpoint from its volume, then catches up with the swarm again.
@@ -267,10 +269,12 @@ def test_cluster_agrees_is_scraped_survives_a_killed_peer_and_leaves_nothing(clu
                        lambda: [r for r in cluster.logs_since(victim, kill_time) if r.get("event") == "resumed"],
                        timeout=300)
     assert resumed[0]["outer_step"] >= 1, resumed[0]
+    print(f"{victim} restarted: resumed from {resumed[0]['checkpoint']} (outer step {resumed[0]['outer_step']})")
     rejoined = Agreement(cluster, nodes)
     rejoined.poll()
     swarm_step = max(rejoined.latest(node) for node in others)
-    wait_for("the restarted peer to rejoin the swarm's step and hash", lambda: rejoined.agreed_above(swarm_step))
+    step, _ = wait_for("the restarted peer to rejoin the swarm's step and hash", lambda: rejoined.agreed_above(swarm_step))
+    print(f"all {len(nodes)} nodes agree again at step {step}")
 
     cluster.script("down", timeout=300)
     assert cluster.leftovers() == {}
