@@ -80,6 +80,7 @@ cluster-down: $(BIN)/podman-compose
 	@$(CLUSTER) down
 
 # Builds the images (cached) and runs tests/test_containers.py (minutes; not part of `make test`).
+# Where podman cannot be installed (no root) the test skips and says why.
 test-containers: $(BIN)/podman-compose
-	@$(CLUSTER) setup
+	@$(CLUSTER) setup || echo "test-containers: podman is not set up; tests/test_containers.py skips"
 	$(BIN)/python -m pytest -m containers tests/test_containers.py $(PYTEST_ARGS)
