@@ -196,9 +196,10 @@ def cmd_join(args: argparse.Namespace) -> int:
         lock = lock_checkpoint_dir(config.node.checkpoint_dir)
     except RuntimeError as err:
         return _fail(str(err))
-    from .memory import freeze_before_fork, limit_malloc_arenas
+    from .memory import freeze_before_fork, limit_malloc_arenas, share_tensors_by_descriptor
 
     limit_malloc_arenas()  # before the DHT forks and any thread allocates (node/memory.py)
+    share_tensors_by_descriptor()  # before hivemind's first future: no torch_shm_manager process
     freeze_before_fork()
     try:
         dht = _start_dht(config)
