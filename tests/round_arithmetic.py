@@ -9,7 +9,7 @@ Every round does what a real one does to the shared state, with the protocol's o
 three members encode their Δ with error feedback, the shard owner decodes the contributions,
 averages them by token weight (``aggregate``), encodes the average once with its own residual,
 and every member applies the *decoded* average with the outer Nesterov step. The codec changes
-from round to round (int8, int4, fp16, bf16, topk) and so does the owner's rule (mean, trimmed
+from round to round (int8, int4, fp16, bf16, topk, sparseloco 2- and 8-bit) and so does the owner's rule (mean, trimmed
 mean), over more than a million values, so that the vectorised kernels and threading engage.
 
 ``fused_sha256`` is the same θ_global stepped with the outer step as it was written before it
@@ -31,10 +31,11 @@ from lowcomm.protocol.aggregation import Aggregation, aggregate
 from lowcomm.protocol.outer import NesterovOuter
 
 NUMEL = (1 << 20) + 4099  # odd: partial codec blocks and a vector tail
-ROUNDS = 6
+ROUNDS = 7  # one per codec
 MEMBERS = ("peer-a", "peer-b", "peer-c")
 WEIGHTS = (1024.0, 1536.0, 2560.0)  # tokens since the last round
-CODECS = (("int8", {}), ("int4", {}), ("fp16", {}), ("bf16", {}), ("topk", {"fraction": 1 / 16}))
+CODECS = (("int8", {}), ("int4", {}), ("fp16", {}), ("bf16", {}), ("topk", {"fraction": 1 / 16}),
+          ("sparseloco", {}), ("sparseloco", {"bits": 8}))
 RULES = (Aggregation(rule="mean"), Aggregation(rule="trimmed_mean", trim_fraction=0.34))
 LR, MOMENTUM = 0.7, 0.9
 
