@@ -18,6 +18,7 @@ import torch
 from . import codecs
 from ._pb.lowcomm.v1 import averaging_pb2
 from .aggregation import Aggregated, Aggregation, aggregate
+from .schedule import result_order
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,10 @@ class ShardAccumulator:
     bytes_out: int = 0  # average payload bytes streamed back to senders
     active_streams: int = 0
     announced: set[str] = field(default_factory=set)  # senders whose header was accepted (no duplicates)
+    staggered: bool = True  # send the average to one sender after the other (schedule.py)
+    awaiting: set[str] = field(default_factory=set)  # senders whose stream waits for the average
+    turns: list[str] = field(default_factory=list)  # after finalize: who gets the average when (schedule.py)
+    _served: dict[str, asyncio.Event] = field(default_factory=dict)  # per turn: that sender has it
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # no Reduce stream is open
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -145,6 +150,10 @@ class ShardAccumulator:
                         self.executor, aggregate_and_encode)
                 finally:
                     self.contributions = {}  # the memory goes back as soon as the average exists
+                    # Senders waiting now get the average one after the other; later ones at once.
+                    self.turns = [s for s in result_order(self.group, self.owner_id)
+                                  if s in self.awaiting] if self.staggered else []
+                    self._served = {s: asyncio.Event() for s in self.turns}
                     self.finalized.set()
                 self.contributors = outcome.used if self.result is not None else []
                 for rejection in outcome.rejected:
@@ -152,6 +161,23 @@ class ShardAccumulator:
                 if self.result is None:
                     log.warning("shard %d: %s; every member skips it this round", self.shard_index, self.failure)
         return self.result
+
+    async def wait_turn(self, sender: str, budget: float) -> None:
+        """Staggered results: return once the sender before ``sender`` has its average, or after
+        ``budget`` seconds (a slow downloader delays the next one that long at most)."""
+        if sender not in self._served or self.turns.index(sender) == 0:
+            return
+        before = self.turns[self.turns.index(sender) - 1]
+        try:
+            async with asyncio.timeout(budget):
+                await self._served[before].wait()
+        except TimeoutError:
+            pass
+
+    def served(self, sender: str) -> None:
+        """``sender``'s result stream is over (sent, failed or cancelled): the next may start."""
+        if (event := self._served.get(sender)) is not None:
+            event.set()
 
     def _reject(self, reason: str, sender: str, detail: str) -> None:
         if self.on_reject is not None:

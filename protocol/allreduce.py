@@ -47,7 +47,7 @@ from . import codecs
 from ._pb.lowcomm.v1 import averaging_pb2, averaging_pb2_grpc
 from .agreement import AgreementBook, ReportFailed, ShardAgreement, agree
 from .accumulator import MAX_WEIGHT_RATIO, RejectCallback, ShardAccumulator, bounded_weights
-from .schedule import stage_budget, upload_order
+from .schedule import result_budget, stage_budget, upload_order
 from .sender import CHUNK_BYTES, chunks, reduce_with_owner
 from .aggregation import Aggregation
 from .validate import ContributionRejected, check_contribution
@@ -144,6 +144,7 @@ class ReduceRegistry:
                 acc.give_up(sender)
         if not await acc.add(sender, decoded):
             self.on_reject("late", sender, "arrived after the average was computed")
+        acc.awaiting.add(sender)
         try:  # the owner finalizes by its deadline; the margin covers an owner that died in between
             async with asyncio.timeout(acc.group.reduce_timeout_s * 1.5):
                 await acc.finalized.wait()
@@ -151,12 +152,16 @@ class ReduceRegistry:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the shard's average was never computed")
         if acc.result is None:
             await context.abort(grpc.StatusCode.ABORTED, f"no average for this shard this round: {acc.failure}")
-        yield averaging_pb2.ReduceMessage(result=averaging_pb2.ReduceResult(
-            codec=acc.codec.id, numel=acc.numel, payload_bytes=len(acc.result_payload), contributors=acc.contributors,
-        ))
-        for chunk in chunks(acc.result_payload):
-            acc.bytes_out += len(chunk)
-            yield averaging_pb2.ReduceMessage(chunk=chunk)
+        try:
+            await acc.wait_turn(sender, result_budget(acc.group, len(acc.turns)))
+            yield averaging_pb2.ReduceMessage(result=averaging_pb2.ReduceResult(
+                codec=acc.codec.id, numel=acc.numel, payload_bytes=len(acc.result_payload),
+                contributors=acc.contributors))
+            for chunk in chunks(acc.result_payload):
+                acc.bytes_out += len(chunk)
+                yield averaging_pb2.ReduceMessage(chunk=chunk)
+        finally:
+            acc.served(sender)
 
     async def _receive(self, acc: ShardAccumulator, sender: str, header: averaging_pb2.ReduceHeader,
                        requests: AsyncIterator[averaging_pb2.ReduceMessage],
@@ -242,8 +247,9 @@ async def run_allreduce(
 
     ``residual`` is this peer's sender-side error feedback over the flat parameters; after the
     call it holds everything that this peer's contribution did not deliver this round: for a
-    skipped shard, all of x = Δ + residual. ``staggered``: upload to one owner after the other
-    (schedule.py) instead of to all at once.
+    skipped shard, all of x = Δ + residual. ``staggered``: upload to one owner after the other,
+    and as an owner send the average to one member after the other (schedule.py), instead of
+    to all at once.
     """
     codec = codecs.get_codec(group.codec)
     members = list(group.members)
@@ -292,6 +298,7 @@ async def run_allreduce(
                 owner_residual=owner_residual[slices[index]], own=own,
                 expected={m.peer_id for m in members} - {peer_id},
                 weights=weights, aggregation=registry.aggregation, on_reject=registry.on_reject,
+                staggered=staggered,
             ))
         registry.open(mine)
         for acc in mine:

@@ -1,13 +1,17 @@
-"""In which order a member uploads its parts of the shards: the staggered butterfly (issue 17).
+"""In which order members upload their parts and owners send their averages back: the
+staggered butterfly (issue 17).
 
 If every member uploads to every owner at once, N−1 flows share each owner's downlink and its
-small queue drops packets (incast). Staggered, member i uploads at stage k to the owner k shards
-after its own (shard index modulo the number of shards): when the group has as many owners as
-members, each owner's downlink has one sender per stage, and every uplink one receiver. A
-client-mode member (no shard of its own) counts from its index in the member list.
+small queue drops packets (incast); the same happens to every member's downlink when all owners
+send their averages back at once. Staggered, member i uploads at stage k to the owner k shards
+after its own (shard index modulo the number of shards), and owner j sends its average at stage
+k to the member k places after itself: when the group has as many owners as members, each
+downlink has one sender per stage, and every uplink one receiver. A client-mode member (no
+shard of its own) counts from its index in the member list.
 
 Stages are not a barrier: a member's stage k starts when its own stage k−1 upload is done (or
-failed), or after a budget (``stage_budget``) even if it is not, so that one slow or dead owner
+failed), or after a budget (``stage_budget``) even if it is not (an owner's stage k likewise
+after its stage k−1 average is sent, or ``result_budget``), so that one slow or dead owner
 delays a member's later uploads by at most that budget, never past the owners' deadlines. The
 results come back over the same streams whenever the owners finalize, and skip-on-failure,
 deadlines and the shard agreement are the same as without stages. Owners aggregate in the order
@@ -19,7 +23,8 @@ from __future__ import annotations
 
 from ._pb.lowcomm.v1 import averaging_pb2
 
-STAGES_WITHIN = 0.5  # every stage has started by this fraction of the reduce timeout at the latest
+STAGES_WITHIN = 0.5  # every upload stage has started by this fraction of the reduce timeout at the latest
+RESULTS_WITHIN = 0.125  # every result stage by this fraction of it after the owner's average exists
 
 
 def upload_order(group: averaging_pb2.Group, peer_id: str) -> list[int]:
@@ -35,3 +40,22 @@ def upload_order(group: averaging_pb2.Group, peer_id: str) -> list[int]:
 def stage_budget(group: averaging_pb2.Group, stages: int) -> float:
     """Seconds a stage waits for the previous one's upload before it starts anyway."""
     return STAGES_WITHIN * group.reduce_timeout_s / max(1, stages)
+
+
+def _rank(group: averaging_pb2.Group, peer_id: str) -> int:
+    members = [m.peer_id for m in group.members]
+    owners = [members[i] for i in group.shard_owners]
+    return owners.index(peer_id) if peer_id in owners else members.index(peer_id)
+
+
+def result_order(group: averaging_pb2.Group, owner_id: str) -> list[str]:
+    """The members other than ``owner_id``, in the order that owner sends them its average."""
+    size = len(group.members)
+    own = _rank(group, owner_id)
+    others = [m.peer_id for m in group.members if m.peer_id != owner_id]
+    return sorted(others, key=lambda p: ((_rank(group, p) - own) % size, p))
+
+
+def result_budget(group: averaging_pb2.Group, stages: int) -> float:
+    """Seconds an owner's result stage waits for the previous one before it starts anyway."""
+    return RESULTS_WITHIN * group.reduce_timeout_s / max(1, stages)

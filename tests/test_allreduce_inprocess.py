@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lowcomm.protocol.allreduce import run_allreduce
-from lowcomm.protocol.schedule import upload_order
+from lowcomm.protocol.schedule import result_order, upload_order
 
 from .swarm_harness import apply_outer, digest, start_peers, stop_peers
 
@@ -88,6 +88,22 @@ class _RecordingChannel:
         return call
 
 
+def record_results(owner, log: list[tuple[str, str, str]]) -> None:
+    """Record when ``owner`` starts streaming its average to a sender and when that stream is over."""
+    serve = owner.registry._serve
+
+    async def recorded(acc, header, requests, context):
+        try:
+            async for message in serve(acc, header, requests, context):
+                if message.HasField("result"):
+                    log.append(("result", owner.peer_id, header.sender_peer_id))
+                yield message
+        finally:
+            log.append(("served", owner.peer_id, header.sender_peer_id))
+
+    owner.registry._serve = recorded
+
+
 async def one_round(peers, group, deltas, staggered: bool):
     return await asyncio.gather(*(
         run_allreduce(group, p.peer_id, d, p.residual, p.owner_residual, p.registry, p.channels, p.executor,
@@ -122,16 +138,18 @@ def test_staggered_schedule_gives_the_same_bits_as_uploading_to_all_at_once(code
 
 def test_staggered_members_upload_to_one_owner_after_the_other():
     """Each member opens its stream to the owner k shards after its own only once its upload to
-    the owner k-1 shards after is done, in schedule order (so every owner's downlink sees one
-    sender per stage)."""
+    the owner k-1 shards after is done, in schedule order, and each owner sends its average to
+    one member after the other, so that every downlink sees one sender per stage."""
     numel = 400_000  # a few chunks of int8 per shard: uploads take a while
 
     async def scenario():
         peers = await start_peers(4, numel, "int8")
         events: list[tuple[str, str, str]] = []
+        served: list[tuple[str, str, str]] = []
         try:
             for p in peers:
                 p.channels = RecordingChannels(p.channels, p.peer_id, events)
+                record_results(p, served)
             expected = {p.peer_id for p in peers}
             group = (await asyncio.gather(*(p.form(0, expected) for p in peers)))[0]
             address_of = {m.peer_id: m.address for m in group.members}
@@ -147,6 +165,11 @@ def test_staggered_members_upload_to_one_owner_after_the_other():
             # owner in the same stage.
             firsts = [upload_order(group, p.peer_id)[0] for p in peers]
             assert sorted(firsts) == list(range(len(owners)))
+            # Owners send their averages back one member after the other too, in schedule order.
+            for p in peers:
+                sent = [(kind, sender) for kind, owner, sender in served if owner == p.peer_id]
+                assert sent == [e for m in result_order(group, p.peer_id) for e in (("result", m), ("served", m))]
+            assert sorted(result_order(group, p.peer_id)[0] for p in peers) == sorted(p.peer_id for p in peers)
 
         finally:
             await stop_peers(peers)
