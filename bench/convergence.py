@@ -12,7 +12,8 @@ batch). The global model is evaluated on the node's fixed held-out batches. Meth
 
     single                 one process, AdamW (bench/baselines/ddp.py --world-size 1)
     ddp                    gradient all-reduce every step over gloo (bench/baselines/ddp.py)
-    diloco-<codec>-H<h>    `lowcomm-node join` processes, codec fp32|fp16|bf16|int8|int4|topk,
+    diloco-<codec>-H<h>    `lowcomm-node join` processes, codec fp32|fp16|bf16|int8|int4|topk|sparseloco
+                           (with `--set sync.method=sparseloco`: SparseLoCo's outer rule too),
                            h inner steps per round, steps/h rounds (--max-rounds)
     hivemind[-H<h>]        hivemind.Optimizer, local updates, 8-bit averaging every h steps (50)
 
@@ -35,7 +36,7 @@ from runners import run_ddp, run_diloco, run_hivemind, run_single
 
 STANDARD = ("single,ddp,diloco-fp32-H50,diloco-int8-H50,diloco-int4-H50,diloco-topk-H50,"
             "diloco-int8-H10,diloco-int8-H200,hivemind")
-METHOD_RE = re.compile(r"^(single|ddp|hivemind(?:-H(\d+))?|diloco-(fp32|fp16|bf16|int8|int4|topk)-H(\d+))$")
+METHOD_RE = re.compile(r"^(single|ddp|hivemind(?:-H(\d+))?|diloco-(fp32|fp16|bf16|int8|int4|topk|sparseloco)-H(\d+))$")
 
 
 def parse_methods(text: str) -> list[str]:

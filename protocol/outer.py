@@ -16,6 +16,10 @@ different kernels would drift apart by an ulp per round and fall into a minority
 that the result is no longer bit-equal to ``torch.optim.SGD(nesterov=True)`` on vectorised CPUs
 (which uses those fused forms); it is equal to the same formula with two roundings
 (tests/test_outer.py checks both).
+
+**SparseLoCo's outer rule** (``[sync] method = "sparseloco"``) is this class with momentum 0 and
+lr α: buf ← 0·buf + g = g exactly (0·finite is ±0, and ±0 + g is g), θ ← θ − α·g. Its momentum
+lives in the codec's decayed error feedback instead (protocol/codecs/sparseloco.py).
 """
 
 from __future__ import annotations

@@ -260,3 +260,18 @@ def test_three_sparseloco_peers_train_in_sync(swarm):
         assert event["codec"] == "sparseloco"
         assert event["payload_bytes"] * 100 < 4 * event["numel"]  # a sparse payload, not a dense one
     assert full_rounds(first)[-1]["eval_loss"] < initial_eval
+
+
+@pytest.mark.parametrize("lr", [1.0, 0.8])
+def test_outer_rule_is_theta_minus_lr_times_the_decoded_mean_without_momentum(lr):
+    """SparseLoCo's outer step is NesterovOuter with momentum 0: θ ← θ − round(α·g), exactly,
+    whatever the momentum buffer held before (a state downloaded from a diloco run, say)."""
+    from lowcomm.protocol.outer import NesterovOuter
+    outer = NesterovOuter(lr, 0.0, torch.randn(4099))
+    theta = torch.randn(4099)
+    codec = SparseLoCoCodec()
+    for seed in range(4):
+        g = codec.decode(codec.encode(heavy_tailed(4099, seed)), 4099)
+        expected = theta - g * lr
+        outer.step_slice(theta, 0, g)
+        assert torch.equal(theta, expected)
