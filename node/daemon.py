@@ -90,7 +90,8 @@ class Node(RoundLoop):
         # Tokens name our outer step (0 until the state is restored).
         tokens = client_interceptors(self.auth, self.peer_id, lambda: getattr(getattr(self, "state", None), "step", 0)
                                      ) if self.auth else []
-        self.channels = ChannelPool(tokens, tls)
+        # Bounded (LRU) under churn, with room for a whole group's members plus donors and partners.
+        self.channels = ChannelPool(tokens, tls, capacity=max(64, 2 * config.sync.group_size))
         self.train_thread = TrainThread(config.node.compute_niceness)
         # Tracked: an abandoned round's jobs must end before its residual is rolled back (rounds.py).
         self.codec_executor = TrackedThreadPool(2, thread_name_prefix="lowcomm-codec")
