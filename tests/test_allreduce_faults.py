@@ -518,7 +518,6 @@ def test_failed_owner_costs_its_shard_on_every_member_alike(when):
                     await asyncio.gather(*(reached[p.peer_id].wait() for p in (first, second)))
                 elif when == "during":
                     await reports_at_second[first.peer_id].wait()  # first holds every average
-                    assert not reached[second.peer_id].is_set() or second.peer_id in blocked
                 else:
                     await asyncio.gather(reports_at_second[first.peer_id].wait(),
                                          reports_at_first[second.peer_id].wait())
