@@ -52,7 +52,8 @@ async def _ping_and_refresh(_dht: hivemind.DHT, node, peer_ids: list[str]) -> li
     answered = [peer_ids[i] for i, task in enumerate(pings)
                 if task in done and not task.cancelled() and task.exception() is None and task.result() is not None]
     if answered:
-        await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), PING_TIMEOUT)
+        async with asyncio.timeout(PING_TIMEOUT):  # not wait_for: it can lose a cancel (node/cancel.py)
+            await node.find_nearest_nodes([node.node_id])
     return answered
 
 
