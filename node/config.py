@@ -216,9 +216,10 @@ class SyncSection(_Section):
     """Momentum of the outer step (DiLoCo: 0.9)."""
     matchmaking_timeout: float = Field(30.0, gt=0.0)
     """Longest a leader waits for the expected peers before it closes the group with who came."""
-    quorum: float = Field(0.67, gt=0.0, le=1.0)
+    quorum: float = Field(2 / 3, gt=0.0, le=1.0)
     """Share of the expected peers after which a leader stops waiting for everyone and gives the
-    rest an adaptive grace (twice the recent straggler delay, at least straggler_wait)."""
+    rest an adaptive grace (twice the recent straggler delay, at least straggler_wait). Rounded
+    up: with 2/3, two of three peers are a quorum; with 0.67 all three are needed."""
     straggler_wait: float = Field(2.0, ge=0.0)
     """Floor of the adaptive grace for stragglers, in seconds."""
     reduce_timeout: float = Field(60.0, gt=0.0)

@@ -141,7 +141,7 @@ class Matchmaker:
         codec: int,
         numel: int,
         reduce_timeout: float,
-        quorum: float = 0.67,
+        quorum: float = 2 / 3,
         min_straggler_wait: float = 2.0,
     ) -> None:
         self.dht = dht
