@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -24,7 +25,21 @@ print(json.dumps({"capped": capped, "by_descriptor": by_descriptor, "strategy": 
 """
 
 
+@functools.lru_cache(maxsize=None)  # one interpreter per environment: each costs seconds of imports
+def _probe(env: tuple[tuple[str, str], ...]) -> dict:
+    return _run_probe(dict(env))
+
+
 def probe(**env: str) -> dict:
+    return _probe(tuple(sorted(env.items())))
+
+
+def user_chose() -> dict:
+    """The probe with both of the user's overrides set (one interpreter for both tests)."""
+    return probe(MALLOC_ARENA_MAX="4", HIVEMIND_MEMORY_SHARING_STRATEGY="file_system")
+
+
+def _run_probe(env: dict[str, str]) -> dict:
     environ = {k: v for k, v in os.environ.items()
                if k not in ("MALLOC_ARENA_MAX", "HIVEMIND_MEMORY_SHARING_STRATEGY")} | env
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True, env=environ,
@@ -37,7 +52,7 @@ def test_arenas_are_capped_unless_the_user_chose_and_objects_are_frozen_before_t
     default = probe()
     assert default["capped"] is True  # glibc accepted M_ARENA_MAX
     assert default["frozen_before"] == 0 and default["frozen_after"] > 1000  # the imported modules' objects
-    assert probe(MALLOC_ARENA_MAX="4")["capped"] is False  # the user's MALLOC_ARENA_MAX wins
+    assert user_chose()["capped"] is False  # the user's MALLOC_ARENA_MAX wins
 
 
 def _has_descriptor_sharing() -> bool:
@@ -50,5 +65,5 @@ def _has_descriptor_sharing() -> bool:
 def test_tensors_are_shared_by_descriptor_unless_the_user_chose():
     default = probe()
     assert default["by_descriptor"] is True and default["strategy"] == "file_descriptor"
-    chosen = probe(HIVEMIND_MEMORY_SHARING_STRATEGY="file_system")
+    chosen = user_chose()
     assert chosen["by_descriptor"] is False and chosen["strategy"] == "file_system"
