@@ -15,12 +15,13 @@ DHT registration and reads, redirects, JoinGroup calls, waiting as a leader); pa
 raises MatchmakingError, never later. A follower tells the leader how long it still waits
 (``JoinRequest.wait_s``), and a leader closes its group before the first of its followers gives
 up (REPLY_MARGIN before), so that nobody it counts in has already left.
+
+A stable group meets directly, without DHT reads: protocol/direct.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
 import os
@@ -32,7 +33,9 @@ from typing import Awaitable, Callable, Protocol
 import grpc
 
 from ._pb.lowcomm.v1 import averaging_pb2, averaging_pb2_grpc
+from .direct import DIRECT_TIMEOUT, DirectPath
 from .handshake import Identity, IncompatiblePeer
+from .layout import shard_layout, split_into_groups
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,7 @@ POLL_SECONDS = 0.25  # how often a waiting peer re-reads the DHT; DHT reads are 
 LONELY_LEADER_GRACE = 1.0  # seconds a leader without followers waits before it joins another leader
 REPLY_MARGIN = 0.5  # seconds a leader keeps between closing and a follower's own deadline, for the reply
 MIN_FOLLOWER_WAIT = 1.0  # a follower that says it waits less is not waited for (it may leave unanswered)
+MAX_DIRECT_HOLD = 30.0  # the longest a leader holds a direct JoinGroup for its round to start
 
 
 class GroupDHT(Protocol):
@@ -84,52 +88,7 @@ def round_key(run: str, step: int, params_hash: str = "") -> str:
     return f"{key}/{params_hash[:16]}" if params_hash else key
 
 
-def split_into_groups(members: list[averaging_pb2.Member], group_size: int, step: int) -> list[list[averaging_pb2.Member]]:
-    """Balanced groups of at most ``group_size``, re-mixed every step, each with a reachable owner.
-
-    Reachable peers are dealt round-robin first (every group needs at least one shard owner),
-    then client-mode peers; the order is a hash of (step, peer id), different every round.
-    """
-    def order(member: averaging_pb2.Member) -> bytes:
-        return hashlib.sha256(f"{step}/{member.peer_id}".encode()).digest()
-
-    reachable = sorted((m for m in members if m.address), key=order)
-    clients = sorted((m for m in members if not m.address), key=order)
-    # ceil(n / size) balanced groups never exceed `size`; no group may be left with one member
-    # (with size 2 and an odd count one group gets three instead).
-    count = max(1, min(math.ceil(len(members) / group_size), len(reachable), len(members) // 2))
-    groups: list[list[averaging_pb2.Member]] = [[] for _ in range(count)]
-    for index, member in enumerate(reachable + clients):
-        groups[index % count].append(member)
-    return [sorted(g, key=lambda m: m.peer_id) for g in groups]
-
-
-def shard_layout(numel: int, owners_bandwidth: list[float]) -> list[int]:
-    """Shard bounds over ``numel`` parameters, sized in proportion to the owners' bandwidth.
-
-    Owners that report no bandwidth (0) count as the median of the others, or all equal.
-    """
-    if not owners_bandwidth:
-        return [0, numel]
-    # A follower's bandwidth is whatever it declared: infinite or NaN counts as unknown, and the
-    # weights are scaled down when their sum overflows (two 1e308 would overflow).
-    known = sorted(b for b in owners_bandwidth if b > 0 and math.isfinite(b))
-    default = known[len(known) // 2] if known else 1.0
-    weights = [b if b > 0 and math.isfinite(b) else default for b in owners_bandwidth]
-    total = sum(weights)
-    if not math.isfinite(total):
-        top = max(weights)
-        weights = [w / top for w in weights]
-        total = sum(weights)
-    bounds, acc = [0], 0.0
-    for w in weights[:-1]:
-        acc += w
-        bounds.append(min(numel, round(numel * acc / total)))
-    bounds.append(numel)
-    return bounds
-
-
-class Matchmaker:
+class Matchmaker(DirectPath):
     def __init__(
         self,
         dht: GroupDHT,
@@ -143,6 +102,7 @@ class Matchmaker:
         reduce_timeout: float,
         quorum: float = 2 / 3,
         min_straggler_wait: float = 2.0,
+        direct_timeout: float = DIRECT_TIMEOUT,
     ) -> None:
         self.dht = dht
         self.run = run
@@ -161,6 +121,10 @@ class Matchmaker:
         self.straggle_history: deque[float] = deque(maxlen=20)
         self._round: _Round | None = None
         self.led_last_group = False  # whether this peer decided the last group it was in
+        self.direct_timeout = direct_timeout
+        self.last_group: averaging_pb2.Group | None = None  # our last group of two or more
+        self._round_started = asyncio.Event()  # set (and replaced) whenever form_group starts a round
+        self._registering: set[asyncio.Task] = set()  # background DHT registrations of the direct path
 
     # -- server side: somebody wants to join the group we lead ------------------------------
 
@@ -170,7 +134,12 @@ class Matchmaker:
         except IncompatiblePeer as err:
             log.warning("refused JoinGroup from %s: %s", request.hello.peer_id, err)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        arrived = time.monotonic()
         current = self._round
+        if request.direct and (current is None or current.step < request.step):
+            # A member of our last group reached its boundary before us: hold its call until our
+            # round starts (bounded by what it waits) rather than refuse it and have it poll.
+            current = await self._await_round(request.step, arrived, request.wait_s)
         if current is None or current.step != request.step:
             have = "none" if current is None else current.step
             await context.abort(grpc.StatusCode.ABORTED,
@@ -186,7 +155,7 @@ class Matchmaker:
         if peer in current.followers or peer == self.peer_id:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"peer {peer} already joined")
         current.role = "leader"
-        follower = _Follower(request, asyncio.get_running_loop().create_future())
+        follower = _Follower(request, asyncio.get_running_loop().create_future(), joined_at=arrived)
         current.followers[peer] = follower
         current.changed.set()
         try:
@@ -200,6 +169,17 @@ class Matchmaker:
         if isinstance(group, averaging_pb2.Redirect):  # we yielded to a lower leader: go there
             return averaging_pb2.JoinResponse(redirect=group)
         return averaging_pb2.JoinResponse(group=group)
+
+    async def _await_round(self, step: int, arrived: float, wait_s: float) -> _Round | None:
+        """Our round once it reaches ``step``, or whatever it is when the caller's wait ends."""
+        hold = min(max(0.0, wait_s - REPLY_MARGIN), MAX_DIRECT_HOLD) if math.isfinite(wait_s) else 0.0
+        try:
+            async with asyncio.timeout(max(0.0, arrived + hold - time.monotonic())):
+                while (current := self._round) is None or current.step < step:
+                    await self._round_started.wait()
+        except TimeoutError:
+            pass
+        return self._round
 
     # -- client side: find or lead a group ----------------------------------------------------
 
@@ -219,7 +199,10 @@ class Matchmaker:
         of it by default); the leader's shard layout covers it."""
         current = _Round(step, params_hash, self.numel if numel is None else numel)
         self._round = current
+        self._round_started.set()  # direct JoinGroup calls held for this round go ahead
+        self._round_started = asyncio.Event()
         self.led_last_group = False
+        direct_leader = self._direct_leader(step)
         deadline = time.monotonic() + timeout
         me = averaging_pb2.Member(peer_id=self.peer_id, address=self.address, weight=weight)
         request = averaging_pb2.JoinRequest(hello=self.identity.hello(), step=step, address=self.address,
@@ -228,17 +211,27 @@ class Matchmaker:
         unreachable: set[str] = set()
         yielded = False  # set when our lead just yielded: follow somebody else once before leading again
         overall = asyncio.timeout(timeout)  # covers DHT calls, redirects and JoinGroup calls alike
+        key, ttl = round_key(self.run, step, params_hash), timeout + self.reduce_timeout
         try:
             async with overall:
-                await self.dht.store(round_key(self.run, step, params_hash), self.peer_id, registration,
-                                     ttl=timeout + self.reduce_timeout)
+                if direct_leader is not None:
+                    registered = self._register_soon(key, registration, ttl)
+                    direct_by = min(deadline, time.monotonic() + min(self.direct_timeout, timeout / 3))
+                    group = await self._direct(current, me, request, direct_leader, bandwidth_bps,
+                                               expected_peers, direct_by)
+                    if group is not None:
+                        return self._remember(group)
+                    log.info("the direct path of step %d formed no group; matchmaking through the DHT", step)
+                    await registered
+                else:
+                    await self.dht.store(key, self.peer_id, registration, ttl=ttl)
                 while True:
                     if current.role == "leader":
                         # A leader closes a little before the overall deadline: the close must not race it.
                         close_by = deadline - min(REPLY_MARGIN, timeout / 10)
                         group = await self._lead(current, me, bandwidth_bps, expected_peers, close_by, unreachable)
                         if group is not None:
-                            return group
+                            return self._remember(group)
                         yielded = True
                     registrants = await self._reachable_registrants(current, unreachable)
                     lowest = next(iter(registrants), None)
@@ -252,7 +245,7 @@ class Matchmaker:
                     target = averaging_pb2.Redirect(peer_id=lowest, address=registrants[lowest])
                     group = await self._follow(current, request, target, deadline)
                     if group is not None:
-                        return group
+                        return self._remember(group)
                     if current.role == "leader":  # somebody joined us while we were trying
                         continue
                     unreachable.add(lowest)
@@ -319,13 +312,16 @@ class Matchmaker:
 
     async def _lead(self, current: _Round, me: averaging_pb2.Member, my_bandwidth: float,
                     expected_peers: Callable[[], Awaitable[set[str]]], deadline: float,
-                    unreachable: set[str]) -> averaging_pb2.Group | None:
-        """Wait for followers and close the group; ``None`` when this peer should follow instead."""
+                    unreachable: set[str], fixed_expected: set[str] | None = None) -> averaging_pb2.Group | None:
+        """Wait for followers and close the group; ``None`` when this peer should follow instead.
+
+        With ``fixed_expected`` (the direct path) the expected peers are known and the DHT is not
+        read: the leader wakes on every join, and ``None`` means nobody joined by ``deadline``."""
         lonely_since = time.monotonic()
         quorum_at: float | None = None
         while True:
             joined = {self.peer_id, *current.followers}
-            expected = await expected_peers()
+            expected = fixed_expected if fixed_expected is not None else await expected_peers()
             now = time.monotonic()
             if expected and expected <= joined:
                 if quorum_at is not None:
@@ -333,6 +329,9 @@ class Matchmaker:
                 break
             close_at = self._close_at(current, deadline)
             if now >= close_at:
+                if fixed_expected is not None and not current.followers:
+                    current.role = "undecided"
+                    return None
                 break
             if quorum_at is None and len(joined) >= max(2, math.ceil(self.quorum * len(expected))):
                 quorum_at = now
@@ -341,6 +340,12 @@ class Matchmaker:
                 log.info("closing the group of step %d with %d of %d expected peers (stragglers waited %.1fs)",
                          current.step, len(joined), len(expected), now - quorum_at)
                 break
+            if fixed_expected is not None:
+                # No await since `joined` was read, so no join is missed: sleep until a join, the
+                # close or the end of the straggler wait.
+                due = close_at if quorum_at is None else min(close_at, quorum_at + self.straggler_wait())
+                await self._wait(current, max(0.0, due - now))
+                continue
             # The lowest registrant leads: a leader yields to a lower registrant that showed up
             # late and sends its followers there, and a leader nobody follows joins a higher one
             # after a short grace (in case that one cannot reach us), so that two leaders never

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("hello", "step", "address", "weight", "bandwidth_bps", "params_sha256", "wait_s")
+    __slots__ = ("hello", "step", "address", "weight", "bandwidth_bps", "params_sha256", "wait_s", "direct")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class JoinRequest(_message.Message):
     BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_SHA256_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
     hello: _handshake_pb2.Hello
     step: int
     address: str
@@ -24,7 +25,8 @@ class JoinRequest(_message.Message):
     bandwidth_bps: float
     params_sha256: str
     wait_s: float
-    def __init__(self, hello: _Optional[_Union[_handshake_pb2.Hello, _Mapping]] = ..., step: _Optional[int] = ..., address: _Optional[str] = ..., weight: _Optional[float] = ..., bandwidth_bps: _Optional[float] = ..., params_sha256: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    direct: bool
+    def __init__(self, hello: _Optional[_Union[_handshake_pb2.Hello, _Mapping]] = ..., step: _Optional[int] = ..., address: _Optional[str] = ..., weight: _Optional[float] = ..., bandwidth_bps: _Optional[float] = ..., params_sha256: _Optional[str] = ..., wait_s: _Optional[float] = ..., direct: _Optional[bool] = ...) -> None: ...
 
 class Member(_message.Message):
     __slots__ = ("peer_id", "address", "weight")

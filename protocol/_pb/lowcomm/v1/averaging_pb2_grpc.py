@@ -27,7 +27,7 @@ if _version_not_supported:
 
 class AveragingStub:
     """Averaging is served by every reachable peer. A round uses JoinGroup once per follower
-    (to the leader), Reduce once per (sender, shard owner) pair, and ReportShards once per
+    (to the leader, found in the DHT or, for a stable group, the lowest member of the last group), Reduce once per (sender, shard owner) pair, and ReportShards once per
     (member, reachable member) pair after the reduce phase.
     """
 
@@ -56,7 +56,7 @@ class AveragingStub:
 
 class AveragingServicer:
     """Averaging is served by every reachable peer. A round uses JoinGroup once per follower
-    (to the leader), Reduce once per (sender, shard owner) pair, and ReportShards once per
+    (to the leader, found in the DHT or, for a stable group, the lowest member of the last group), Reduce once per (sender, shard owner) pair, and ReportShards once per
     (member, reachable member) pair after the reduce phase.
     """
 
@@ -114,7 +114,7 @@ def add_AveragingServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Averaging:
     """Averaging is served by every reachable peer. A round uses JoinGroup once per follower
-    (to the leader), Reduce once per (sender, shard owner) pair, and ReportShards once per
+    (to the leader, found in the DHT or, for a stable group, the lowest member of the last group), Reduce once per (sender, shard owner) pair, and ReportShards once per
     (member, reachable member) pair after the reduce phase.
     """
 

@@ -1,0 +1,87 @@
+"""The direct path of a stable group (issue 17), a part of the Matchmaker (protocol/matchmaking.py).
+
+When this peer averaged at step r-1 in a group and
+is at step r now, it skips the DHT reads. The lowest reachable member of that last group leads
+at once, and the other members call JoinGroup on it straight away (``JoinRequest.direct``; a
+leader that is not at step r yet holds the call until its round starts). The leader reads the
+swarm view once (``expected_peers``): when every peer expected at step r was in the last group,
+it closes as soon as they all joined, without polling the DHT; when somebody else is expected
+(a newcomer, or a peer of another group of a split swarm) it leads the ordinary DHT way, so
+newcomers get in and large swarms keep re-mixing. Members still register in the DHT, in the
+background and off the critical path, so that newcomers find the group (a newcomer that asks a
+member is redirected to its leader) and the overlapped inner-phase cut still sees the round.
+The direct path lasts at most ``direct_timeout`` (within the overall deadline): a dead leader
+fails the call at once or at that deadline, a leader closes before its direct followers give
+up even if a dead member never comes, and a leader nobody joined in that time, like a follower
+whose call failed, goes on the DHT way for the rest of the overall deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+from ._pb.lowcomm.v1 import averaging_pb2
+
+if TYPE_CHECKING:
+    from .matchmaking import Matchmaker, _Round
+
+log = logging.getLogger(__name__)
+
+DIRECT_TIMEOUT = 3.0  # seconds of the direct path of a stable group before the DHT path takes over
+
+
+class DirectPath:
+    """The Matchmaker's methods of the direct path (mixed into Matchmaker, which holds the state:
+    ``last_group``, ``_registering`` and the leader/follower machinery they use)."""
+
+    def _remember(self: "Matchmaker", group: averaging_pb2.Group) -> averaging_pb2.Group:
+        """Keep ``group`` as the last group (the next step's direct path), if it had partners."""
+        self.last_group = group if len(group.members) > 1 else None
+        return group
+
+    def _direct_leader(self: "Matchmaker", step: int) -> averaging_pb2.Member | None:
+        """The leader of the direct path at ``step``: the lowest reachable member of our group of
+        step-1, or None when there was no such group (the DHT path then runs from the start)."""
+        last = self.last_group
+        if last is None or last.step != step - 1 or all(m.peer_id != self.peer_id for m in last.members):
+            return None
+        return min((m for m in last.members if m.address), key=lambda m: m.peer_id, default=None)
+
+    def _register_soon(self: "Matchmaker", key: str, registration: dict, ttl: float) -> asyncio.Task:
+        """Store our registration in the background (newcomers find the group through it)."""
+        task = asyncio.get_running_loop().create_task(self.dht.store(key, self.peer_id, registration, ttl=ttl),
+                                                      name=f"register-{key}")
+        self._registering.add(task)  # referenced until done, so that it is not collected early
+
+        def done(finished: asyncio.Task) -> None:
+            self._registering.discard(finished)
+            if not finished.cancelled() and finished.exception() is not None:
+                log.debug("background registration of %s failed: %r", key, finished.exception())
+
+        task.add_done_callback(done)
+        return task
+
+    async def _direct(self: "Matchmaker", current: _Round, me: averaging_pb2.Member, request: averaging_pb2.JoinRequest,
+                      leader: averaging_pb2.Member, my_bandwidth: float,
+                      expected_peers: Callable[[], Awaitable[set[str]]], direct_by: float) -> averaging_pb2.Group | None:
+        """The direct path of a stable group, until ``direct_by``; None: go the DHT way."""
+        if leader.peer_id == self.peer_id:
+            expected = await expected_peers()  # the one read of the swarm on this path
+            last = {m.peer_id for m in self.last_group.members} if self.last_group is not None else set()
+            if expected and not expected <= last:
+                log.debug("peers outside the last group are expected at step %d: leading through the DHT", current.step)
+                return None
+            current.role = "leader"
+            return await self._lead(current, me, my_bandwidth, expected_peers, direct_by, set(),
+                                    fixed_expected=expected or last)
+        request.direct = True
+        try:
+            group = await self._follow(current, request, averaging_pb2.Redirect(peer_id=leader.peer_id,
+                                                                                  address=leader.address), direct_by)
+        finally:
+            request.direct = False
+        if group is None and current.role != "leader":  # the DHT path decides afresh
+            current.role, current.leader = "undecided", None
+        return group

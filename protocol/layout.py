@@ -1,0 +1,54 @@
+"""How a leader lays out a closed round: which peers go into which group, and which owner
+averages which shard of the parameters (pure functions of what the leader knows)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+from ._pb.lowcomm.v1 import averaging_pb2
+
+
+def split_into_groups(members: list[averaging_pb2.Member], group_size: int, step: int) -> list[list[averaging_pb2.Member]]:
+    """Balanced groups of at most ``group_size``, re-mixed every step, each with a reachable owner.
+
+    Reachable peers are dealt round-robin first (every group needs at least one shard owner),
+    then client-mode peers; the order is a hash of (step, peer id), different every round.
+    """
+    def order(member: averaging_pb2.Member) -> bytes:
+        return hashlib.sha256(f"{step}/{member.peer_id}".encode()).digest()
+
+    reachable = sorted((m for m in members if m.address), key=order)
+    clients = sorted((m for m in members if not m.address), key=order)
+    # ceil(n / size) balanced groups never exceed `size`; no group may be left with one member
+    # (with size 2 and an odd count one group gets three instead).
+    count = max(1, min(math.ceil(len(members) / group_size), len(reachable), len(members) // 2))
+    groups: list[list[averaging_pb2.Member]] = [[] for _ in range(count)]
+    for index, member in enumerate(reachable + clients):
+        groups[index % count].append(member)
+    return [sorted(g, key=lambda m: m.peer_id) for g in groups]
+
+
+def shard_layout(numel: int, owners_bandwidth: list[float]) -> list[int]:
+    """Shard bounds over ``numel`` parameters, sized in proportion to the owners' bandwidth.
+
+    Owners that report no bandwidth (0) count as the median of the others, or all equal.
+    """
+    if not owners_bandwidth:
+        return [0, numel]
+    # A follower's bandwidth is whatever it declared: infinite or NaN counts as unknown, and the
+    # weights are scaled down when their sum overflows (two 1e308 would overflow).
+    known = sorted(b for b in owners_bandwidth if b > 0 and math.isfinite(b))
+    default = known[len(known) // 2] if known else 1.0
+    weights = [b if b > 0 and math.isfinite(b) else default for b in owners_bandwidth]
+    total = sum(weights)
+    if not math.isfinite(total):
+        top = max(weights)
+        weights = [w / top for w in weights]
+        total = sum(weights)
+    bounds, acc = [0], 0.0
+    for w in weights[:-1]:
+        acc += w
+        bounds.append(min(numel, round(numel * acc / total)))
+    bounds.append(numel)
+    return bounds
