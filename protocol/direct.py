@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-from ._pb.lowcomm.v1 import averaging_pb2
+import grpc
+
+from ._pb.lowcomm.v1 import averaging_pb2, averaging_pb2_grpc
+from .handshake import IncompatiblePeer
 
 if TYPE_CHECKING:
     from .matchmaking import Matchmaker, _Round
@@ -65,23 +69,43 @@ class DirectPath:
 
     async def _direct(self: "Matchmaker", current: _Round, me: averaging_pb2.Member, request: averaging_pb2.JoinRequest,
                       leader: averaging_pb2.Member, my_bandwidth: float,
-                      expected_peers: Callable[[], Awaitable[set[str]]], direct_by: float) -> averaging_pb2.Group | None:
-        """The direct path of a stable group, until ``direct_by``; None: go the DHT way."""
+                      expected_peers: Callable[[], Awaitable[set[str]]],
+                      direct_by: float) -> averaging_pb2.Group | averaging_pb2.Redirect | None:
+        """The direct path of a stable group, until ``direct_by``: the group, or where to go on
+        (a Redirect, followed with the overall deadline), or None: the DHT way."""
+        me_as_leader = averaging_pb2.Redirect(peer_id=self.peer_id, address=self.address)
         if leader.peer_id == self.peer_id:
+            current.direct = True
             expected = await expected_peers()  # the one read of the swarm on this path
             last = {m.peer_id for m in self.last_group.members} if self.last_group is not None else set()
             if expected and not expected <= last:
                 log.debug("peers outside the last group are expected at step %d: leading through the DHT", current.step)
+                current.direct = False
+                # Those who came directly wait only as long as the direct path lasts: have them
+                # join again, with their whole deadline, for the ordinary round.
+                self._redirect_followers(current, me_as_leader)
                 return None
             current.role = "leader"
-            return await self._lead(current, me, my_bandwidth, expected_peers, direct_by, set(),
-                                    fixed_expected=expected or last)
-        request.direct = True
+            try:
+                return await self._lead(current, me, my_bandwidth, expected_peers, direct_by, set(),
+                                        fixed_expected=expected or last)
+            finally:
+                current.direct = False
+        target = averaging_pb2.Redirect(peer_id=leader.peer_id, address=leader.address)
+        current.role, current.leader = "follower", target  # a newcomer that asks us is sent there
+        remaining = max(0.0, direct_by - time.monotonic())
+        direct = averaging_pb2.JoinRequest()
+        direct.CopyFrom(request)
+        direct.direct, direct.wait_s = True, remaining  # the leader closes before we give up
+        stub = averaging_pb2_grpc.AveragingStub(self.channel_for(leader.address))
         try:
-            group = await self._follow(current, request, averaging_pb2.Redirect(peer_id=leader.peer_id,
-                                                                                  address=leader.address), direct_by)
+            response = await stub.JoinGroup(direct, timeout=max(0.01, remaining))
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:  # used only for incompatibility
+                raise IncompatiblePeer(f"peer {leader.peer_id} at {leader.address} refused to average with "
+                                       f"this node ({self.peer_id}): {err.details()}") from None
+            log.debug("direct JoinGroup to %s failed: %s %s", leader.peer_id, err.code(), err.details())
+            return None
         finally:
-            request.direct = False
-        if group is None and current.role != "leader":  # the DHT path decides afresh
             current.role, current.leader = "undecided", None
-        return group
+        return response.group if response.HasField("group") else response.redirect

@@ -81,6 +81,7 @@ class _Round:
     leader: averaging_pb2.Redirect | None = None
     followers: dict[str, _Follower] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    direct: bool = False  # leading the direct path of a stable group (protocol/direct.py)
 
 
 def round_key(run: str, step: int, params_hash: str = "") -> str:
@@ -149,6 +150,9 @@ class Matchmaker(DirectPath):
                                 f"this peer's parameters at step {request.step} differ from the caller's")
         if current.role == "follower" and current.leader is not None:
             return averaging_pb2.JoinResponse(redirect=current.leader)
+        if request.direct and not current.direct and current.role != "closed" and self.address:
+            # We do not lead a direct round: join again the ordinary way, with the whole deadline.
+            return averaging_pb2.JoinResponse(redirect=averaging_pb2.Redirect(peer_id=self.peer_id, address=self.address))
         if current.role == "closed" or not self.address:
             await context.abort(grpc.StatusCode.ABORTED, f"the group of step {request.step} is already closed")
         peer = request.hello.peer_id
@@ -217,10 +221,14 @@ class Matchmaker(DirectPath):
                 if direct_leader is not None:
                     registered = self._register_soon(key, registration, ttl)
                     direct_by = min(deadline, time.monotonic() + min(self.direct_timeout, timeout / 3))
-                    group = await self._direct(current, me, request, direct_leader, bandwidth_bps,
-                                               expected_peers, direct_by)
-                    if group is not None:
-                        return self._remember(group)
+                    outcome = await self._direct(current, me, request, direct_leader, bandwidth_bps,
+                                                 expected_peers, direct_by)
+                    if isinstance(outcome, averaging_pb2.Redirect):
+                        outcome = await self._follow(current, request, outcome, deadline)
+                    if outcome is not None:
+                        return self._remember(outcome)
+                    if current.role != "leader":
+                        current.role = "undecided"
                     log.info("the direct path of step %d formed no group; matchmaking through the DHT", step)
                     await registered
                 else:
