@@ -470,6 +470,15 @@ def test_podman_scripts_parse_and_are_executable(script):
     assert "set -euo pipefail" in script.read_text()
 
 
+def test_podman_scripts_pass_shellcheck():
+    tool = shutil.which("shellcheck")
+    if tool is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+    proc = subprocess.run([tool, *map(str, sorted(PODMAN.glob("*.sh")))], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_cluster_script_rejects_an_unknown_command():
     proc = subprocess.run([str(PODMAN / "cluster.sh"), "launch"], cwd=REPO, capture_output=True,
                           text=True, timeout=30)

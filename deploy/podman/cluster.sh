@@ -140,12 +140,12 @@ cmd_down() {
     [ "${KEEP_VOLUMES:-0}" = 1 ] && volumes=()
     compose down "${volumes[@]}" --remove-orphans > /dev/null 2>&1 || true
     # What podman-compose leaves when a run was interrupted half way: this project's objects only.
-    local left
-    left=$(podman ps -a -q --filter "label=io.podman.compose.project=$PROJECT")
-    [ -z "$left" ] || podman rm -f -t 40 $left > /dev/null
+    local left=()
+    mapfile -t left < <(podman ps -a -q --filter "label=io.podman.compose.project=$PROJECT")
+    [ ${#left[@]} -eq 0 ] || podman rm -f -t 40 "${left[@]}" > /dev/null
     if [ ${#volumes[@]} -gt 0 ]; then
-        left=$(podman volume ls -q --filter "label=io.podman.compose.project=$PROJECT")
-        [ -z "$left" ] || podman volume rm -f $left > /dev/null
+        mapfile -t left < <(podman volume ls -q --filter "label=io.podman.compose.project=$PROJECT")
+        [ ${#left[@]} -eq 0 ] || podman volume rm -f "${left[@]}" > /dev/null
     fi
     podman network exists "${PROJECT}_default" && podman network rm -f "${PROJECT}_default" > /dev/null
     if [ ${#volumes[@]} -gt 0 ]; then

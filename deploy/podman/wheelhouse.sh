@@ -51,4 +51,5 @@ if [ "$variant" = cpu ] && [[ "${torch_wheels[0]##*/}" != torch-*+cpu-* ]]; then
     exit 1
 fi
 printf '%s\n' "$inputs" > "$stamp"
-echo "wheelhouse: $(ls "$house"/*.whl | wc -l) wheels, $(du -sh "$house" | cut -f1), torch: ${torch_wheels[0]##*/}"
+wheels=("$house"/*.whl)
+echo "wheelhouse: ${#wheels[@]} wheels, $(du -sh "$house" | cut -f1), torch: ${torch_wheels[0]##*/}"
