@@ -460,6 +460,9 @@ def test_podman_compose_additions_only_drop_start_interval():
         assert name in services, name
         assert service == {"healthcheck": {"start_interval": "!reset"}}, name
         assert "start_interval" in services[name]["healthcheck"], name
+    # Every service `make cluster` starts (those without a profile) loses the key.
+    started = {name for name, service in services.items() if "profiles" not in service}
+    assert {name for name in started if "start_interval" in services[name]["healthcheck"]} <= set(extra["services"])
 
 
 @pytest.mark.parametrize("script", sorted(PODMAN.glob("*.sh")), ids=lambda p: p.name)
