@@ -20,9 +20,11 @@ Wire format (little-endian, no header; ``C`` = chunk_size <= 4096, so a local in
   zero); bit 0 picks ``hi`` (1) or ``lo`` (0), bit 1 makes it negative; value = ±level, an exact
   copy (no arithmetic at all). bits = 8: int8 q in [-127, 127], value = q · scale (one rounding).
 
-A full chunk keeps ``k = ceil(fraction·C)`` values (64 of 4096 by default, 1.56 %), the last
-partial chunk of r values ``max(1, ceil(fraction·r))``. Per kept value that is 12 + 2 bits plus
-8 bytes per chunk (15 bits per value at the defaults, 0.23 bits per coordinate, 136× below fp32).
+A full chunk keeps ``k = ceil(fraction·C)`` values (128 of 4096 by default, 3.1 %, the top of the
+paper's 1–3 %: measured better than 1/16 at H = 50 and as good as 1/64 at H = 10 for the same
+bytes, bench/analysis.md), the last partial chunk of r values ``max(1, ceil(fraction·r))``. Per
+kept value that is 12 + 2 bits plus 8 bytes per chunk (14.5 bits per value at the defaults, 0.45
+bits per coordinate, 70× below fp32).
 
 The 2-bit quantizer: the ``ceil(k/2)`` largest magnitudes of a chunk share ``hi`` = their mean,
 the others ``lo`` = theirs. Means keep each half's sum of magnitudes, so the error the feedback
@@ -37,8 +39,8 @@ the owner's residual keeps the rest, instead of sending the union of the kept po
 
 1. every payload of a codec has one size per numel (``encoded_size``): members check the owner's
    answer against it before buffering, and the upload/download budget stays 2·(N−1)/N·S with S
-   the sparse size, whatever N is. The union would be variable-sized and, at N = 16 and 1.56 %,
-   about 22 % dense: the download would cost ~15× the upload and the ≥1,000× byte goal would fall;
+   the sparse size, whatever N is. The union would be variable-sized and, at N = 16 and 3.1 %,
+   about 40 % dense: the download would cost ~13× the upload and the ≥1,000× byte goal would fall;
 2. top-k of the average keeps the coordinates the members agree on (their values add) ahead of
    those only one member sent (diluted by 1/N): a consensus selection, not a random loss;
 3. nothing is lost, only delayed: the owner's error feedback carries the dropped part of the
@@ -132,7 +134,7 @@ class SparseLoCoCodec(Codec):
     lossy = True
     qmax = 127  # bits = 8
 
-    def __init__(self, chunk_size: int = MAX_CHUNK, fraction: float = 1 / 64, bits: int = 2,
+    def __init__(self, chunk_size: int = MAX_CHUNK, fraction: float = 1 / 32, bits: int = 2,
                  feedback_decay: float = 0.95) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) \
                 or not 1 <= int(chunk_size) <= MAX_CHUNK:
