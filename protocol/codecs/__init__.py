@@ -33,12 +33,13 @@ decodes to zeros; this keeps every scale and reciprocal finite and normal.
 Decoding is bit-identical on every CPU kernel and thread count: each value is an exact
 conversion (int8/int4 to float32, fp16/bf16 to float32) followed by at most one IEEE multiply
 by its block's scale, elementwise, with no reduction; topk writes each position once (its
-indices must be strictly ascending per block). Every member of a round applies these decoded
+indices must be strictly ascending per block), and so does sparseloco (its 2-bit values are copies
+of stored levels, its 8-bit values one multiply). Every member of a round applies these decoded
 values to θ_global, so this is what keeps them identical (see protocol/outer.py). Encoders need
 no such care: a payload is encoded by one peer only, and everybody, that peer too, uses its
 decoded bytes.
 
-Encoders of the quantizing codecs (int8, int4, topk) raise ``CodecError`` for non-finite
+Encoders of the quantizing codecs (int8, int4, topk, sparseloco) raise ``CodecError`` for non-finite
 input: such a payload could never be decoded (decoders refuse non-finite scales). The
 float casts encode whatever they get; checking decoded values for finiteness is the job of
 the validation layer, not of the codec.
@@ -50,7 +51,7 @@ allocated (on a VM, first-touch page faults of such a buffer cost more than the 
 See bench/codecs.py and bench/README.md.
 
 Layout: ``_base`` (ids, errors, shared checks and block helpers, the ``Codec`` interface),
-``floats`` (fp32/fp16/bf16), ``blockquant`` (int8/int4), ``topk``; this module holds the
+``floats`` (fp32/fp16/bf16), ``blockquant`` (int8/int4), ``topk``, ``sparseloco``; this module holds the
 registry (``get_codec``) and sender-side error feedback (``encode_with_feedback``).
 """
 
