@@ -135,8 +135,11 @@ def test_decode_refuses_malformed_payloads(bits):
         q[-1] = 0x80  # -128
         with pytest.raises(codecs.CodecError, match="out of range"):
             codec.decode(bytes(q), n)
-    with pytest.raises(codecs.CodecError):
-        codec.encode(torch.tensor([1.0, float("nan")]))
+    for bad in (float("nan"), float("inf"), -float("inf")):  # anywhere, in any chunk
+        x = heavy_tailed(n, 2)
+        x[70] = bad
+        with pytest.raises(codecs.CodecError, match="non-finite"):
+            codec.encode(x)
 
 
 def test_odd_count_pad_nibble_must_be_zero():
