@@ -327,7 +327,10 @@ class Config(_Section):
         from .formats import tokenizer_definition
         from .models import model_definition
 
-        sync = self.sync.model_dump(exclude={"matchmaking_timeout", "reduce_timeout", "quorum", "straggler_wait"})
+        # ``method`` is a shorthand for keys that are in here already: leaving it out keeps the
+        # fingerprints (and checkpoints) of runs made before it existed, and of equivalent spellings.
+        sync = self.sync.model_dump(exclude={"matchmaking_timeout", "reduce_timeout", "quorum", "straggler_wait",
+                                             "method"})
         data: dict[str, Any] = {"seq_len": self.data.seq_len}
         if self.data.tokenizer != "bytes":
             data.update(tokenizer_definition(self.data.tokenizer))

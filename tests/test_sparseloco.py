@@ -224,6 +224,10 @@ def test_method_sets_codec_and_outer_rule_and_explicit_tuning_wins():
     b = load_config(overrides=["sync.codec=sparseloco", "sync.outer_momentum=0", "sync.outer_lr=1.5",
                                "sync.aggregation=clipped_mean", "sync.clip_factor=1"], environ={})
     assert a.sync.model_dump(exclude={"method"}) == b.sync.model_dump(exclude={"method"})
+    # The method is a shorthand: the same keys are the same run, and runs without it keep their fingerprint.
+    assert a.run_fingerprint() == b.run_fingerprint()
+    assert "method" not in load_config(environ={}).run_config()["sync"]
+    assert a.run_fingerprint() != load_config(environ={}).run_fingerprint()
 
 
 @pytest.mark.parametrize("sets, message", [
