@@ -458,16 +458,26 @@ class RoundLoop:
             report.seconds = time.monotonic() - started
             report.tokens = weight
             return RoundOutcome(report)
-        if self._behind(await self.refresh_view()):
+        view = await self.refresh_view()
+        if self._behind(view):
             # The swarm moved on while we trained, or holds other parameters at our step:
             # averaging now would fork a competing state. Our progress is kept (the catch-up
             # folds it into the residual) and we catch up.
             log.info("the swarm is past our state at step %d; catching up instead of averaging", step)
             self.metrics.round_failures.labels(reason="behind").inc()
             return None
+        unused_view = [view]
+
+        async def expected_peers() -> set[str]:
+            # The matchmaker's first look uses the view just read (the direct path of a stable
+            # group then reads the DHT no more); later looks read it afresh.
+            if unused_view:
+                return decisions.expected_peers(unused_view.pop(), self.position())
+            return await self._expected_peers()
+
         try:
             group = await self.matchmaker.form_group(
-                step, weight, self.bandwidth_bps, self._expected_peers,
+                step, weight, self.bandwidth_bps, expected_peers,
                 self.config.sync.matchmaking_timeout, params_hash=self.state.params_hash, numel=delta.numel(),
             )
         except MatchmakingError as err:
