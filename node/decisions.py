@@ -75,6 +75,14 @@ def solo_step_allowed(view: SwarmView, me: Position) -> bool:
     return not others(view, me)
 
 
+def direct_round_allowed(view: SwarmView, me: Position, last_group: set[str]) -> bool:
+    """Whether a stable group may meet directly (protocol/direct.py): only when every live peer
+    of the swarm was in our last group. A peer outside it, at any step (a joiner catching up, a
+    slower peer one step behind), must find the round through the DHT and get the leader's wait
+    for stragglers; otherwise a fast stable pair would close every round before it arrives."""
+    return {p.peer_id for p in others(view, me)} <= last_group
+
+
 @dataclass(frozen=True)
 class CatchUp:
     """A state download to make: the step and params hash to fetch, and from whom."""

@@ -466,6 +466,13 @@ class RoundLoop:
             log.info("the swarm is past our state at step %d; catching up instead of averaging", step)
             self.metrics.round_failures.labels(reason="behind").inc()
             return None
+        last = self.matchmaker.last_group
+        if last is not None and not decisions.direct_round_allowed(view, self.position(),
+                                                                   {m.peer_id for m in last.members}):
+            # A live peer outside our last group (a joiner that just caught up, a slower peer):
+            # the ordinary DHT round lets it see the round and join (the direct path of a stable
+            # group closes in milliseconds, before a slower peer could notice and cut its phase).
+            self.matchmaker.last_group = None
         unused_view = [view]
 
         async def expected_peers() -> set[str]:

@@ -100,6 +100,14 @@ def test_catch_up_in_gossip_mode_only_beyond_the_step_window():
     assert decisions.catch_up_target(view(record("a", 5, "x"), record("b", 5, "x")), me(), gossip_window=4) is None
 
 
+def test_direct_round_only_when_every_live_peer_was_in_the_last_group():
+    last = {ME, "a", "b"}
+    assert decisions.direct_round_allowed(view(record("a", 5, "h"), record("b", 5, "h")), me(), last)
+    assert decisions.direct_round_allowed(view(record("a", 5, "h")), me(), last)  # one left: fine
+    # A joiner one step behind (still catching up) or at another hash: the DHT round lets it in.
+    assert not decisions.direct_round_allowed(view(record("a", 5, "h"), record("c", 4, "x")), me(), last)
+
+
 def test_no_donor_no_download():
     assert decisions.catch_up_target(view(record("a", 8, "x", address="")), me()) is None
 
