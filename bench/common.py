@@ -457,3 +457,53 @@ def record_base(bench: str, **fields: Any) -> dict[str, Any]:
     return {"bench": bench, "date": now_iso(), "command": command_line(), "machine": machine(), **fields}
 
 
+
+
+# -- a loopback swarm of real nodes --------------------------------------------------------------
+
+
+def full_group_rounds(peers: int, rounds: int, extra: list[str], skip: int = 0,
+                      seconds_per_round: float = 60.0) -> list[dict[str, Any]]:
+    """``round_done`` events of the rounds in which all ``peers`` loopback nodes averaged together.
+
+    Starts ``peers`` real ``lowcomm-node join`` processes on 127.0.0.1 (the first one is the
+    bootstrap), waits until every node has ``skip + rounds`` such rounds, stops them all and
+    returns each node's rounds ``skip .. skip + rounds`` (``skip`` leaves out warm-up rounds).
+    """
+    import shutil
+    import tempfile
+
+    from lowcomm.node.localswarm import NodeProcess, peer_args
+
+    workdir = Path(tempfile.mkdtemp(prefix="lowcomm-bench-"))
+    nodes: list[NodeProcess] = []
+    wanted = skip + rounds
+
+    def full_rounds(node: NodeProcess) -> list[dict[str, Any]]:
+        return [e for e in node.rounds() if e["group_size"] == peers]
+
+    try:
+        nodes.append(NodeProcess("peer-0", peer_args(workdir, 0, extra=extra)))
+        maddr = nodes[0].multiaddr
+        for i in range(1, peers):
+            nodes.append(NodeProcess(f"peer-{i}", peer_args(workdir, i, [maddr], extra)))
+        for node in nodes:
+            node.wait_for(lambda e, node=node: len(full_rounds(node)) >= wanted,
+                          timeout=120 + seconds_per_round * wanted)
+        return [e for node in nodes for e in full_rounds(node)[skip:wanted]]
+    finally:
+        for node in nodes:
+            node.signal(signal.SIGTERM)
+        for node in nodes:
+            try:
+                node.wait_exit(60)
+            except Exception:
+                node.kill_all()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def write_result(result: dict[str, Any], json_out: Path | None) -> None:
+    """Print one benchmark record as a JSON line and append it to ``json_out`` if given."""
+    print(json.dumps(result, sort_keys=True))
+    if json_out:
+        append_jsonl(json_out, result)

@@ -21,17 +21,12 @@ rounds are left out: they form through the DHT (no last group yet). Reported:
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from lowcomm.node.localswarm import NodeProcess, peer_args
+from common import full_group_rounds, record_base, write_result
 
 SMALL = ["--set", "train.inner_steps=20", "--set", "train.batch_size=8", "--set", "sync.matchmaking_timeout=15",
          "--set", "sync.reduce_timeout=8", "--set", "node.heartbeat_interval=1"]
@@ -53,37 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("extra", nargs="*", help="extra join flags (after --)")
     args = parser.parse_args(argv)
     extra = SMALL + ["--set", f"sync.overlap={args.overlap}"] + args.extra
-    workdir = Path(tempfile.mkdtemp(prefix="lowcomm-bench-"))
-    nodes: list[NodeProcess] = []
-    wanted = SKIP_ROUNDS + args.rounds
-    try:
-        nodes.append(NodeProcess("peer-0", peer_args(workdir, 0, extra=extra)))
-        maddr = nodes[0].multiaddr
-        for i in range(1, args.peers):
-            nodes.append(NodeProcess(f"peer-{i}", peer_args(workdir, i, [maddr], extra)))
-
-        def full_rounds(node: NodeProcess) -> list[dict]:
-            return [e for e in node.rounds() if e["group_size"] == args.peers]
-
-        for node in nodes:
-            node.wait_for(lambda e, node=node: len(full_rounds(node)) >= wanted, timeout=120 + 30 * wanted)
-        events = [e for node in nodes for e in full_rounds(node)[SKIP_ROUNDS:wanted]]
-    finally:
-        for node in nodes:
-            node.signal(signal.SIGTERM)
-        for node in nodes:
-            try:
-                node.wait_exit(60)
-            except Exception:
-                node.kill_all()
-        shutil.rmtree(workdir, ignore_errors=True)
+    events = full_group_rounds(args.peers, args.rounds, extra, skip=SKIP_ROUNDS, seconds_per_round=30)
     by_step: dict[int, list[float]] = defaultdict(list)
     for e in events:
         by_step[e["outer_step"]].append(e["matchmaking_seconds"])
     everybody = [e["matchmaking_seconds"] for e in events]
     last = [min(times) for times in by_step.values() if len(times) == args.peers]
-    result = {
-        "bench": "matchmaking_stable",
+    result = record_base("matchmaking_stable", **{
         "label": args.label,
         "peers": args.peers,
         "overlap": args.overlap,
@@ -93,13 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         "last_arrival_seconds_p50": statistics.median(last),
         "last_arrival_seconds_p95": percentile(last, 0.95),
         "allreduce_seconds_median": statistics.median(e["allreduce_seconds"] for e in events),
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, python {platform.python_version()}",
-    }
-    line = json.dumps(result)
-    print(line)
-    if args.json_out:
-        with args.json_out.open("a") as fh:
-            fh.write(line + "\n")
+    })
+    write_result(result, args.json_out)
     return 0
 
 

@@ -12,16 +12,11 @@ the slowest peer's inner phase), and the bytes each peer sent next to the butter
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
-from lowcomm.node.localswarm import NodeProcess, peer_args
+from common import full_group_rounds, record_base, write_result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,35 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("extra", nargs="*", help="extra join flags (after --)")
     args = parser.parse_args(argv)
-    workdir = Path(tempfile.mkdtemp(prefix="lowcomm-bench-"))
-    nodes: list[NodeProcess] = []
-    try:
-        nodes.append(NodeProcess("peer-0", peer_args(workdir, 0, extra=args.extra)))
-        maddr = nodes[0].multiaddr
-        for i in range(1, args.peers):
-            nodes.append(NodeProcess(f"peer-{i}", peer_args(workdir, i, [maddr], args.extra)))
-
-        def full_rounds(node: NodeProcess) -> list[dict]:
-            return [e for e in node.rounds() if e["group_size"] == args.peers]
-
-        for node in nodes:
-            node.wait_for(lambda e, node=node: len(full_rounds(node)) >= args.rounds, timeout=120 + 60 * args.rounds)
-        events = [e for node in nodes for e in full_rounds(node)[: args.rounds]]
-    finally:
-        for node in nodes:
-            node.signal(signal.SIGTERM)
-        for node in nodes:
-            try:
-                node.wait_exit(60)
-            except Exception:
-                node.kill_all()
-        shutil.rmtree(workdir, ignore_errors=True)
+    events = full_group_rounds(args.peers, args.rounds, args.extra)
     n = args.peers
     payload = events[0]["payload_bytes"]
     bound = 2 * (n - 1) / n * payload
     sent = [e["bytes_sent"] for e in events]
-    result = {
-        "bench": "round_loopback",
+    result = record_base("round_loopback", **{
         "peers": n,
         "numel": events[0]["numel"],
         "codec": events[0]["codec"],
@@ -71,13 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         "bytes_sent_per_peer_max": max(sent),
         "bound_bytes": bound,
         "sent_over_bound": statistics.median(sent) / bound,
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, python {platform.python_version()}",
-    }
-    line = json.dumps(result)
-    print(line)
-    if args.json_out:
-        with args.json_out.open("a") as fh:
-            fh.write(line + "\n")
+    })
+    write_result(result, args.json_out)
     return 0
 
 
