@@ -45,7 +45,6 @@ from . import checkpoint, decisions
 from .errors import FatalError
 from .config import Config
 from .cancel import cancel_and_wait
-from .evaluator import Evaluator
 from .faults import Faults
 from .executors import TrackedThreadPool, shutdown_without_blocking
 from .globalstate import GlobalState
@@ -58,6 +57,7 @@ from .dht import swarm_clock
 from .swarm import HivemindDHT, PeerRecord, SwarmView, peers_key, read_swarm, signed
 from .rounds import RoundLoop, RoundReport  # noqa: F401 (RoundReport is part of this module's API)
 from .train_thread import TrainThread, lower_priority
+from .ports import ReplicaEvaluating, TrainerPort
 from .trainer import Trainer
 
 log = logging.getLogger("lowcomm.node")
@@ -69,8 +69,11 @@ EXIT_FORCED = 130  # exit status when the watchdog had to end the process
 
 class Node(RoundLoop):
     def __init__(self, config: Config, dht: hivemind.DHT, human: bool, run_secret: bytes | None = None,
-                 tls: TLSConfig | None = None) -> None:
+                 tls: TLSConfig | None = None, trainer: TrainerPort | None = None) -> None:
+        """``trainer``: the training loop to drive (node/ports.py); None builds the daemon's own
+        ``Trainer`` from ``config`` (in the training thread, when the node starts)."""
         self.config = config
+        self._injected_trainer = trainer
         self.dht = dht
         self.human = human
         self.peer_id = str(dht.peer_id)
@@ -141,7 +144,9 @@ class Node(RoundLoop):
         self.reconnector = Reconnector(dht, self.peer_id, config.node.peers,
                                        interval=max(10.0, 3 * config.node.heartbeat_interval))
         self._reconnecting: asyncio.Task | None = None
-        self.trainer: Trainer
+        self.trainer: TrainerPort
+        # Eval of θ_global in the report thread; NaN for a trainer that offers no replica.
+        self.evaluate_global: Callable[[torch.Tensor], float] = lambda _params: math.nan
         self.state: GlobalState
 
     # -- small helpers ------------------------------------------------------------------------
@@ -188,9 +193,11 @@ class Node(RoundLoop):
         server = None
         metrics_server = None
         try:
-            self.trainer = await self.in_train_thread(Trainer, self.config, self.peer_id)
+            self.trainer = (self._injected_trainer if self._injected_trainer is not None
+                            else await self.in_train_thread(Trainer, self.config, self.peer_id))
             self.state = await self.in_train_thread(self._restore)
-            self.evaluator = await self.in_train_thread(Evaluator, self.trainer)
+            if isinstance(self.trainer, ReplicaEvaluating):
+                self.evaluate_global = await self.in_train_thread(self.trainer.replica_evaluator)
             self.last_eval = await self.in_train_thread(self.trainer.evaluate)
             self.metrics.eval_loss.set(self.last_eval)
             self.metrics.outer_step.set(self.state.step)

@@ -30,7 +30,7 @@ from .cancel import cancel_and_wait
 from .errors import FatalError
 from .progress import InnerProgress
 from .reports import Report
-from .trainer import PhaseStats
+from .ports import PhaseStats
 
 log = logging.getLogger("lowcomm.node")
 
@@ -668,7 +668,7 @@ class RoundLoop:
         tokens_per_second = self.tokens_per_second
 
         def evaluate_and_save() -> float:
-            eval_loss = self.evaluator.evaluate(frozen["params"])
+            eval_loss = self.evaluate_global(frozen["params"])
             try:
                 self._write_checkpoint(frozen, trainer_state, event["tokens_total"])
             except OSError as err:  # the previous checkpoint stays intact (atomic writes)

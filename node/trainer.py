@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -18,16 +17,7 @@ from torch.nn.utils import parameters_to_vector
 from .config import Config
 from .data import Corpus, DataError, ShardSampler, eval_batches, load_data
 from .models import build_model_for, vocab_size_of
-
-
-@dataclass
-class PhaseStats:
-    """What one inner phase did."""
-
-    steps: int
-    tokens: int
-    mean_loss: float
-    seconds: float
+from .ports import PhaseStats  # noqa: F401 (re-exported: part of this module's API)
 
 
 def pick_device(choice: str) -> torch.device:
@@ -65,6 +55,8 @@ def mean_eval_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, tor
 
 
 class Trainer:
+    """The daemon's trainer: a ``TrainerPort`` (node/ports.py) that is also ``ReplicaEvaluating``."""
+
     def __init__(self, config: Config, peer_key: str, corpus: Corpus | None = None) -> None:
         self.config = config
         self.device = pick_device(config.node.device)
@@ -163,6 +155,12 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss of the current model on the fixed held-out batches."""
         return mean_eval_loss(self.model, self.eval_set, self.device)
+
+    def replica_evaluator(self) -> Callable[[torch.Tensor], float]:
+        """The eval of θ_global on a replica of the model (node/evaluator.py)."""
+        from .evaluator import Evaluator  # it imports this module
+
+        return Evaluator(self).evaluate
 
     # -- checkpointable local state -----------------------------------------------------------
 

@@ -1,0 +1,83 @@
+"""What the round driver needs of a trainer: ``TrainerPort``, and the ``PhaseStats`` it returns.
+
+The node drives rounds around *some* training loop. The daemon's own is ``Trainer``
+(node/trainer.py: a model preset, the data shards, AdamW); a Python API user brings another one
+whose inner steps their own loop takes. Both satisfy ``TrainerPort``, and the node and its round
+driver use nothing else of a trainer.
+
+Contract (every method is called from the node's one training thread, never concurrently, so an
+implementation needs no locks):
+
+- Parameters cross the boundary as one flat float32 CPU vector of ``numel`` elements, in a
+  fixed order (``torch.nn.utils.parameters_to_vector`` of the model's parameters). Vectors
+  handed in are the node's own (θ_global): copy from them, never keep a view of them.
+- ``train_phase`` takes up to ``steps`` inner steps, checks ``should_stop()`` before each and
+  calls ``on_step(done, loss)`` after each (the node applies an overlapped round's result there);
+  it returns what it did, also when it stopped early.
+- ``evaluate`` is the held-out loss of the *local* model (the node's initial eval); the eval of
+  θ_global after each round runs on a replica when the trainer offers one (``ReplicaEvaluating``),
+  otherwise it is reported as NaN.
+- ``local_state``/``load_local_state``: whatever the trainer must checkpoint besides θ_global
+  (inner optimizer, data position), as a ``torch.save``-able dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class PhaseStats:
+    """What one inner phase did."""
+
+    steps: int
+    tokens: int  # the phase's weight in the round (an API trainer may count samples instead)
+    mean_loss: float
+    seconds: float  # spent in inner steps (compute utilization counts it)
+
+
+@runtime_checkable
+class TrainerPort(Protocol):
+    """The trainer as the node and its round driver see it (see the module docstring)."""
+
+    numel: int  # length of the flat parameter vector
+
+    def get_params(self) -> torch.Tensor:
+        """A new flat float32 CPU copy of the local model's parameters."""
+
+    def set_params(self, flat: torch.Tensor) -> None:
+        """Overwrite the local model's parameters with ``flat`` (copied, not viewed)."""
+
+    def set_params_slice(self, fragment: slice, values: torch.Tensor) -> None:
+        """Overwrite ``fragment`` of the flat parameters; the rest is left as it is."""
+
+    def add_to_slice(self, fragment: slice, shift: torch.Tensor) -> None:
+        """Add ``shift`` to ``fragment`` of the flat parameters (overlapped rounds' correction)."""
+
+    def reset_to(self, flat: torch.Tensor) -> None:
+        """Start over from ``flat`` after a divergence, dropping inner-optimizer state (it may hold NaN)."""
+
+    def train_phase(self, steps: int, should_stop: Callable[[], bool],
+                    on_step: Callable[[int, float], None] | None = None) -> PhaseStats:
+        """Up to ``steps`` inner steps (see the module docstring)."""
+
+    def evaluate(self) -> float:
+        """Held-out loss of the local model."""
+
+    def local_state(self) -> dict:
+        """The trainer's own checkpointable state."""
+
+    def load_local_state(self, state: dict) -> None:
+        """Restore what ``local_state`` returned."""
+
+
+@runtime_checkable
+class ReplicaEvaluating(Protocol):
+    """Optional for a trainer: an evaluator of θ_global on a replica of the model, called from the
+    node's report thread while training goes on (the daemon's ``Trainer`` offers one)."""
+
+    def replica_evaluator(self) -> Callable[[torch.Tensor], float]:
+        """Built in the training thread while it is idle; the callable takes a flat vector."""
