@@ -3,7 +3,7 @@
 
     python bench/results.py [--in-dir bench/out] [--out bench/RESULTS.md] [--plots bench/plots]
 
-Takes the newest run (``run_id``) of each benchmark in ``--in-dir`` (convergence.jsonl,
+Takes the newest run (``run_id``) of each benchmark in ``--in-dir`` (convergence.jsonl, convergence_long.jsonl,
 slow_links.jsonl, transport.jsonl, codecs.jsonl, overlap.jsonl, soak.jsonl, standard.jsonl), writes the tables, checks
 the issue's goals against the numbers (met / missed, never asserted), draws the plots, and
 appends bench/analysis.md (the hand-written reading of the profile of the committed run).
@@ -27,6 +27,10 @@ GOAL_EFFICIENCY = 0.8
 GOAL_SPEEDUP = 10
 GOAL_UTILIZATION = 0.95
 GOAL_OVERLAP_PENALTY = 0.01
+GOAL_LONG_DEFAULT = 0.02  # issue 16: the default method within +2 % of ddp (mean of the seeds)
+GOAL_LONG_SPARSE = 0.03  # sparseloco within +3 % of ddp ...
+GOAL_LONG_SPARSE_BYTES = 1000  # ... at >= 1,000x fewer payload bytes per peer
+LONG_DEFAULT_METHOD = "diloco-int8-H50"
 
 
 def newest(records: list[dict]) -> list[dict]:
@@ -207,6 +211,85 @@ def convergence_section(records: list[dict], plot_dir: Path, goals: list[str]) -
         goals.append(f"- diloco-int8-H50 vs ddp: **not measured** ({', '.join(missing)} missing or failed; "
                      "see section 1).")
     return lines
+
+
+def seed_summary(records: list[dict]) -> tuple[float | None, dict[str, dict]]:
+    """Per method over its seeds: the eval loss at equal tokens (mean, min, max) and mean bytes.
+
+    Equal tokens: the most tokens every successful record reached, each curve linearly
+    interpolated there (DiLoCo evaluates once per outer step, the baselines every few steps)."""
+    ok = [r for r in records if r.get("ok", True) and r.get("curve")]
+    if not ok:
+        return None, {}
+    tokens = min(max(p["tokens"] for p in r["curve"]) for r in ok)
+    methods: dict[str, dict] = {}
+    for r in ok:
+        loss = loss_at([(p["tokens"], p["eval_loss"]) for p in r["curve"] if p.get("eval_loss") is not None], tokens)
+        m = methods.setdefault(r["method"], {"losses": [], "seeds": [], "app": [], "wire": []})
+        if loss is not None:
+            m["losses"].append(loss)
+            m["seeds"].append(r.get("seed", (r.get("workload") or {}).get("seed")))
+        for key, field in (("app", "app_bytes_sent_per_peer"), ("wire", "wire_bytes_sent_per_peer")):
+            if r.get(field) is not None:
+                m[key].append(r[field])
+    for m in methods.values():
+        losses = m["losses"]
+        m["mean"] = statistics.fmean(losses) if losses else None
+        m["min"], m["max"] = (min(losses), max(losses)) if losses else (None, None)
+        m["app_mean"] = statistics.fmean(m["app"]) if m["app"] else None
+        m["wire_mean"] = statistics.fmean(m["wire"]) if m["wire"] else None
+    return tokens, methods
+
+
+def long_convergence_section(records: list[dict], goals: list[str]) -> list[str]:
+    lines = ["## 1b. Long convergence, mean and range over seeds (`python bench/convergence.py --long`)", ""]
+    tokens, methods = seed_summary(records)
+    if not methods:
+        goals.append(f"- {LONG_DEFAULT_METHOD} within +2 % of ddp, sparseloco within +3 % at ≥1,000× fewer "
+                     "bytes (long benchmark, 3 seeds): **not measured** (no run in bench/out/convergence_long.jsonl).")
+        return lines + ["Not run.", "", *failures(records)]
+    first = next(r for r in records if r.get("workload"))
+    w = first["workload"]
+    lines += [f"`{first['command']}`: {w['preset']} preset, {first.get('peers', 4)} peers, {w['steps']} steps per "
+              f"peer of {w['batch_size']} × {w['seq_len']} tokens; eval loss of the global model at "
+              f"{tokens:,.0f} tokens (equal for every method), mean and range over the seeds. A method meets a goal "
+              "only on the mean.", ""]
+    ddp = methods.get("ddp", {})
+    rows = []
+    for name, m in methods.items():
+        vs = m["mean"] / ddp["mean"] - 1 if ddp.get("mean") and m["mean"] else None
+        fewer = ddp["app_mean"] / m["app_mean"] if ddp.get("app_mean") and m["app_mean"] else None
+        rows.append([name, ", ".join(str(s) for s in m["seeds"]), f(m["mean"], 4),
+                     f"{f(m['min'], 4)} – {f(m['max'], 4)}", "–" if vs is None else f"{vs * 100:+.1f} %",
+                     mb(m["app_mean"]) if m["app_mean"] is not None else "–", mb(m["wire_mean"]),
+                     "–" if fewer is None else f"{fewer:,.0f}×"])
+    lines += table(["method", "seeds", "eval loss (mean)", "range", "vs ddp (mean)", "sent/peer (payload)",
+                    "(wire)", "fewer payload bytes than ddp"], rows)
+    lines += failures(records)
+
+    def gap(name: str) -> float | None:
+        m = methods.get(name, {})
+        return m["mean"] / ddp["mean"] - 1 if ddp.get("mean") and m.get("mean") else None
+
+    default_gap = gap(LONG_DEFAULT_METHOD)
+    if default_gap is None:
+        goals.append(f"- {LONG_DEFAULT_METHOD} within +2 % of ddp (long, mean of seeds): **not measured**.")
+    else:
+        goals.append(f"- **{LONG_DEFAULT_METHOD} within +2 % of ddp (long benchmark, mean of "
+                     f"{len(methods[LONG_DEFAULT_METHOD]['losses'])} seeds): "
+                     f"{'met' if default_gap <= GOAL_LONG_DEFAULT else 'MISSED'}** ({default_gap * 100:+.1f} %).")
+    sparse = next((n for n in methods if n.startswith("sparseloco")), None)
+    sparse_gap = gap(sparse) if sparse else None
+    if sparse_gap is None:
+        goals.append("- sparseloco within +3 % of ddp at ≥1,000× fewer payload bytes (long): **not measured**.")
+    else:
+        m = methods[sparse]
+        fewer = ddp["app_mean"] / m["app_mean"] if ddp.get("app_mean") and m["app_mean"] else 0
+        met = sparse_gap <= GOAL_LONG_SPARSE and fewer >= GOAL_LONG_SPARSE_BYTES
+        goals.append(f"- **{sparse} within +3 % of ddp at ≥1,000× fewer payload bytes (long, mean of "
+                     f"{len(m['losses'])} seeds): {'met' if met else 'MISSED'}** ({sparse_gap * 100:+.1f} %, "
+                     f"{fewer:,.0f}× fewer).")
+    return lines + [""]
 
 
 def slow_links_section(records: list[dict], plot_dir: Path, goals: list[str]) -> list[str]:
@@ -523,7 +606,9 @@ def main(argv: list[str] | None = None) -> int:
     soak_run = newest(read_jsonl(args.in_dir / "soak.jsonl"))  # summary and samples
     soak = [r for r in soak_run if r.get("kind") == "summary"]
     goals: list[str] = []
-    body = (convergence_section(conv, plot_dir, goals) + slow_links_section(slow, plot_dir, goals)
+    long_run = newest(read_jsonl(args.in_dir / "convergence_long.jsonl"))
+    body = (convergence_section(conv, plot_dir, goals) + long_convergence_section(long_run, goals)
+            + slow_links_section(slow, plot_dir, goals)
             + transport_section(trans, slow, plot_dir, goals) + codecs_section(cod)
             + overlap_section(over, plot_dir, goals, other_overlap) + soak_section(soak_run)
             + data_memory_section(read_jsonl(args.in_dir / "data_memory.jsonl")))
