@@ -63,6 +63,10 @@ class ShardAccumulator:
 
     def __post_init__(self) -> None:
         self.contributions.setdefault(self.owner_id, self.own)
+        # The quorum counts every sender of the round, also those that arrive before the owner
+        # starts waiting: fast senders find the accumulator open before wait_for_senders runs.
+        self._senders = len(self.expected)
+        self._opened_at = time.monotonic()
 
     def stream_opened(self) -> None:
         self.active_streams += 1
@@ -101,14 +105,14 @@ class ShardAccumulator:
 
         Once ``quorum`` of the expected senders have contributed, the rest get twice the time the
         quorum took (at least MIN_STRAGGLER_GRACE): the round follows observed transfer times
-        instead of always waiting for the worst case."""
-        started = time.monotonic()
-        senders = len(self.expected)
-        needed = max(1, math.ceil(quorum * senders))
+        instead of always waiting for the worst case. The quorum and the time it took count from
+        when the accumulator opened: senders that came in before this wait began count too."""
+        started = self._opened_at
+        needed = max(1, math.ceil(quorum * self._senders))
         quorum_at: float | None = None
         while not self.all_arrived.is_set():
             now = time.monotonic()
-            if quorum_at is None and senders - len(self.expected) >= needed:
+            if quorum_at is None and self._senders - len(self.expected) >= needed:
                 quorum_at = now
             limit = deadline if quorum_at is None else min(
                 deadline, quorum_at + max(MIN_STRAGGLER_GRACE, 2 * (quorum_at - started)))

@@ -97,6 +97,9 @@ class ShardAgreement:
         self.heard: set[str] = set()  # members whose report arrived (request or answer)
         # Members neither heard from nor given up on.
         self._waiting = set(self.members if reachable is None else reachable) - {peer_id}
+        # The quorum of settle() counts over all of them: reports often arrive before this
+        # member's own reduce phase is over, and those count towards it too.
+        self._expected = len(self._waiting)
         self._skip: set[int] = set()  # shards that some report (this member's included) asks to skip
         self._held: list[bool] | None = None  # this member's own outcome, once its reduce phase is over
         self.decision: list[bool] | None = None  # frozen by decide()
@@ -144,12 +147,11 @@ class ShardAgreement:
         a grace after ``quorum`` of them are resolved: twice what the quorum took, at least
         MIN_REPORT_GRACE, the same shape as an owner's wait for senders."""
         started = time.monotonic()
-        others = len(self._waiting)
-        needed = max(1, math.ceil(quorum * others))
+        needed = max(1, math.ceil(quorum * self._expected))
         quorum_at: float | None = None
         while self._waiting and not self.ready.is_set():
             now = time.monotonic()
-            if quorum_at is None and others - len(self._waiting) >= needed:
+            if quorum_at is None and self._expected - len(self._waiting) >= needed:
                 quorum_at = now
             limit = self.deadline if quorum_at is None else min(
                 self.deadline, quorum_at + max(MIN_REPORT_GRACE, 2 * (quorum_at - started)))

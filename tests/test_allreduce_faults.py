@@ -398,9 +398,6 @@ def test_more_owners_than_values_gives_empty_shards():
     run(scenario(), 15)
 
 
-@pytest.mark.skip(reason="known bug (see the closing note of 2026-12-01): with a silent client-mode member the "
-                         "round sometimes waits until the reduce deadline instead of the grace after the quorum "
-                         "(about 1 run in 3 since the shard agreement landed); to be fixed, not hidden")
 def test_owners_stop_waiting_for_a_straggler_soon_after_a_quorum():
     """With a quorum, the reduce deadline adapts: owners wait about twice what the quorum took,
     not the group's whole reduce timeout, for a member that never sends.
