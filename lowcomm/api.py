@@ -1,0 +1,377 @@
+"""``lowcomm.Swarm``: lowcomm's sync inside your own training loop.
+
+::
+
+    with lowcomm.Swarm(model, optimizer, config={"train": {"inner_steps": 50}}, peers=[maddr]) as swarm:
+        for batch in data:
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            swarm.step(tokens=batch["input_ids"].numel(), loss=loss)
+
+Entering starts a full lowcomm node (the daemon's own code: DHT, gRPC server, rounds, codecs,
+catch-up, checkpoints, metrics) in a background thread with its own event loop, and returns once
+the node has joined the swarm and caught up: the model then holds the swarm's θ_global. Every
+``[train] inner_steps`` calls of ``swarm.step()`` the node runs a round: blocking (``step()``
+returns after it) or overlapped (``[sync] overlap``: ``step()`` returns at once and the round's
+result reaches the model between two later steps). The node touches the model only while your
+thread waits in ``step()`` (node/external_trainer.py), so nothing needs a lock.
+
+Leaving the block stops the node as SIGINT stops the daemon: the round in flight gets the grace
+period, local progress is folded into the residual, a checkpoint is written, the peer leaves the
+DHT, and the model holds θ_global. A Ctrl-C in the loop does the same; a second Ctrl-C while it
+stops ends the process within seconds, as with the daemon. ``step()`` raises ``SwarmStopped``
+once the node is gone (it failed, or ``[node] max_rounds`` was reached), never hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import uvloop
+
+from lowcomm.node import checkpoint
+from lowcomm.node.external_trainer import EvaluatingExternalTrainer, ExternalTrainer, SwarmStopped
+
+from .api_config import ConfigLike, SwarmConfig, SwarmError, resolve_config
+
+__all__ = ["Swarm", "SwarmError", "SwarmStopped"]
+
+log = logging.getLogger("lowcomm.api")
+STOP_WAIT = 5.0  # seconds for the node's loop to take a stop request
+PEER_POLL = 0.25  # seconds between two looks at the node's view in wait_for_peers
+FORCED_EXIT_WAIT = 15.0  # after a second Ctrl-C the node's own watchdog ends the process within 10 s
+
+
+class _ThreadLoop(uvloop.Loop):
+    """The node's event loop in a thread that is not the main thread, where signal handlers
+    cannot be installed: signals reach your main thread (Ctrl-C as KeyboardInterrupt), and
+    leaving the ``with`` block stops the node instead."""
+
+    def add_signal_handler(self, sig: int, callback: Callable[..., Any], *args: Any) -> None:
+        return None
+
+
+class Swarm:
+    """A lowcomm peer driven by your training loop; use it as a context manager (module docstring).
+
+    ``model``: a float32 ``torch.nn.Module`` (any device); its parameters are what peers average,
+    in ``model.parameters()`` order. ``inner_optimizer``: the optimizer your loop steps; its state
+    is checkpointed with the node's. ``config``: a ``lowcomm.node.config.Config``, a dict of the
+    CLI config file's sections (``{"train": {"inner_steps": 20}, "sync": {"codec": "int8"}}``) or
+    the path of such a TOML file; ``[train] inner_steps`` is H, ``[node]`` says where to listen and
+    checkpoint (ports default to free ones). ``peers``: multiaddrs of peers in the swarm (none:
+    start a new swarm). ``eval_fn(model) -> float``: optional held-out loss; with it every
+    committed θ_global is evaluated on a replica of the model (one more copy of the parameters).
+    ``log``: lowcomm's log lines on stdout (``[node] log_format``/``log_level``); False: they
+    propagate to your own logging setup instead.
+    """
+
+    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, config: ConfigLike = None,
+                 peers: list[str] | None = None, eval_fn: Callable[[nn.Module], float] | None = None,
+                 log: bool = True) -> None:
+        if not isinstance(model, nn.Module):
+            raise SwarmError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+        if not isinstance(inner_optimizer, torch.optim.Optimizer):
+            raise SwarmError(f"inner_optimizer must be a torch.optim.Optimizer, not {type(inner_optimizer).__name__}")
+        self.config: SwarmConfig = resolve_config(config, peers, model)
+        self.model = model
+        self._optimizer = inner_optimizer
+        self._eval_fn = eval_fn
+        self._log = log
+        self._to_load: dict[str, Any] | None = None
+        self._trainer: ExternalTrainer | None = None
+        self._node: Any = None  # lowcomm.node.daemon.Node, built in the node's thread
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._dht: Any = None
+        self._lock: Any = None
+        self._error: BaseException | None = None
+        self._stop_sent = False
+        self._exited = False
+        self._restore_logging: Callable[[], None] = lambda: None
+
+    # -- entering and leaving -------------------------------------------------------------------
+
+    def __enter__(self) -> "Swarm":
+        if self._thread is not None:
+            raise RuntimeError("a Swarm can be entered once; make a new one to join again")
+        from lowcomm.node.cli import _read_credentials, _start_dht, lock_checkpoint_dir
+        from lowcomm.node.memory import limit_malloc_arenas, share_tensors_by_descriptor
+
+        cfg = self.config
+        try:
+            secret, tls = _read_credentials(cfg.node)
+            self._lock = lock_checkpoint_dir(cfg.node.checkpoint_dir)
+        except RuntimeError as err:
+            raise SwarmError(str(err)) from None
+        try:
+            if self._to_load is not None:
+                self._write_loaded_state(self._to_load)
+            self._restore_logging = self._setup_logging() if self._log else (lambda: None)
+            limit_malloc_arenas()
+            share_tensors_by_descriptor()  # before hivemind's first future: no torch_shm_manager process
+            try:
+                self._dht = _start_dht(cfg)  # forks the DHT process: before any gRPC object exists
+            except RuntimeError as err:
+                raise SwarmError(str(err)) from None
+            kind = EvaluatingExternalTrainer if self._eval_fn is not None else ExternalTrainer
+            self._trainer = kind(self.model, self._optimizer, self._eval_fn)
+            self._thread = threading.Thread(target=self._run_node, args=(secret, tls), name="lowcomm-node",
+                                            daemon=True)
+            self._thread.start()
+            self._trainer.handoff.wait_started(self._thread.is_alive)
+        except BaseException as err:
+            self._close(err)
+            if isinstance(err, SwarmStopped):
+                raise SwarmError(str(err)) from None
+            raise
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._close(exc)
+        if self._error is not None and exc is None:
+            raise SwarmError(_describe_failure(self._error)) from None
+
+    def _run_node(self, secret: bytes | None, tls: Any) -> None:
+        """The node's thread: its own event loop, until the node stops."""
+        from lowcomm.node.daemon import Node
+
+        assert self._trainer is not None
+        reason = "the node stopped"
+
+        async def main() -> int:
+            self._loop = asyncio.get_running_loop()
+            self._node = Node(self.config, self._dht, False, secret, tls, trainer=self._trainer)
+            return await self._node.run()
+
+        try:
+            with asyncio.Runner(loop_factory=_ThreadLoop) as runner:
+                runner.run(main())
+            max_rounds = self.config.node.max_rounds
+            if not self._stop_sent and max_rounds is not None:
+                reason = f"the node stopped after [node] max_rounds = {max_rounds} rounds"
+        except BaseException as err:  # noqa: BLE001 - handed to the user's thread, never lost
+            self._error = err
+            reason = _describe_failure(err)
+            if not _is_user_facing(err):
+                log.exception("the node failed")
+        finally:
+            self._trainer.handoff.close(reason)
+
+    def _close(self, exc: BaseException | None) -> None:
+        """Stop the node gracefully (a second KeyboardInterrupt: forced), then the DHT; idempotent."""
+        if self._exited:
+            return
+        self._exited = True
+        try:
+            if self._thread is not None:
+                self._request_stop()
+                if self._trainer is not None:
+                    self._trainer.handoff.leave()  # the phase in progress ends with the steps taken
+                try:
+                    _join(self._thread)
+                except KeyboardInterrupt:
+                    log.warning("second interrupt: the node abandons what it does and exits within seconds")
+                    self._call_in_loop(lambda: self._node.request_stop())  # the second request forces
+                    self._thread.join(FORCED_EXIT_WAIT)
+                    raise
+        finally:
+            if self._dht is not None:
+                self._dht.shutdown()
+            if self._lock is not None:
+                self._lock.close()
+            self._restore_logging()
+
+    def _request_stop(self) -> None:
+        if self._stop_sent or self._thread is None or not self._thread.is_alive():
+            return
+        self._stop_sent = True
+        done = threading.Event()
+
+        def stop() -> None:
+            if self._node is not None:
+                self._node.request_stop()
+            done.set()
+
+        if self._call_in_loop(stop):
+            done.wait(STOP_WAIT)
+
+    def _call_in_loop(self, fn: Callable[[], None]) -> bool:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return False
+        try:
+            loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # closed in between
+            return False
+        return True
+
+    def _setup_logging(self) -> Callable[[], None]:
+        """lowcomm's records on stdout, in the CLI's format, without touching the root logger."""
+        from lowcomm.node.logs import HumanFormatter, JsonFormatter, TerminalHandler
+
+        node = self.config.node
+        human = node.log_format == "text" or (node.log_format == "auto" and sys.stdout.isatty())
+        handler = TerminalHandler(sys.stdout) if human else logging.StreamHandler(sys.stdout)
+        handler.setFormatter(HumanFormatter() if human else JsonFormatter())
+        logger = logging.getLogger("lowcomm")
+        before = (logger.level, logger.propagate)
+        logger.addHandler(handler)
+        logger.setLevel(node.log_level.upper())
+        logger.propagate = False
+        logging.getLogger("hivemind").setLevel(max(logging.WARNING, logger.level))
+
+        def restore() -> None:
+            logger.removeHandler(handler)
+            logger.setLevel(before[0])
+            logger.propagate = before[1]
+
+        return restore
+
+    # -- the training loop ----------------------------------------------------------------------
+
+    def step(self, tokens: int = 1, loss: float | torch.Tensor | None = None) -> None:
+        """Call once after each inner optimizer step. ``tokens``: what the step trained on (its
+        weight in the average; say the same unit on every peer, e.g. tokens or samples). ``loss``:
+        for the logs and metrics. Every ``[train] inner_steps`` calls it runs a round (see the
+        module docstring). Raises ``SwarmStopped`` when the node is gone."""
+        if self._trainer is None or self._exited:
+            raise RuntimeError("Swarm.step() works inside `with lowcomm.Swarm(...) as swarm:` only")
+        if tokens <= 0:
+            raise ValueError(f"tokens must be positive, got {tokens}")
+        if isinstance(loss, torch.Tensor):
+            loss = float(loss.detach())
+        self._trainer.handoff.report(int(tokens), math.nan if loss is None else float(loss))
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This peer's newest checkpoint, as the node writes it: ``step``, ``params`` (θ_global),
+        ``momentum`` (outer optimizer), ``residual``/``owner_residual`` (error feedback),
+        ``params_sha256``, ``config_fingerprint``, ``trainer`` (the inner optimizer's state) and
+        ``tokens_total``. Inside the block: as of the last round whose checkpoint is written (what
+        a crash would resume from); after it: as of the stop, local progress folded in."""
+        found = checkpoint.load_latest(self.config.node.checkpoint_dir)
+        if found is None:
+            raise SwarmError(f"no checkpoint in {self.config.node.checkpoint_dir} yet: the node writes one after "
+                             f"each round and when it stops")
+        return found[0]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state`` (what ``state_dict`` returned, or a checkpoint the node wrote):
+        call it before entering; the node then restores θ_global, the outer state, the step and
+        the inner optimizer, and the model starts from θ_global. A swarm further ahead is caught up
+        with as usual."""
+        if self._thread is not None:
+            raise RuntimeError("call load_state_dict before entering the Swarm: a running peer takes its state from "
+                               "the swarm, not from a file")
+        missing = [key for key in ("step", "params", "momentum", "params_sha256", "trainer") if key not in state]
+        if missing:
+            raise SwarmError(f"the state given to load_state_dict lacks {', '.join(missing)}: pass what "
+                             f"Swarm.state_dict() returned")
+        if state.get("config_fingerprint") != self.config.run_fingerprint():
+            raise SwarmError("the state given to load_state_dict belongs to another run config or model (its "
+                             "fingerprint differs): resume with the config and model it was saved with")
+        self._to_load = state
+
+    def _write_loaded_state(self, state: dict[str, Any]) -> None:
+        """The state to resume from becomes the newest checkpoint of the (locked) directory,
+        where the node's start-up reads it like any other."""
+        directory = self.config.node.checkpoint_dir
+        newer = [p for p in checkpoint.list_checkpoints(directory) if _step_of(p) > int(state["step"])]
+        if newer:
+            raise SwarmError(f"{directory} holds a newer checkpoint ({newer[-1].name}) than the state given to "
+                             f"load_state_dict (step {int(state['step'])}): the node would resume from that one; "
+                             f"use another [node] checkpoint_dir")
+        checkpoint.save(directory, int(state["step"]), state)
+
+    # -- what the node says ---------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """What ``lowcomm-node status --json`` prints: step, params hash, swarm peers, losses, ..."""
+        from lowcomm.node.cli import _status_dict
+
+        node, loop = self._node, self._loop
+        if node is None or loop is None or loop.is_closed():
+            raise SwarmStopped("the node is not running")
+        return _status_dict(asyncio.run_coroutine_threadsafe(node.status(), loop).result(10))
+
+    def wait_for_peers(self, count: int, timeout: float | None = None) -> int:
+        """Wait until the swarm has at least ``count`` live peers of this run (this one included)
+        and return how many it has: a launcher's first peer waits for the others this way
+        instead of training its first rounds alone. The node's view is refreshed every
+        ``[node] heartbeat_interval``. Raises ``TimeoutError`` after ``timeout`` seconds."""
+        if self._trainer is None or self._exited:
+            raise RuntimeError("Swarm.wait_for_peers() works inside `with lowcomm.Swarm(...) as swarm:` only")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._trainer.handoff.closed is not None:
+                raise SwarmStopped(self._trainer.handoff.closed)
+            node = self._node
+            seen = len(set(node.view.peers) | {node.peer_id})  # the view is replaced whole, never edited
+            if seen >= count:
+                return seen
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"the swarm has {seen} peer(s) after {timeout:.0f} s, not {count}")
+            time.sleep(PEER_POLL)
+
+    @property
+    def peer_id(self) -> str:
+        return str(self._require_dht().peer_id)
+
+    @property
+    def multiaddrs(self) -> list[str]:
+        """Where other peers join this one: pass one of them as their ``peers``."""
+        node = self._node
+        return list(node.multiaddrs) if node is not None else [str(m) for m in self._require_dht().get_visible_maddrs()]
+
+    @property
+    def outer_step(self) -> int:
+        node = self._node
+        return node.state.published()[0] if node is not None and hasattr(node, "state") else 0
+
+    @property
+    def inner_steps(self) -> int:
+        """Inner steps this peer took, over all its runs from the same checkpoints."""
+        return self._trainer.inner_steps_done if self._trainer is not None else 0
+
+    def _require_dht(self) -> Any:
+        if self._dht is None:
+            raise RuntimeError("the Swarm is not entered yet")
+        return self._dht
+
+
+def _join(thread: threading.Thread) -> None:
+    while thread.is_alive():  # in slices: a Ctrl-C reaches the waiting main thread
+        thread.join(0.5)
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.stem.split("-", 1)[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def _is_user_facing(err: BaseException) -> bool:
+    from lowcomm.node.data import DataError
+    from lowcomm.node.errors import FatalError
+
+    return isinstance(err, (FatalError, DataError))
+
+
+def _describe_failure(err: BaseException) -> str:
+    if _is_user_facing(err):
+        return str(err)
+    return f"the node failed: {type(err).__name__}: {err}"
