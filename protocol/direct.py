@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-import grpc
-
-from ._pb.lowcomm.v1 import averaging_pb2, averaging_pb2_grpc
+from ._pb.lowcomm.v1 import averaging_pb2
 from .handshake import IncompatiblePeer
+from .transport import CallFailed, Code
 
 if TYPE_CHECKING:
     from .matchmaking import Matchmaker, _Round
@@ -93,18 +91,17 @@ class DirectPath:
                 current.direct = False
         target = averaging_pb2.Redirect(peer_id=leader.peer_id, address=leader.address)
         current.role, current.leader = "follower", target  # a newcomer that asks us is sent there
-        remaining = max(0.0, direct_by - time.monotonic())
+        remaining = max(0.0, direct_by - self.clock.monotonic())
         direct = averaging_pb2.JoinRequest()
         direct.CopyFrom(request)
         direct.direct, direct.wait_s = True, remaining  # the leader closes before we give up
-        stub = averaging_pb2_grpc.AveragingStub(self.channel_for(leader.address))
         try:
-            response = await stub.JoinGroup(direct, timeout=max(0.01, remaining))
-        except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:  # used only for incompatibility
+            response = await self.transport.join(leader.address, direct, max(0.01, remaining))
+        except CallFailed as err:
+            if err.code == Code.FAILED_PRECONDITION:  # used only for incompatibility
                 raise IncompatiblePeer(f"peer {leader.peer_id} at {leader.address} refused to average with "
-                                       f"this node ({self.peer_id}): {err.details()}") from None
-            log.debug("direct JoinGroup to %s failed: %s %s", leader.peer_id, err.code(), err.details())
+                                       f"this node ({self.peer_id}): {err.detail}") from None
+            log.debug("direct JoinGroup to %s failed: %s %s", leader.peer_id, err.code.name, err.detail)
             return None
         finally:
             current.role, current.leader = "undecided", None

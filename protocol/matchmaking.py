@@ -17,6 +17,10 @@ raises MatchmakingError, never later. A follower tells the leader how long it st
 up (REPLY_MARGIN before), so that nobody it counts in has already left.
 
 A stable group meets directly, without DHT reads: protocol/direct.py.
+
+Seams (transport.py): calls go through a ``MatchmakingTransport`` (gRPC by default), time comes
+from a ``Clock`` (the event loop's by default) and group ids from ``random_bytes``
+(``os.urandom`` by default); ``handle_join`` refuses with ``Refused``, never with gRPC.
 """
 
 from __future__ import annotations
@@ -25,17 +29,15 @@ import asyncio
 import logging
 import math
 import os
-import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
-import grpc
-
-from ._pb.lowcomm.v1 import averaging_pb2, averaging_pb2_grpc
+from ._pb.lowcomm.v1 import averaging_pb2
 from .direct import DIRECT_TIMEOUT, DirectPath
 from .handshake import Identity, IncompatiblePeer
 from .layout import shard_layout, split_into_groups
+from .transport import CallFailed, Clock, Code, LoopClock, MatchmakingTransport, RandomBytes, Refused
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +63,11 @@ class MatchmakingError(Exception):
 class _Follower:
     request: averaging_pb2.JoinRequest
     reply: asyncio.Future
-    joined_at: float = field(default_factory=time.monotonic)
+    joined_at: float  # on the matchmaker's clock
 
     @property
     def gives_up_at(self) -> float | None:
-        """When this follower stops waiting for the group (time.monotonic()), if it said so."""
+        """When this follower stops waiting for the group (the matchmaker's clock), if it said so."""
         wait = self.request.wait_s
         if not math.isfinite(wait) or wait < MIN_FOLLOWER_WAIT:
             return None
@@ -96,7 +98,7 @@ class Matchmaker(DirectPath):
         run: str,
         identity: Identity,
         address: str,
-        channel_for: Callable[[str], grpc.aio.Channel],
+        channel_for: Callable[[str], Any] | None,
         group_size: int,
         codec: int,
         numel: int,
@@ -104,13 +106,25 @@ class Matchmaker(DirectPath):
         quorum: float = 2 / 3,
         min_straggler_wait: float = 2.0,
         direct_timeout: float = DIRECT_TIMEOUT,
+        transport: MatchmakingTransport | None = None,
+        clock: Clock | None = None,
+        random_bytes: RandomBytes = os.urandom,
     ) -> None:
+        """``channel_for(address)``: grpc.aio channels for the default gRPC transport (unused
+        when ``transport`` is given). ``clock`` and ``random_bytes``: see transport.py."""
         self.dht = dht
         self.run = run
         self.identity = identity
         self.peer_id = identity.peer_id
         self.address = address  # "" in client mode: never a leader, owns no shard
-        self.channel_for = channel_for
+        self.channel_for = channel_for  # read at every call by the default transport (tests swap it)
+        if transport is None:
+            from .grpc_transport import GrpcMatchmakingTransport  # the adapter; the logic below never sees gRPC
+
+            transport = GrpcMatchmakingTransport(lambda: self.channel_for)
+        self.transport = transport
+        self.clock = clock if clock is not None else LoopClock()
+        self.random_bytes = random_bytes
         self.group_size = group_size
         self.codec = codec
         self.numel = numel
@@ -129,13 +143,15 @@ class Matchmaker(DirectPath):
 
     # -- server side: somebody wants to join the group we lead ------------------------------
 
-    async def handle_join(self, request: averaging_pb2.JoinRequest, context: grpc.aio.ServicerContext) -> averaging_pb2.JoinResponse:
+    async def handle_join(self, request: averaging_pb2.JoinRequest, context: object = None) -> averaging_pb2.JoinResponse:
+        """Serve a JoinGroup call; raises Refused. ``context`` is not used (the servicer and
+        wrappers of this method pass the call's context along)."""
         try:
             self.identity.check(request.hello)
         except IncompatiblePeer as err:
             log.warning("refused JoinGroup from %s: %s", request.hello.peer_id, err)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-        arrived = time.monotonic()
+            raise Refused(Code.FAILED_PRECONDITION, str(err)) from None
+        arrived = self.clock.monotonic()
         current = self._round
         if request.direct and (current is None or current.step < request.step):
             # A member of our last group reached its boundary before us: hold its call until our
@@ -143,21 +159,19 @@ class Matchmaker(DirectPath):
             current = await self._await_round(request.step, arrived, request.wait_s)
         if current is None or current.step != request.step:
             have = "none" if current is None else current.step
-            await context.abort(grpc.StatusCode.ABORTED,
-                                f"not matchmaking for step {request.step} (this peer is at step {have})")
+            raise Refused(Code.ABORTED, f"not matchmaking for step {request.step} (this peer is at step {have})")
         if request.params_sha256 != current.params_hash:
-            await context.abort(grpc.StatusCode.ABORTED,
-                                f"this peer's parameters at step {request.step} differ from the caller's")
+            raise Refused(Code.ABORTED, f"this peer's parameters at step {request.step} differ from the caller's")
         if current.role == "follower" and current.leader is not None:
             return averaging_pb2.JoinResponse(redirect=current.leader)
         if request.direct and not current.direct and current.role != "closed" and self.address:
             # We do not lead a direct round: join again the ordinary way, with the whole deadline.
             return averaging_pb2.JoinResponse(redirect=averaging_pb2.Redirect(peer_id=self.peer_id, address=self.address))
         if current.role == "closed" or not self.address:
-            await context.abort(grpc.StatusCode.ABORTED, f"the group of step {request.step} is already closed")
+            raise Refused(Code.ABORTED, f"the group of step {request.step} is already closed")
         peer = request.hello.peer_id
         if peer in current.followers or peer == self.peer_id:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"peer {peer} already joined")
+            raise Refused(Code.ALREADY_EXISTS, f"peer {peer} already joined")
         current.role = "leader"
         follower = _Follower(request, asyncio.get_running_loop().create_future(), joined_at=arrived)
         current.followers[peer] = follower
@@ -169,7 +183,7 @@ class Matchmaker(DirectPath):
                 current.followers.pop(peer, None)
                 current.changed.set()
         if group is None:
-            await context.abort(grpc.StatusCode.ABORTED, "group closed without this peer (full or abandoned)")
+            raise Refused(Code.ABORTED, "group closed without this peer (full or abandoned)")
         if isinstance(group, averaging_pb2.Redirect):  # we yielded to a lower leader: go there
             return averaging_pb2.JoinResponse(redirect=group)
         return averaging_pb2.JoinResponse(group=group)
@@ -178,7 +192,7 @@ class Matchmaker(DirectPath):
         """Our round once it reaches ``step``, or whatever it is when the caller's wait ends."""
         hold = min(max(0.0, wait_s - REPLY_MARGIN), MAX_DIRECT_HOLD) if math.isfinite(wait_s) else 0.0
         try:
-            async with asyncio.timeout(max(0.0, arrived + hold - time.monotonic())):
+            async with asyncio.timeout(max(0.0, arrived + hold - self.clock.monotonic())):
                 while (current := self._round) is None or current.step < step:
                     await self._round_started.wait()
         except TimeoutError:
@@ -207,7 +221,7 @@ class Matchmaker(DirectPath):
         self._round_started = asyncio.Event()
         self.led_last_group = False
         direct_leader = self._direct_leader(step)
-        deadline = time.monotonic() + timeout
+        deadline = self.clock.monotonic() + timeout
         me = averaging_pb2.Member(peer_id=self.peer_id, address=self.address, weight=weight)
         request = averaging_pb2.JoinRequest(hello=self.identity.hello(), step=step, address=self.address,
                                             weight=weight, bandwidth_bps=bandwidth_bps, params_sha256=params_hash)
@@ -220,7 +234,7 @@ class Matchmaker(DirectPath):
             async with overall:
                 if direct_leader is not None:
                     registered = self._register_soon(key, registration, ttl)
-                    direct_by = min(deadline, time.monotonic() + min(self.direct_timeout, timeout / 3))
+                    direct_by = min(deadline, self.clock.monotonic() + min(self.direct_timeout, timeout / 3))
                     outcome = await self._direct(current, me, request, direct_leader, bandwidth_bps,
                                                  expected_peers, direct_by)
                     if isinstance(outcome, averaging_pb2.Redirect):
@@ -301,17 +315,16 @@ class Matchmaker(DirectPath):
                 return None
             current.role, current.leader = "follower", target
             self._redirect_followers(current, target)
-            stub = averaging_pb2_grpc.AveragingStub(self.channel_for(target.address))
             # We wait no longer than our own deadline, and say so: the leader closes before it.
-            remaining = max(0.0, deadline - time.monotonic())
+            remaining = max(0.0, deadline - self.clock.monotonic())
             request.wait_s = remaining
             try:
-                response = await stub.JoinGroup(request, timeout=max(0.01, remaining))
-            except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.FAILED_PRECONDITION:  # used only for incompatibility
+                response = await self.transport.join(target.address, request, max(0.01, remaining))
+            except CallFailed as err:
+                if err.code == Code.FAILED_PRECONDITION:  # used only for incompatibility
                     raise IncompatiblePeer(f"peer {target.peer_id} at {target.address} refused to average with "
-                                           f"this node ({self.peer_id}): {err.details()}") from None
-                log.debug("JoinGroup to %s failed: %s %s", target.peer_id, err.code(), err.details())
+                                           f"this node ({self.peer_id}): {err.detail}") from None
+                log.debug("JoinGroup to %s failed: %s %s", target.peer_id, err.code.name, err.detail)
                 return None
             if response.HasField("group"):
                 return response.group
@@ -325,12 +338,12 @@ class Matchmaker(DirectPath):
 
         With ``fixed_expected`` (the direct path) the expected peers are known and the DHT is not
         read: the leader wakes on every join, and ``None`` means nobody joined by ``deadline``."""
-        lonely_since = time.monotonic()
+        lonely_since = self.clock.monotonic()
         quorum_at: float | None = None
         while True:
             joined = {self.peer_id, *current.followers}
             expected = fixed_expected if fixed_expected is not None else await expected_peers()
-            now = time.monotonic()
+            now = self.clock.monotonic()
             if expected and expected <= joined:
                 if quorum_at is not None:
                     self.straggle_history.append(now - quorum_at)
@@ -361,13 +374,13 @@ class Matchmaker(DirectPath):
             others = await self._reachable_registrants(current, unreachable)
             lower = [p for p in others if p < self.peer_id]
             if current.followers:
-                lonely_since = time.monotonic()
-            if lower or (not current.followers and others and time.monotonic() - lonely_since > LONELY_LEADER_GRACE):
+                lonely_since = self.clock.monotonic()
+            if lower or (not current.followers and others and self.clock.monotonic() - lonely_since > LONELY_LEADER_GRACE):
                 if lower:
                     self._redirect_followers(current, averaging_pb2.Redirect(peer_id=lower[0], address=others[lower[0]]))
                 current.role = "undecided"
                 return None
-            await self._wait(current, min(POLL_SECONDS, max(0.0, close_at - time.monotonic())))
+            await self._wait(current, min(POLL_SECONDS, max(0.0, close_at - self.clock.monotonic())))
         current.role = "closed"
         members = [me, *(self._member(f.request, p) for p, f in current.followers.items() if not f.reply.done())]
         bandwidth = {p: f.request.bandwidth_bps for p, f in current.followers.items()} | {self.peer_id: my_bandwidth}
@@ -376,7 +389,7 @@ class Matchmaker(DirectPath):
             owners = [i for i, m in enumerate(group_members) if m.address]
             bounds = shard_layout(current.numel, [bandwidth[group_members[i].peer_id] for i in owners])
             group = averaging_pb2.Group(
-                group_id=os.urandom(16), step=current.step, members=group_members, shard_bounds=bounds,
+                group_id=self.random_bytes(16), step=current.step, members=group_members, shard_bounds=bounds,
                 shard_owners=owners, codec=self.codec, reduce_timeout_s=self.reduce_timeout,
             )
             for member in group_members:

@@ -22,10 +22,12 @@ from ._pb.lowcomm.v1 import (
 from .allreduce import CHUNK_BYTES, ReduceRegistry
 from .auth import TLSConfig
 from .decode import StrictDecodeInterceptor
+from .grpc_transport import abort
 from .handshake import IncompatiblePeer
 from .matchmaking import Matchmaker
 from .slots import SlotsBusy
 from .state import StateDonor, StateError
+from .transport import Refused
 
 log = logging.getLogger(__name__)
 
@@ -45,22 +47,34 @@ class BindError(OSError):
 
 
 class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
+    """The Averaging service over the protocol's serving methods: a ``Refused`` they raise
+    ends the call with its code and detail (``context.abort``)."""
+
     def __init__(self, matchmaker: Matchmaker, registry: ReduceRegistry) -> None:
         self.matchmaker = matchmaker
         self.registry = registry
 
     async def JoinGroup(self, request: averaging_pb2.JoinRequest, context: grpc.aio.ServicerContext) -> averaging_pb2.JoinResponse:
-        return await self.matchmaker.handle_join(request, context)
+        try:
+            return await self.matchmaker.handle_join(request, context)
+        except Refused as refused:
+            await abort(context, refused)
 
     async def Reduce(self, request_iterator: AsyncIterator[averaging_pb2.ReduceMessage],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[averaging_pb2.ReduceMessage]:
         # grpc.aio needs the servicer method itself to be an async generator.
-        async for message in self.registry.handle(request_iterator, context):
-            yield message
+        try:
+            async for message in self.registry.handle(request_iterator, context):
+                yield message
+        except Refused as refused:
+            await abort(context, refused)
 
     async def ReportShards(self, request: averaging_pb2.ShardReport,
                            context: grpc.aio.ServicerContext) -> averaging_pb2.ShardReport:
-        return await self.registry.handle_report(request, context)
+        try:
+            return await self.registry.handle_report(request, context)
+        except Refused as refused:
+            await abort(context, refused)
 
 
 class StateServicer(state_pb2_grpc.StateTransferServicer):
