@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -19,6 +18,7 @@ from . import codecs
 from ._pb.lowcomm.v1 import averaging_pb2
 from .aggregation import Aggregated, Aggregation, aggregate
 from .schedule import result_order
+from .transport import Clock, LoopClock
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +60,14 @@ class ShardAccumulator:
     _served: dict[str, asyncio.Event] = field(default_factory=dict)  # per turn: that sender has it
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # no Reduce stream is open
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    clock: Clock = field(default_factory=LoopClock)  # the time base of ``wait_for_senders``' deadline
 
     def __post_init__(self) -> None:
         self.contributions.setdefault(self.owner_id, self.own)
         # The quorum counts every sender of the round, also those that arrive before the owner
         # starts waiting: fast senders find the accumulator open before wait_for_senders runs.
         self._senders = len(self.expected)
-        self._opened_at = time.monotonic()
+        self._opened_at = self.clock.monotonic()
 
     def stream_opened(self) -> None:
         self.active_streams += 1
@@ -111,7 +112,7 @@ class ShardAccumulator:
         needed = max(1, math.ceil(quorum * self._senders))
         quorum_at: float | None = None
         while not self.all_arrived.is_set():
-            now = time.monotonic()
+            now = self.clock.monotonic()
             if quorum_at is None and self._senders - len(self.expected) >= needed:
                 quorum_at = now
             limit = deadline if quorum_at is None else min(

@@ -57,13 +57,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from collections import OrderedDict
 from typing import Awaitable, Callable, Iterable, Sequence
 
-import grpc
-
 from ._pb.lowcomm.v1 import averaging_pb2
+from .transport import Clock, Code, LoopClock, Refused
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +83,17 @@ class ShardAgreement:
     """One member's view of which shards of one round every member may apply."""
 
     def __init__(self, group_id: bytes, peer_id: str, members: Iterable[str], shards: int, deadline: float,
-                 reachable: Iterable[str] | None = None) -> None:
+                 reachable: Iterable[str] | None = None, clock: Clock | None = None) -> None:
         """``reachable``: the members that have an address, when this member has none (client
         mode): it can hear only from them, directly (other clients reach it relayed in their
-        answers). None: every member can reach this one."""
+        answers). None: every member can reach this one. ``deadline`` is on ``clock`` (the
+        event loop's by default, transport.py)."""
+        self.clock = clock if clock is not None else LoopClock()
         self.group_id = group_id
         self.peer_id = peer_id
         self.members = frozenset(members)
         self.shards = shards
-        self.deadline = deadline  # time.monotonic() after which nobody is waited for any more
+        self.deadline = deadline  # clock time after which nobody is waited for any more
         self.heard: set[str] = set()  # members whose report arrived (request or answer)
         # Members neither heard from nor given up on.
         self._waiting = set(self.members if reachable is None else reachable) - {peer_id}
@@ -146,11 +146,11 @@ class ShardAgreement:
         Every member resolved (heard from or given up on) ends the wait; so does the deadline, or
         a grace after ``quorum`` of them are resolved: twice what the quorum took, at least
         MIN_REPORT_GRACE, the same shape as an owner's wait for senders."""
-        started = time.monotonic()
+        started = self.clock.monotonic()
         needed = max(1, math.ceil(quorum * self._expected))
         quorum_at: float | None = None
         while self._waiting and not self.ready.is_set():
-            now = time.monotonic()
+            now = self.clock.monotonic()
             if quorum_at is None and self._expected - len(self._waiting) >= needed:
                 quorum_at = now
             limit = self.deadline if quorum_at is None else min(
@@ -227,23 +227,23 @@ class AgreementBook:
             return None
         return agreement
 
-    async def handle(self, request: averaging_pb2.ShardReport,
-                     context: grpc.aio.ServicerContext) -> averaging_pb2.ShardReport:
-        """Server side of ``ReportShards``: keep the caller's report, answer with our view."""
+    async def handle(self, request: averaging_pb2.ShardReport, context: object = None) -> averaging_pb2.ShardReport:
+        """Server side of ``ReportShards``: keep the caller's report, answer with our view; raises
+        Refused (transport.py). ``context`` is not used (callers pass the call's context along)."""
         agreement = await self.find(request.group_id, FIND_TIMEOUT)
         if agreement is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, "no such group on this peer")
+            raise Refused(Code.NOT_FOUND, "no such group on this peer")
         problem = agreement.check(request)
         if problem is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            raise Refused(Code.INVALID_ARGUMENT, problem)
         agreement.hear(request.sender_peer_id, request.skip)
         try:  # our own round decides by its deadline; the margin covers a busy event loop
-            async with asyncio.timeout(max(0.0, agreement.deadline - time.monotonic()) + ANSWER_MARGIN):
+            async with asyncio.timeout(max(0.0, agreement.deadline - agreement.clock.monotonic()) + ANSWER_MARGIN):
                 await agreement.ready.wait()
         except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "this peer's reduce phase did not end in time")
+            raise Refused(Code.DEADLINE_EXCEEDED, "this peer's reduce phase did not end in time") from None
         if agreement.abandoned:
-            await context.abort(grpc.StatusCode.ABORTED, "this peer abandoned the round")
+            raise Refused(Code.ABORTED, "this peer abandoned the round")
         return agreement.report()
 
 
@@ -252,13 +252,14 @@ async def agree(agreement: ShardAgreement, held: Sequence[bool], skip: Sequence[
     """Exchange reports with the group and return the shards to apply (see the module docstring).
 
     ``held`` and ``skip`` are this member's outcome (ShardAgreement.own); ``reachable`` maps
-    the other members that can be called to their addresses; ``deadline`` is when this member stops waiting for anybody (time.monotonic()); ``quorum`` is the fraction of
+    the other members that can be called to their addresses; ``deadline`` is when this member
+    stops waiting for anybody (on ``agreement.clock``); ``quorum`` is the fraction of
     the other members whose reports end the wait after a grace (ShardAgreement.settle)."""
     agreement.own(held, skip, deadline)
     report = agreement.report()
 
     async def ask(peer: str, address: str) -> None:
-        remaining = deadline - time.monotonic()
+        remaining = deadline - agreement.clock.monotonic()
         try:
             if remaining <= 0:
                 raise ReportFailed("the exchange deadline passed before the call")
@@ -282,7 +283,7 @@ async def agree(agreement: ShardAgreement, held: Sequence[bool], skip: Sequence[
     try:
         await agreement.settle(quorum)
         if asks:
-            await asyncio.wait(asks, timeout=max(0.0, min(deadline - time.monotonic(), MIN_REPORT_GRACE)))
+            await asyncio.wait(asks, timeout=max(0.0, min(deadline - agreement.clock.monotonic(), MIN_REPORT_GRACE)))
     finally:
         for task in asks:
             task.cancel()

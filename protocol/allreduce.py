@@ -29,27 +29,30 @@ the round, so nothing of it is lost. Every wait has a deadline derived from the 
 ``reduce_timeout_s`` (T): owners finalize T after receiving the group, a result transfer may
 take T/4 more, and the exchange ends at 1.5 T, or EXCHANGE_MIN_SECONDS after this member's
 reduce phase if that is later.
+
+Seams (transport.py): the Reduce stream and ReportShards calls go through a
+``ReduceTransport`` (gRPC by default, grpc_transport.py), the serving side refuses with
+``Refused``, and every deadline is on the registry's ``Clock`` (the event loop's by default).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
-import grpc
 import torch
 
 from . import codecs
-from ._pb.lowcomm.v1 import averaging_pb2, averaging_pb2_grpc
+from ._pb.lowcomm.v1 import averaging_pb2
 from .agreement import AgreementBook, ReportFailed, ShardAgreement, agree
 from .accumulator import MAX_WEIGHT_RATIO, RejectCallback, ShardAccumulator, bounded_weights
 from .schedule import result_budget, stage_budget, upload_order
 from .sender import CHUNK_BYTES, chunks, reduce_with_owner
 from .aggregation import Aggregation
+from .transport import CallFailed, Clock, Code, LoopClock, ReduceTransport, Refused
 from .validate import ContributionRejected, check_contribution
 
 __all__ = ["AllReduceResult", "CHUNK_BYTES", "MAX_WEIGHT_RATIO", "ReduceRegistry", "ShardAccumulator", "bounded_weights",
@@ -70,8 +73,10 @@ class ReduceRegistry:
     """Open accumulators of the current round, found by (group id, shard index) by the RPC handler."""
 
     def __init__(self, peer_id: str, on_reject: RejectCallback, executor: Executor,
-                 aggregation: Aggregation | None = None) -> None:
+                 aggregation: Aggregation | None = None, clock: Clock | None = None) -> None:
+        """``clock``: the time base of this peer's rounds (transport.py; the event loop's by default)."""
         self.peer_id = peer_id
+        self.clock = clock if clock is not None else LoopClock()
         self.on_reject = on_reject
         self.executor = executor
         self.aggregation = aggregation if aggregation is not None else Aggregation()
@@ -98,25 +103,25 @@ class ReduceRegistry:
             return None
         return acc
 
-    async def handle_report(self, request: averaging_pb2.ShardReport,
-                            context: grpc.aio.ServicerContext) -> averaging_pb2.ShardReport:
-        """Server side of ``ReportShards`` (agreement.py)."""
+    async def handle_report(self, request: averaging_pb2.ShardReport, context: object = None) -> averaging_pb2.ShardReport:
+        """Server side of ``ReportShards`` (agreement.py); raises Refused."""
         return await self.agreements.handle(request, context)
 
     async def handle(self, requests: AsyncIterator[averaging_pb2.ReduceMessage],
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[averaging_pb2.ReduceMessage]:
-        """Server side of ``Reduce``: validate, accumulate, then stream the average back."""
+                     context: object = None) -> AsyncIterator[averaging_pb2.ReduceMessage]:
+        """Server side of ``Reduce``: validate, accumulate, then stream the average back; raises
+        Refused. ``context`` is not used (the servicer and wrappers pass the call's context along)."""
         try:
             async with asyncio.timeout(HEADER_TIMEOUT):
                 first = await anext(requests)
         except (StopAsyncIteration, TimeoutError):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Reduce stream must start with a header")
+            raise Refused(Code.INVALID_ARGUMENT, "Reduce stream must start with a header") from None
         if not first.HasField("header"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Reduce stream must start with a header")
+            raise Refused(Code.INVALID_ARGUMENT, "Reduce stream must start with a header")
         header = first.header
         acc = await self._find(header.group_id, header.shard_index, timeout=HEADER_TIMEOUT)
         if acc is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, "no such group or shard on this peer")
+            raise Refused(Code.NOT_FOUND, "no such group or shard on this peer")
         acc.stream_opened()
         try:
             async for message in self._serve(acc, header, requests, context):
@@ -126,13 +131,13 @@ class ReduceRegistry:
 
     async def _serve(self, acc: ShardAccumulator, header: averaging_pb2.ReduceHeader,
                      requests: AsyncIterator[averaging_pb2.ReduceMessage],
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[averaging_pb2.ReduceMessage]:
+                     context: object = None) -> AsyncIterator[averaging_pb2.ReduceMessage]:
         sender = header.sender_peer_id
         problem = self._check_header(acc, header)
         if problem is not None:
             reason, detail = problem
             self.on_reject(reason, sender, detail)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, detail)
+            raise Refused(Code.INVALID_ARGUMENT, detail)
 
         # The header used up this sender's one try: if its contribution does not make it into the
         # accumulator, nothing more can come from it, and the owner stops waiting for it.
@@ -149,9 +154,9 @@ class ReduceRegistry:
             async with asyncio.timeout(acc.group.reduce_timeout_s * 1.5):
                 await acc.finalized.wait()
         except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the shard's average was never computed")
+            raise Refused(Code.DEADLINE_EXCEEDED, "the shard's average was never computed") from None
         if acc.result is None:
-            await context.abort(grpc.StatusCode.ABORTED, f"no average for this shard this round: {acc.failure}")
+            raise Refused(Code.ABORTED, f"no average for this shard this round: {acc.failure}")
         try:
             await acc.wait_turn(sender, result_budget(acc.group, len(acc.turns)))
             yield averaging_pb2.ReduceMessage(result=averaging_pb2.ReduceResult(
@@ -165,8 +170,8 @@ class ReduceRegistry:
 
     async def _receive(self, acc: ShardAccumulator, sender: str, header: averaging_pb2.ReduceHeader,
                        requests: AsyncIterator[averaging_pb2.ReduceMessage],
-                       context: grpc.aio.ServicerContext) -> torch.Tensor:
-        """The declared payload, decoded and checked (length, codec, finite values), or an abort."""
+                       context: object = None) -> torch.Tensor:
+        """The declared payload, decoded and checked (length, codec, finite values), or Refused."""
         payload = bytearray(header.payload_bytes)  # bounded: equals the codec's size for this shard
         filled = 0
         # A sender that declared its size and then stalls must not hold this buffer (nor the
@@ -177,17 +182,16 @@ class ReduceRegistry:
                 async for message in requests:
                     if not message.HasField("chunk") or filled + len(message.chunk) > len(payload):
                         self.on_reject("length", sender, "unexpected message or more bytes than declared")
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                            "unexpected message or more bytes than declared")
+                        raise Refused(Code.INVALID_ARGUMENT, "unexpected message or more bytes than declared")
                     payload[filled:filled + len(message.chunk)] = message.chunk
                     filled += len(message.chunk)
         except TimeoutError:
-            payload = bytearray()  # released now: the abort's exception chain keeps this frame alive
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"{filled} of {header.payload_bytes} declared bytes arrived within {limit:.1f}s")
+            payload = bytearray()  # released now: the refusal's exception chain keeps this frame alive
+            raise Refused(Code.DEADLINE_EXCEEDED,
+                          f"{filled} of {header.payload_bytes} declared bytes arrived within {limit:.1f}s") from None
         if filled != len(payload):
             self.on_reject("length", sender, f"{filled} of {len(payload)} declared bytes arrived")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{filled} of {len(payload)} declared bytes arrived")
+            raise Refused(Code.INVALID_ARGUMENT, f"{filled} of {len(payload)} declared bytes arrived")
         acc.bytes_in += filled
 
         loop = asyncio.get_running_loop()
@@ -196,10 +200,10 @@ class ReduceRegistry:
             check_contribution(decoded)
         except codecs.CodecError as err:
             self.on_reject("codec", sender, str(err))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable payload: {err}")
+            raise Refused(Code.INVALID_ARGUMENT, f"undecodable payload: {err}") from None
         except ContributionRejected as err:
             self.on_reject(err.reason, sender, str(err))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            raise Refused(Code.INVALID_ARGUMENT, str(err)) from None
         return decoded
 
     @staticmethod
@@ -238,10 +242,11 @@ async def run_allreduce(
     residual: torch.Tensor,
     owner_residual: torch.Tensor,
     registry: ReduceRegistry,
-    channel_for: Callable[[str], grpc.aio.Channel],
+    channel_for: Callable[[str], Any] | None,
     executor: Executor,
     quorum: float = 1.0,
     staggered: bool = True,
+    transport: ReduceTransport | None = None,
 ) -> AllReduceResult:
     """Average ``delta`` with the group; updates ``residual`` (and ``owner_residual``) in place.
 
@@ -249,14 +254,20 @@ async def run_allreduce(
     call it holds everything that this peer's contribution did not deliver this round: for a
     skipped shard, all of x = Δ + residual. ``staggered``: upload to one owner after the other,
     and as an owner send the average to one member after the other (schedule.py), instead of
-    to all at once.
+    to all at once. ``transport`` carries the calls to the other members (transport.py); by
+    default gRPC over the channels of ``channel_for(address)``. Time is ``registry.clock``.
     """
+    if transport is None:
+        from .grpc_transport import GrpcReduceTransport  # the adapter; the logic below never sees gRPC
+
+        transport = GrpcReduceTransport(channel_for)
+    clock = registry.clock
     codec = codecs.get_codec(group.codec)
     members = list(group.members)
     weights = bounded_weights(members)
     slices = shard_slices(group)
     owners = [members[i] for i in group.shard_owners]
-    started = time.monotonic()
+    started = clock.monotonic()
     deadline = started + group.reduce_timeout_s
     margin = RESULT_MARGIN * group.reduce_timeout_s
     loop = asyncio.get_running_loop()
@@ -276,7 +287,8 @@ async def run_allreduce(
     me = next(m for m in members if m.peer_id == peer_id)
     agreement = ShardAgreement(group.group_id, peer_id, [m.peer_id for m in members], len(slices),
                                started + EXCHANGE_END * group.reduce_timeout_s,
-                               reachable=None if me.address else [m.peer_id for m in members if m.address])
+                               reachable=None if me.address else [m.peer_id for m in members if m.address],
+                               clock=clock)
     registry.agreements.open(agreement)
 
     # Owner side next, so that fast senders find our accumulators open.
@@ -298,7 +310,7 @@ async def run_allreduce(
                 owner_residual=owner_residual[slices[index]], own=own,
                 expected={m.peer_id for m in members} - {peer_id},
                 weights=weights, aggregation=registry.aggregation, on_reject=registry.on_reject,
-                staggered=staggered,
+                staggered=staggered, clock=clock,
             ))
         registry.open(mine)
         for acc in mine:
@@ -314,7 +326,7 @@ async def run_allreduce(
             # Stay until every sender that is connected has its answer: the bytes are then counted,
             # and nothing of this round is still in flight when the caller moves on.
             try:
-                async with asyncio.timeout(max(0.0, deadline - time.monotonic()) + margin):
+                async with asyncio.timeout(max(0.0, deadline - clock.monotonic()) + margin):
                     await acc.idle.wait()
             except TimeoutError:
                 log.info("shard %d: a sender is still downloading the average; moving on", acc.shard_index)
@@ -339,9 +351,8 @@ async def run_allreduce(
             except BaseException:
                 uploaded[index].set()
                 raise
-            stub = averaging_pb2_grpc.AveragingStub(channel_for(owner.address))
             # The owner answers by its own deadline; give it a margin for the transfer back.
-            timeout = max(1.0, deadline - time.monotonic()) + margin
+            timeout = max(1.0, deadline - clock.monotonic()) + margin
             header = averaging_pb2.ReduceHeader(
                 group_id=group.group_id, shard_index=index, sender_peer_id=peer_id, codec=codec.id,
                 numel=sl.stop - sl.start, payload_bytes=len(payload))
@@ -351,15 +362,15 @@ async def run_allreduce(
 
             try:
                 result, received = await reduce_with_owner(
-                    stub, header, payload, codec.encoded_size(sl.stop - sl.start), timeout, count_sent,
-                    uploaded[index].set)
+                    transport, owner.address, header, payload, codec.encoded_size(sl.stop - sl.start), timeout,
+                    count_sent, uploaded[index].set)
                 stats["received"] += len(received)
                 average = await loop.run_in_executor(executor, codec.decode, received, result.numel)
                 check_contribution(average)
-            except (grpc.aio.AioRpcError, ValueError, codecs.CodecError, ContributionRejected) as err:
-                detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
+            except (CallFailed, ValueError, codecs.CodecError, ContributionRejected) as err:
+                detail = err.detail if isinstance(err, CallFailed) else str(err)
                 log.warning("shard %d (owner %s) failed for this peer: %s", index, owner.peer_id, detail)
-                if isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                if isinstance(err, CallFailed) and err.code == Code.INVALID_ARGUMENT:
                     refused.add(index)
                 residual[sl].copy_(x)  # nothing of ours was delivered: carry all of it
                 return None
@@ -386,13 +397,12 @@ async def run_allreduce(
         async def send_report(address: str, report: averaging_pb2.ShardReport,
                               timeout: float) -> averaging_pb2.ShardReport:
             try:
-                return await averaging_pb2_grpc.AveragingStub(channel_for(address)).ReportShards(
-                    report, timeout=max(0.1, timeout))
-            except grpc.aio.AioRpcError as err:
-                raise ReportFailed(f"{err.code().name}: {err.details()}") from None
+                return await transport.report_shards(address, report, max(0.1, timeout))
+            except CallFailed as err:
+                raise ReportFailed(f"{err.code.name}: {err.detail}") from None
 
         reachable = {m.peer_id: m.address for m in members if m.address and m.peer_id != peer_id}
-        exchange_deadline = max(agreement.deadline, time.monotonic() + EXCHANGE_MIN_SECONDS)
+        exchange_deadline = max(agreement.deadline, clock.monotonic() + EXCHANGE_MIN_SECONDS)
         agreed = await agree(agreement, held, skip, exchange_deadline, reachable, send_report, quorum)
     finally:
         agreement.abandon()  # no-op once decided; otherwise callers must not wait for us

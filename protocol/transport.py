@@ -64,6 +64,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import os
+import time
 from typing import AsyncIterator, Callable, Protocol
 
 from ._pb.lowcomm.v1 import averaging_pb2
@@ -118,7 +119,10 @@ class LoopClock:
     ``asyncio.sleep`` count in, so a virtual-time loop drives the protocol's deadlines too."""
 
     def monotonic(self) -> float:
-        return asyncio.get_running_loop().time()
+        try:
+            return asyncio.get_running_loop().time()
+        except RuntimeError:  # no loop running (an object built before the loop): asyncio's own base
+            return time.monotonic()
 
 
 RandomBytes = Callable[[int], bytes]  # n -> n random bytes

@@ -12,14 +12,13 @@ import pytest
 from lowcomm.protocol import agreement as agreement_mod
 from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
 from lowcomm.protocol.agreement import AgreementBook, ReportFailed, ShardAgreement, agree
+from lowcomm.protocol.transport import Refused
 
 GROUP = b"g" * 16
 
 
-class Aborted(Exception):
-    def __init__(self, code, detail: str) -> None:
-        super().__init__(f"{code.name}: {detail}")
-        self.code = code
+# The handler refuses a report by raising Refused (protocol/transport.py), not through the context.
+Aborted = Refused
 
 
 class FakeContext:
