@@ -1,5 +1,5 @@
 """The outer step of an all-reduce round on θ_global: one function, so that the node's rounds
-(node/rounds.py) and the in-process swarm tests (tests/swarm_harness.py) run the same code.
+(node/averaging.py) and the in-process swarm tests (tests/swarm_harness.py) run the same code.
 """
 
 from __future__ import annotations

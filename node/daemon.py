@@ -1,8 +1,13 @@
-"""The asyncio node: lifecycle, catch-up, the train/round loop and graceful shutdown (DESIGN §3).
+"""The asyncio node: wiring and lifecycle, catch-up, checkpoints and graceful shutdown (DESIGN §3).
 
 One event loop (uvloop, created by the CLI) runs RPCs, heartbeats and rounds; the model lives in
 one dedicated training thread; codec and hashing work goes to a small executor; the DHT runs in
 hivemind's own process. Every await that depends on another peer has a deadline.
+
+``Node`` builds the collaborators (DHT client, gRPC server, matchmaker, reduce registry, state
+donor, executors, metrics) and hands them to the ``RoundDriver`` (node/driver.py), which runs the
+inner phases and rounds; the node itself keeps the swarm view and our record (the driver's
+``SwarmPort``), the state downloads, the checkpoints and the shutdown.
 """
 
 from __future__ import annotations
@@ -47,15 +52,19 @@ from .config import Config
 from .cancel import cancel_and_wait
 from .faults import Faults
 from .executors import TrackedThreadPool, shutdown_without_blocking
+from .averaging import Averager, RoundReport  # noqa: F401 (RoundReport is part of this module's API)
+from .commit import Committer
+from .driver import RoundDriver, StopSignals
 from .globalstate import GlobalState
 from .gossip_mode import STEP_WINDOW as GOSSIP_STEP_WINDOW
+from .gossip_mode import GossipHost, GossipMode
 from .grpc_metrics import HandledCounter
 from .metrics import NodeMetrics, serve_metrics
 from .reconnect import Reconnector
-from .reports import ReportQueue, cpu_copy
+from .reports import ReportQueue
 from .dht import swarm_clock
 from .swarm import HivemindDHT, PeerRecord, SwarmView, peers_key, read_swarm, signed
-from .rounds import RoundLoop, RoundReport  # noqa: F401 (RoundReport is part of this module's API)
+from .runstats import RunStats
 from .train_thread import TrainThread, lower_priority
 from .ports import ReplicaEvaluating, TrainerPort
 from .trainer import Trainer
@@ -67,7 +76,7 @@ FORCED_EXIT_SECONDS = 10.0  # after a second stop signal, the process ends withi
 EXIT_FORCED = 130  # exit status when the watchdog had to end the process
 
 
-class Node(RoundLoop):
+class Node:
     def __init__(self, config: Config, dht: hivemind.DHT, human: bool, run_secret: bytes | None = None,
                  tls: TLSConfig | None = None, trainer: TrainerPort | None = None) -> None:
         """``trainer``: the training loop to drive (node/ports.py); None builds the daemon's own
@@ -96,46 +105,25 @@ class Node(RoundLoop):
         # Bounded (LRU) under churn, with room for a whole group's members plus donors and partners.
         self.channels = ChannelPool(tokens, tls, capacity=max(64, 2 * config.sync.group_size))
         self.train_thread = TrainThread(config.node.compute_niceness)
-        # Tracked: an abandoned round's jobs must end before its residual is rolled back (rounds.py).
+        # Tracked: an abandoned round's jobs must end before its residual is rolled back (node/driver.py settle_state).
         self.codec_executor = TrackedThreadPool(2, thread_name_prefix="lowcomm-codec")
         # Eval of θ_global and checkpoint writes, one at a time and in commit order, so that the
         # training thread never stops for them.
         self.report_executor = ThreadPoolExecutor(1, thread_name_prefix="lowcomm-report",
                                                   initializer=lower_priority, initargs=(config.node.compute_niceness,))
         self.reports = ReportQueue(self.report_executor)  # newest wins: bounded copies of the state
-        self._committing: asyncio.Task | None = None  # the local part of the last round (rounds.py)
-        self._round_undo = None  # set while an all-reduce may write our residual (rounds._RoundUndo)
-        self._pending = None  # overlapped mode: the round running in the background (rounds._Pending)
         self._main_task: asyncio.Task | None = None
-        self.stop_requested = asyncio.Event()
-        self.force_stop = asyncio.Event()  # a second stop signal: no grace period any more
-        self.stop_training = threading.Event()  # read by the training thread between inner steps
-        self.phase = "starting"
+        self.stops = StopSignals()
+        self.stop_requested = self.stops.requested
+        self.force_stop = self.stops.forced  # a second stop signal: no grace period any more
+        self.stop_training = self.stops.training  # read by the training thread between inner steps
+        self.stats = RunStats()  # written by the round driver, read by our record and status
         self.address = ""
-        self.rounds_completed = 0
-        self.rounds_attempted = 0  # rounds whose group formed
-        self.group_rounds = 0  # rounds whose group had at least one other member
-        # (step it produced, Δ + residual we put into it): restored if that round's result loses
-        # the majority vote at its step (see _majority_elsewhere).
-        self.last_contribution: tuple[int, torch.Tensor] | None = None
-        self.consensus_distance = math.nan  # gossip mode: relative L2 distance to the last partners
-        self._nan_injected = False
         self.faults = Faults.from_env()  # fault injection for tests (node/faults.py)
         # Checkpoints exist but none is usable: the state must come from the swarm (_restore).
         self.must_download = False
-        self._rounds_tried: set[int] = set()  # recent steps whose round this node started
-        self.gossip = None  # a GossipMode (node/gossip_mode.py) when [sync] mode = "gossip"
-        self.tokens_since_round = 0
-        self.tokens_total = 0
-        self.last_loss = math.nan
-        self.last_eval = math.nan
-        self.tokens_per_second = 0.0
-        self.bandwidth_bps = 0.0
-        self.train_seconds = 0.0  # in inner steps, since training started
-        self.train_clock = 0.0  # wall-clock seconds since training started, at the last phase end
-        # Compute utilization counts from here: set again when training starts (after start-up,
-        # the DHT join and the first catch-up), so that start-up is not counted as idle time.
-        self.training_since = time.monotonic()
+        self.gossip: GossipMode | None = None  # when [sync] mode = "gossip"
+        self.driver: RoundDriver | None = None  # built once the server runs (_build_driver)
         self.view = SwarmView({}, {}, 0.0)
         self.health = health.aio.HealthServicer()
         # Asked once: DHT calls block on another process, never on the event loop.
@@ -198,10 +186,11 @@ class Node(RoundLoop):
             self.state = await self.in_train_thread(self._restore)
             if isinstance(self.trainer, ReplicaEvaluating):
                 self.evaluate_global = await self.in_train_thread(self.trainer.replica_evaluator)
-            self.last_eval = await self.in_train_thread(self.trainer.evaluate)
-            self.metrics.eval_loss.set(self.last_eval)
+            self.stats.last_eval = await self.in_train_thread(self.trainer.evaluate)
+            self.metrics.eval_loss.set(self.stats.last_eval)
             self.metrics.outer_step.set(self.state.step)
             server = await self._start_server()
+            self.driver = self._build_driver()
             metrics_server, metrics_port = self._start_metrics()
             self.donor.publish(await self.in_codec_pool(self.state.snapshot))
             self._announce(metrics_port)
@@ -210,9 +199,9 @@ class Node(RoundLoop):
             try:
                 await self._catch_up(initial=True)
                 await self.health.set(HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-                self.training_since = time.monotonic()
+                self.stats.training_since = time.monotonic()
                 training = True
-                self._main_task = asyncio.create_task(self._main_loop(), name="main-loop")
+                self._main_task = asyncio.create_task(self.driver.run(), name="main-loop")
                 try:
                     await self._main_task
                 except asyncio.CancelledError:
@@ -259,7 +248,7 @@ class Node(RoundLoop):
             (state, payload), path = found
             self.trainer.set_params(state.params)
             self.trainer.load_local_state(payload["trainer"])
-            self.tokens_total = int(payload.get("tokens_total", 0))
+            self.stats.tokens_total = int(payload.get("tokens_total", 0))
             log.info("resumed from checkpoint %s (outer step %d)", path, state.step,
                      extra={"event": "resumed", "outer_step": state.step, "params_sha256": state.params_hash,
                             "checkpoint": path.name})
@@ -285,9 +274,10 @@ class Node(RoundLoop):
         )
         serve_peers = not cfg.client_mode
         if self.config.sync.mode == "gossip":
-            from .gossip_mode import GossipMode
-
-            self.gossip = GossipMode(self)
+            self.gossip = GossipMode(GossipHost(
+                self.peer_id, self.identity, self.config.sync, self.codec, self.trainer.numel, self.state,
+                self.channels, self.codec_executor, self.metrics, view=lambda: self.view,
+                refresh_view=self.refresh_view, on_reject=self._on_reject))
         try:
             server, port = create_server(
                 cfg.host, cfg.grpc_port,
@@ -312,6 +302,20 @@ class Node(RoundLoop):
             self.matchmaker.address = self.address
         self.grpc_port = port
         return server
+
+    def _build_driver(self) -> RoundDriver:
+        """The round driver and its two halves, wired to this node's collaborators."""
+        averager = Averager(self.config, self.peer_id, self.state, swarm=self, matchmaker=self.matchmaker,
+                            registry=self.registry, channels=self.channels, codec_executor=self.codec_executor,
+                            metrics=self.metrics, stats=self.stats, faults=self.faults,
+                            stop_training=self.stop_training, gossip=self.gossip)
+        committer = Committer(self.state, self.trainer, swarm=self, donor=self.donor, train_thread=self.train_thread,
+                              codec_executor=self.codec_executor, reports=self.reports, metrics=self.metrics,
+                              stats=self.stats, codec=self.codec, evaluate_global=self.evaluate_global,
+                              write_checkpoint=self._write_checkpoint)
+        return RoundDriver(self.config, self.trainer, self.state, averager=averager, committer=committer, swarm=self,
+                           train_thread=self.train_thread, codec_executor=self.codec_executor, metrics=self.metrics,
+                           stats=self.stats, faults=self.faults, stops=self.stops, human=self.human)
 
     def _start_metrics(self) -> tuple[Any, int]:
         cfg = self.config.node
@@ -340,7 +344,7 @@ class Node(RoundLoop):
             "node %s ready: gRPC %s, metrics :%d; others join with: %s", self.peer_id,
             self.address or f"(client mode, local :{self.grpc_port})", metrics_port, join_line,
             extra={"event": "node_ready", "peer_id": self.peer_id, "multiaddrs": maddrs,
-                   "outer_step": self.state.step, "eval_loss": self.last_eval,
+                   "outer_step": self.state.step, "eval_loss": self.stats.last_eval,
                    "grpc_address": self.address, "grpc_port": self.grpc_port, "metrics_port": metrics_port,
                    "join_command": join_line},
         )
@@ -351,9 +355,9 @@ class Node(RoundLoop):
         step, digest = self.state.published()  # together: never a new step with the old hash
         return PeerRecord(
             peer_id=self.peer_id, address=self.address, outer_step=step,
-            params_sha256=digest, bandwidth_bps=self.bandwidth_bps,
-            tokens_per_second=self.tokens_per_second, protocol_version=PROTOCOL_VERSION,
-            config_fingerprint=self.identity.config_fingerprint, phase=self.phase, leaving=leaving,
+            params_sha256=digest, bandwidth_bps=self.stats.bandwidth_bps,
+            tokens_per_second=self.stats.tokens_per_second, protocol_version=PROTOCOL_VERSION,
+            config_fingerprint=self.identity.config_fingerprint, phase=self.stats.phase, leaving=leaving,
         )
 
     async def publish_record(self, leaving: bool = False) -> None:
@@ -390,15 +394,18 @@ class Node(RoundLoop):
         if answered is not None:
             self.metrics.dht_rebootstraps.labels(outcome="reached" if answered else "unreachable").inc()
 
+    def last_view(self) -> SwarmView:
+        return self.view
+
     def position(self) -> decisions.Position:
         step, digest = self.state.published()
         return decisions.Position(self.peer_id, step, digest)
 
-    async def _expected_peers(self) -> set[str]:
-        """Peers the leader waits for: live, compatible, at our step with our parameters."""
-        return decisions.expected_peers(await self.refresh_view(), self.position())
-
     # -- catch-up -----------------------------------------------------------------------------
+
+    async def catch_up(self) -> None:
+        """Between inner phases (the round driver calls it): see ``_catch_up``."""
+        await self._catch_up()
 
     async def _catch_up(self, initial: bool = False) -> None:
         """Download the swarm's state when it is ahead of us or we are in a minority at our step."""
@@ -423,12 +430,8 @@ class Node(RoundLoop):
             return
         if plan.because_minority:
             log.warning("our params at step %d differ from the majority of the swarm; re-downloading", plan.step)
-        self.phase = "catching_up"
+        self.stats.phase = "catching_up"
         await self._download(plan.step, plan.params_hash, [Donor(p.peer_id, p.address) for p in plan.donors])
-
-    def _majority_elsewhere(self, view: SwarmView) -> str | None:
-        """The params hash that wins at our step when it is not ours (all-reduce mode), else None."""
-        return None if self.gossip is not None else decisions.majority_elsewhere(view, self.position())
 
     async def _handshake(self, view: SwarmView) -> None:
         """Refuse to run next to a swarm of another run config, naming the difference."""
@@ -459,10 +462,13 @@ class Node(RoundLoop):
             # with our next contribution. When the state we replace is the result of our own last
             # round (our group lost the majority vote), what we contributed to that round was not
             # applied in the swarm's state either, so all of it goes back into the residual.
-            if self.last_contribution is not None and self.last_contribution[0] == self.state.step == got.step:
-                self.state.residual.copy_(self.last_contribution[1])
+            averager = self.driver.averager if self.driver is not None else None
+            last = averager.last_contribution if averager is not None else None
+            if last is not None and last[0] == self.state.step == got.step:
+                self.state.residual.copy_(last[1])
             self.state.residual.add_(self.state.params - self.trainer.get_params())
-            self.last_contribution = None
+            if averager is not None:
+                averager.last_contribution = None
             self.state.adopt(got.step, got.params, got.momentum)
             self.trainer.set_params(self.state.params)
 
@@ -480,7 +486,7 @@ class Node(RoundLoop):
     # -- the main loop ------------------------------------------------------------------------
 
     def _save_checkpoint(self) -> None:
-        self._write_checkpoint(self.state.to_checkpoint(), self.trainer.local_state(), self.tokens_total)
+        self._write_checkpoint(self.state.to_checkpoint(), self.trainer.local_state(), self.stats.tokens_total)
 
     def _write_checkpoint(self, state: dict[str, Any], trainer_state: dict[str, Any], tokens_total: int) -> None:
         payload = state | {
@@ -491,30 +497,14 @@ class Node(RoundLoop):
         path = checkpoint.save(self.config.node.checkpoint_dir, int(state["step"]), payload)
         log.debug("checkpoint written: %s", path)
 
-    def frozen_trainer_state(self) -> dict[str, Any]:
-        """Training thread only: a copy of the trainer's checkpointable state (it keeps training
-        while the checkpoint is written in the report thread). Tensors are copied to the CPU: on
-        CUDA the optimizer state (2x the parameters for AdamW) of a waiting report must not hold
-        GPU memory, and torch.save would copy it to the CPU anyway."""
-        return cpu_copy(self.trainer.local_state())
-
     async def _stop_rounds(self) -> None:
         """Whatever round is still in flight (a failure or a forced stop interrupted the loop):
         cancel it, wait for the work it left running and roll it back, so that the shutdown
         checkpoint holds a consistent state."""
         if self._main_task is not None:
             await cancel_and_wait(self._main_task)
-        pending, self._pending = self._pending, None
-        if pending is not None and pending.task is not None:
-            await cancel_and_wait(pending.task)
-        await self._settle_state()
-        if pending is not None:
-            committed = pending.commit is not None and not pending.commit.cancelled()
-            if not committed:
-                self._return_weight(pending)
-            # Before the shutdown fold: the local model takes the committed average (or loses the
-            # eager step of a round that averaged nothing), so that no progress is counted twice.
-            await self.in_train_thread(self._merge, pending, committed)
+        if self.driver is not None:
+            await self.driver.abandon()  # before the shutdown fold: no progress counted twice
 
     async def _reports_written(self) -> None:
         """Wait for the evals and checkpoints of committed rounds still being written (the newest
@@ -523,7 +513,7 @@ class Node(RoundLoop):
 
     async def _shutdown(self) -> None:
         """Fold unsent local progress into the residual, checkpoint, leave the DHT."""
-        self.phase = "stopping"
+        self.stats.phase = "stopping"
 
         def fold_and_save() -> None:
             self.train_thread.drain()  # an overlapped round's result not yet applied to the local model
@@ -554,10 +544,10 @@ class Node(RoundLoop):
         return node_pb2.NodeStatus(
             peer_id=self.peer_id, outer_step=step,
             params_sha256=digest,
-            swarm_peers=len({p.peer_id for p in swarm} | {self.peer_id}), loss=self.last_loss,
-            eval_loss=self.last_eval, tokens_total=self.tokens_total, phase=self.phase,
+            swarm_peers=len({p.peer_id for p in swarm} | {self.peer_id}), loss=self.stats.last_loss,
+            eval_loss=self.stats.last_eval, tokens_total=self.stats.tokens_total, phase=self.stats.phase,
             swarm_outer_step_max=max(self.view.max_step, step),
-            rounds_completed=self.rounds_completed, tokens_per_second=self.tokens_per_second, swarm=swarm,
+            rounds_completed=self.stats.rounds_completed, tokens_per_second=self.stats.tokens_per_second, swarm=swarm,
             multiaddrs=self.multiaddrs, codec=self.config.sync.codec,
-            mode=self.config.sync.mode, consensus_distance=self.consensus_distance, version=__version__,
+            mode=self.config.sync.mode, consensus_distance=self.stats.consensus_distance, version=__version__,
         )

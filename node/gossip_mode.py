@@ -16,6 +16,9 @@ A gossip round (``[sync] mode = "gossip"``) never waits for a group. At its boun
    ||θ − θ_partner|| / ||θ|| (NaN without a partner), in ``status``, the
    ``lowcomm_consensus_distance`` gauge and a ``gossip_round`` log event.
 
+What the mode needs of its node comes in a ``GossipHost`` (identity, codec, state, view, channels,
+executor, metrics); the round returns the consensus distance and the traffic in its report.
+
 The daemon then commits the round like any other (step + 1, model ← θ_global). A peer that
 reaches nobody still commits its own outer step: a gossip peer never waits for others (the round
 counts as ``no_group`` in ``lowcomm_round_failures`` when there were peers to reach).
@@ -43,7 +46,9 @@ import logging
 import math
 import random
 import time
-from typing import TYPE_CHECKING, Callable, TypeVar
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Awaitable, Callable, TypeVar
 
 import torch
 
@@ -56,13 +61,17 @@ from lowcomm.protocol.gossip import (
     exchange,
     service,
 )
+from lowcomm.protocol.handshake import Identity
 from lowcomm.protocol.outer import NesterovOuter
+from lowcomm.protocol.rpc import ChannelPool
 
-from .rounds import RoundReport
+from .averaging import RoundReport
+from .globalstate import GlobalState
+from .metrics import NodeMetrics
 
 if TYPE_CHECKING:
-    from .daemon import Node
-    from .swarm import PeerRecord
+    from .config import SyncSection
+    from .swarm import PeerRecord, SwarmView
 
 log = logging.getLogger("lowcomm.node.gossip")
 T = TypeVar("T")
@@ -75,21 +84,39 @@ def gossip_codec(codec: codecs.Codec) -> codecs.Codec:
     return codecs.get_codec("int8") if codec.id == codecs.CodecId.TOPK else codec
 
 
+@dataclass
+class GossipHost:
+    """What gossip mode uses of its node."""
+
+    peer_id: str
+    identity: Identity
+    sync: "SyncSection"  # gossip_partners, reduce_timeout
+    codec: codecs.Codec  # the run's (``gossip_codec`` picks the one parameters travel in)
+    numel: int
+    state: GlobalState
+    channels: ChannelPool
+    executor: Executor  # the codec pool
+    metrics: NodeMetrics
+    view: Callable[[], "SwarmView"]  # the last swarm view read
+    refresh_view: Callable[[], Awaitable["SwarmView"]]  # read it afresh
+    on_reject: Callable[[str, str, str], None]  # (reason, sender, detail) of a refused contribution
+
+
 class GossipMode:
-    def __init__(self, node: "Node") -> None:
-        self.node = node
-        sync = node.config.sync
+    def __init__(self, host: GossipHost) -> None:
+        self.host = host
+        sync = host.sync
         self.k = sync.gossip_partners
         self.timeout = sync.reduce_timeout
-        self.codec = gossip_codec(node.codec)
-        self.numel = node.trainer.numel
+        self.codec = gossip_codec(host.codec)
+        self.numel = host.numel
         self.residual = torch.zeros(self.numel)  # error feedback of the parameters this peer sends
         self.inbox = Inbox(capacity=max(4, 2 * self.k))
         self._lock = asyncio.Lock()  # serializes θ_global swaps and uses of the residual
         self._rng = random.Random()
         self.responder = GossipResponder(
-            node.identity, self.codec, self.numel, node.codec_executor, self.inbox,
-            step=lambda: node.state.step, reply=self._reply, on_reject=node._on_reject,
+            host.identity, self.codec, self.numel, host.executor, self.inbox,
+            step=lambda: host.state.step, reply=self._reply, on_reject=host.on_reject,
             step_window=STEP_WINDOW, timeout=self.timeout, on_traffic=self._served,
         )
 
@@ -98,14 +125,14 @@ class GossipMode:
 
     def needs_download(self, target_step: int) -> bool:
         """Whether a swarm at ``target_step`` is too far ahead to catch up with by mixing."""
-        return target_step - self.node.state.step > STEP_WINDOW
+        return target_step - self.host.state.step > STEP_WINDOW
 
     # -- helpers --------------------------------------------------------------------------------
 
     async def _exclusive(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` in the codec pool holding the lock, and keep the lock until it returned."""
         async with self._lock:
-            job = asyncio.get_running_loop().run_in_executor(self.node.codec_executor, fn)
+            job = asyncio.get_running_loop().run_in_executor(self.host.executor, fn)
             try:
                 return await asyncio.shield(job)
             except asyncio.CancelledError:
@@ -115,16 +142,16 @@ class GossipMode:
     async def _reply(self) -> bytes:
         """Our current θ_global for a partner that called us, encoded with error feedback."""
         return await self._exclusive(
-            lambda: codecs.encode_with_feedback(self.codec, self.node.state.params, self.residual)[0])
+            lambda: codecs.encode_with_feedback(self.codec, self.host.state.params, self.residual)[0])
 
     def _served(self, received: int, sent: int) -> None:
-        self.node.metrics.bytes_received.inc(received)
-        self.node.metrics.bytes_sent.inc(sent)
+        self.host.metrics.bytes_received.inc(received)
+        self.host.metrics.bytes_sent.inc(sent)
 
     def _candidates(self, step: int) -> list["PeerRecord"]:
-        node = self.node
-        found = [p for p in node.view.peers.values()
-                 if p.peer_id != node.peer_id and p.address and abs(p.outer_step - step) <= STEP_WINDOW]
+        host = self.host
+        found = [p for p in host.view().peers.values()
+                 if p.peer_id != host.peer_id and p.address and abs(p.outer_step - step) <= STEP_WINDOW]
         found.sort(key=lambda p: p.peer_id)
         self._rng.shuffle(found)
         return found
@@ -135,8 +162,9 @@ class GossipMode:
         """The round at our boundary; None only when our own outer step cannot be taken.
 
         ``weight`` (tokens since the last round) is not used: gossip mixes with equal weights.
+        The report carries the consensus distance and the exchange phase's traffic and time.
         """
-        node, state = self.node, self.node.state
+        host, state = self.host, self.host.state
 
         def own_step() -> tuple[torch.Tensor, torch.Tensor, bytes]:
             params, momentum = state.params.clone(), state.outer.buffer.clone()
@@ -149,15 +177,15 @@ class GossipMode:
             params, momentum, payload = await self._exclusive(own_step)
         except codecs.CodecError as err:  # Δ was finite, so only an exploding outer step gets here
             log.error("global parameters after the outer step are not finite (%s); skipping the round", err)
-            node.metrics.round_failures.labels(reason="diverged").inc()
+            host.metrics.round_failures.labels(reason="diverged").inc()
             return None
 
         try:
-            await node.refresh_view()
+            await host.refresh_view()
         except Exception:  # a DHT hiccup costs this round its fresh view, never the node
             log.warning("could not refresh the swarm view; choosing partners from the last one", exc_info=True)
         candidates = self._candidates(step)
-        others = [p for p in node.view.peers.values() if p.peer_id != node.peer_id]
+        others = [p for p in host.view().peers.values() if p.peer_id != host.peer_id]
         exchange_started = time.monotonic()
         partners, traffic = await self._exchange_all(candidates, step, payload)
         exchange_seconds = time.monotonic() - exchange_started
@@ -180,14 +208,11 @@ class GossipMode:
 
         distance = await self._exclusive(mix)
 
-        node.consensus_distance = distance
-        m = node.metrics
+        m = host.metrics
         m.consensus_distance.set(distance)
         m.bytes_sent.inc(traffic.sent)
         m.bytes_received.inc(traffic.received)
         m.compression_ratio.set(4 * self.numel / max(len(payload), 1))
-        if traffic.sent and exchange_seconds > 0:
-            node.bandwidth_bps = traffic.sent / exchange_seconds
         if not partners and others:
             m.round_failures.labels(reason="no_group").inc()
         log.info(
@@ -199,12 +224,13 @@ class GossipMode:
                    "exchange_seconds": exchange_seconds},
         )
         return RoundReport(group_size=1 + len(partners), seconds=0.0, bytes_sent=traffic.sent,
-                           bytes_received=traffic.received, skipped_shards=0, allreduce_seconds=exchange_seconds)
+                           bytes_received=traffic.received, skipped_shards=0, allreduce_seconds=exchange_seconds,
+                           consensus_distance=distance)
 
     async def _exchange_all(self, candidates: list["PeerRecord"], step: int,
                             payload: bytes) -> tuple[dict[str, torch.Tensor], Traffic]:
         """Exchange with up to k candidates (a failed one is replaced by the next), by one deadline."""
-        node = self.node
+        host = self.host
         queue = list(candidates)
         partners: dict[str, torch.Tensor] = {}
         traffic = Traffic()
@@ -217,11 +243,11 @@ class GossipMode:
                     return
                 peer = queue.pop()
                 try:
-                    got = await exchange(node.channels(peer.address), node.identity, self.codec, step, payload,
-                                         self.numel, node.codec_executor, remaining, STEP_WINDOW, traffic)
+                    got = await exchange(host.channels(peer.address), host.identity, self.codec, step, payload,
+                                         self.numel, host.executor, remaining, STEP_WINDOW, traffic)
                 except GossipError as err:
                     if err.reason is not None:
-                        node._on_reject(err.reason, peer.peer_id, str(err))
+                        host.on_reject(err.reason, peer.peer_id, str(err))
                     else:
                         log.info("gossip partner %s left out: %s", peer.peer_id, err)
                     continue

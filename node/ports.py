@@ -1,4 +1,5 @@
-"""What the round driver needs of a trainer: ``TrainerPort``, and the ``PhaseStats`` it returns.
+"""What the round driver needs of its surroundings: a trainer (``TrainerPort``, and the
+``PhaseStats`` it returns) and the swarm (``SwarmPort``).
 
 The node drives rounds around *some* training loop. The daemon's own is ``Trainer``
 (node/trainer.py: a model preset, the data shards, AdamW); a Python API user brings another one
@@ -24,9 +25,13 @@ implementation needs no locks):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from .decisions import Position
+    from .swarm import SwarmView
 
 
 @dataclass
@@ -81,3 +86,23 @@ class ReplicaEvaluating(Protocol):
 
     def replica_evaluator(self) -> Callable[[torch.Tensor], float]:
         """Built in the training thread while it is idle; the callable takes a flat vector."""
+
+
+class SwarmPort(Protocol):
+    """What the round driver asks of the node about the swarm (the node owns the DHT, its record
+    and the state downloads; node/daemon.py)."""
+
+    def last_view(self) -> "SwarmView":
+        """The swarm as the heartbeat last read it (no DHT call)."""
+
+    async def refresh_view(self) -> "SwarmView":
+        """Read the swarm from the DHT now (the heartbeat's view is updated too)."""
+
+    async def publish_record(self) -> None:
+        """Publish this peer's record (step, hash, phase) now."""
+
+    async def catch_up(self) -> None:
+        """Download the swarm's state when it is ahead of us or we are in a minority at our step."""
+
+    def position(self) -> "Position":
+        """This peer's (id, step, params hash), read together."""

@@ -1,7 +1,7 @@
 """Backpressure for the round reports: a single-slot, newest-wins queue run in the report thread.
 
 Every committed round hands the report thread an eval of θ_global and a checkpoint, each holding
-a frozen copy of the state (node/rounds.py ``_finish_commit``). When the thread is slower than
+a frozen copy of the state (node/commit.py ``Committer.finish``). When the thread is slower than
 the rounds (a slow disk, a big eval set, a loaded machine), chaining every report after the
 previous one lets those copies pile up without bound. Here at most one report runs and at most
 one waits; a newer report replaces the waiting one, whose copy is released at once:

@@ -80,7 +80,8 @@ def test_the_former_fused_outer_step_gives_other_bits(runs, capability):
 
 # Modules whose arithmetic reaches θ_global, the outer momentum or a decoded average.
 SHARED_STATE_MODULES = ("protocol/outer.py", "protocol/aggregation.py", "protocol/allreduce.py", "protocol/gossip.py",
-                        "protocol/state.py", "protocol/codecs", "node/rounds.py", "node/globalstate.py",
+                        "protocol/state.py", "protocol/codecs", "node/averaging.py", "node/commit.py", "node/driver.py",
+                        "node/overlap.py", "node/globalstate.py",
                         "node/gossip_mode.py")
 FUSED = {"addcmul", "addcmul_", "addcdiv", "addcdiv_", "lerp", "lerp_", "addmm", "addmv", "baddbmm", "fma"}
 

@@ -18,7 +18,7 @@ import torch
 
 from lowcomm.node.config import Config
 from lowcomm.node.globalstate import GlobalState
-from lowcomm.node.gossip_mode import STEP_WINDOW, GossipMode, gossip_codec
+from lowcomm.node.gossip_mode import STEP_WINDOW, GossipHost, GossipMode, gossip_codec
 from lowcomm.node.metrics import NodeMetrics
 from lowcomm.node.swarm import PeerRecord, SwarmView
 from lowcomm.protocol import PROTOCOL_VERSION, codecs
@@ -345,13 +345,9 @@ def test_with_a_run_secret_the_hello_must_name_the_tokens_peer():
 # -- node level -----------------------------------------------------------------------------------
 
 
-class FakeTrainer:
-    def __init__(self, numel: int) -> None:
-        self.numel = numel
-
-
 class FakeNode:
-    """What GossipMode uses of a Node: state, identity, channels, executor, view, metrics."""
+    """A node around a GossipMode: its GossipHost (state, identity, channels, executor, view,
+    metrics) and the daemon's part of a round (the commit, the consensus distance it keeps)."""
 
     def __init__(self, peer_id: str, theta: torch.Tensor, swarm: list["FakeNode"], partners: int = 1,
                  codec: str = "int8", reduce_timeout: float = 3.0) -> None:
@@ -360,18 +356,20 @@ class FakeNode:
         self.peer_id = peer_id
         self.identity = Identity(peer_id, FINGERPRINT, "{}")
         self.codec = codecs.get_codec(codec)
-        self.trainer = FakeTrainer(theta.numel())
+        self.numel = theta.numel()
         self.state = GlobalState.fresh(theta, 0.7, 0.9)
         self.channels = ChannelPool()
         self.codec_executor = ThreadPoolExecutor(2)
         self.metrics = NodeMetrics()
         self.rejections: list[tuple[str, str]] = []
         self.consensus_distance = math.nan
-        self.bandwidth_bps = 0.0
         self.address = ""
         self.swarm = swarm
         self.view = SwarmView({}, {}, 0.0)
-        self.gossip = GossipMode(self)
+        self.gossip = GossipMode(GossipHost(
+            peer_id, self.identity, self.config.sync, self.codec, self.numel, self.state, self.channels,
+            self.codec_executor, self.metrics, view=lambda: self.view, refresh_view=self.refresh_view,
+            on_reject=self._on_reject))
 
     def _on_reject(self, reason: str, sender: str, detail: str) -> None:
         self.rejections.append((reason, sender))
@@ -395,9 +393,10 @@ class FakeNode:
 
     async def round(self, delta: torch.Tensor | None = None):
         """One boundary: the gossip round, then the daemon's commit (step + 1)."""
-        delta = torch.zeros(self.trainer.numel) if delta is None else delta
+        delta = torch.zeros(self.numel) if delta is None else delta
         report = await self.gossip.round(self.state.step, delta, 1.0)
         if report is not None:
+            self.consensus_distance = report.consensus_distance
             self.state.commit()
         return report
 

@@ -2,7 +2,7 @@
 
 Python imports ``sitecustomize`` at start-up from the first folder on ``sys.path`` that has one,
 so a node started with this folder on ``PYTHONPATH`` loads it; nothing happens unless the
-variable below is set. (The node's own LOWCOMM_FAULT_* hooks live in node/rounds.py; this one
+variable below is set. (The node's own LOWCOMM_FAULT_* hooks live in node/faults.py; this one
 needs to act inside the owner's result stream, which only the protocol sees.)
 
 LOWCOMM_FAULT_DIE_SERVING=<size>: in the first round in which this peer owns a shard of a group

@@ -1,0 +1,165 @@
+"""The local part of a round: the outer step on θ_global, the commit, and the round's report.
+
+Once the network part of a round (node/averaging.py) brought its averages, ``Committer`` turns
+them into the next step: ``apply_and_commit`` runs the outer step in the codec pool, then
+commits (new step and hash, served to joiners, published in the DHT); the round driver
+(node/driver.py) runs it shielded, because θ_global changed without its commit would be saved
+with the old step and hash. ``finish`` then counts the round and hands its eval and checkpoint
+to the report thread (node/reports.py), so that training goes on meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Executor
+from typing import Any, Callable
+
+import torch
+
+from lowcomm.protocol import codecs
+from lowcomm.protocol.state import Snapshot, StateDonor, params_sha256
+
+from .averaging import RoundOutcome, RoundReport
+from .globalstate import GlobalState
+from .metrics import NodeMetrics
+from .ports import SwarmPort, TrainerPort
+from .reports import Report, ReportQueue, cpu_copy
+from .runstats import RunStats
+from .train_thread import TrainThread
+
+log = logging.getLogger("lowcomm.node")
+
+# Writes a checkpoint: (frozen global state, trainer's local state, tokens_total); report thread.
+CheckpointWriter = Callable[[dict[str, Any], dict[str, Any], int], None]
+
+
+class Committer:
+    """Applies, commits and reports this peer's rounds (see the module docstring)."""
+
+    def __init__(self, state: GlobalState, trainer: TrainerPort, *, swarm: SwarmPort, donor: StateDonor,
+                 train_thread: TrainThread, codec_executor: Executor, reports: ReportQueue, metrics: NodeMetrics,
+                 stats: RunStats, codec: codecs.Codec, evaluate_global: Callable[[torch.Tensor], float],
+                 write_checkpoint: CheckpointWriter) -> None:
+        self.state = state
+        self.trainer = trainer
+        self.swarm = swarm
+        self.donor = donor
+        self.train_thread = train_thread
+        self.codec_executor = codec_executor
+        self.reports = reports
+        self.metrics = metrics
+        self.stats = stats
+        self.codec = codec
+        self.evaluate_global = evaluate_global  # report thread: eval loss of a flat θ_global
+        self.write_checkpoint = write_checkpoint
+
+    def frozen_trainer_state(self) -> dict[str, Any]:
+        """Training thread only: a copy of the trainer's checkpointable state (it keeps training
+        while the checkpoint is written in the report thread). Tensors are copied to the CPU: on
+        CUDA the optimizer state (2x the parameters for AdamW) of a waiting report must not hold
+        GPU memory, and torch.save would copy it to the CPU anyway."""
+        return cpu_copy(self.trainer.local_state())
+
+    async def apply_and_commit(self, outcome: RoundOutcome) -> dict:
+        """The local part of a round: the outer step on θ_global, then the commit."""
+        if outcome.apply is not None:
+            await asyncio.get_running_loop().run_in_executor(self.codec_executor, outcome.apply)
+        return await self.commit_global()
+
+    async def commit_global(self) -> dict:
+        """The round's result becomes our state: new step and hash, served to joiners, published.
+        Returns copies of the committed state (``GlobalState.frozen_checkpoint``) for the eval
+        and the checkpoint, written in the report thread while the next round may already
+        change θ_global.
+
+        The record says "training": a committed peer is on to its next inner phase (or, when
+        overlapped, already in it), and peers at the new step must not take it for a finished one.
+        """
+        step = self.state.step + 1
+
+        def freeze() -> tuple[dict, Snapshot]:
+            # One hash and one copy serve the commit, the donor snapshot and the checkpoint.
+            frozen = self.state.frozen_checkpoint()
+            digest = params_sha256(frozen["params"])
+            frozen.update(step=step, params_sha256=digest)
+            return frozen, Snapshot.build(step, frozen["params"], frozen["momentum"], params_hash=digest)
+
+        frozen, snapshot = await asyncio.get_running_loop().run_in_executor(self.codec_executor, freeze)
+        self.state.commit(frozen["params_sha256"])
+        self.donor.publish(snapshot)
+        self.stats.phase = "training"
+        await self.swarm.publish_record()
+        return frozen
+
+    async def finish(self, report: RoundReport, fragment: slice, frozen: dict, reset_local: bool) -> None:
+        """After ``commit_global``: count the round, then evaluate, checkpoint and report it in
+        the report thread (training goes on meanwhile). Blocking rounds restart the local model
+        of the fragment from θ_global first; overlapped rounds shift it instead (node/overlap.py)."""
+        if reset_local:
+            def reset_and_freeze() -> dict:
+                self.trainer.set_params_slice(fragment, self.state.params[fragment])
+                return self.frozen_trainer_state()
+
+            trainer_state = await self.train_thread.run(reset_and_freeze)
+        else:
+            trainer_state = await self.train_thread.run_soon(self.frozen_trainer_state)
+        stats = self.stats
+        stats.rounds_completed += 1
+        m = self.metrics
+        m.rounds.inc()
+        m.round_group_size.set(report.group_size)
+        m.round_duration.observe(report.seconds)
+        m.last_sync_timestamp.set(time.time())
+        m.outer_step.set(self.state.step)
+        event = {"outer_step": self.state.step, "params_sha256": self.state.params_hash,
+                 "loss": stats.last_loss, "group_size": report.group_size,
+                 "round_seconds": report.seconds, "allreduce_seconds": report.allreduce_seconds,
+                 "matchmaking_seconds": report.matchmaking_seconds, "bytes_sent": report.bytes_sent,
+                 "payload_bytes": self.codec.encoded_size(fragment.stop - fragment.start),
+                 "fragment": [fragment.start, fragment.stop],
+                 "bytes_received": report.bytes_received, "skipped_shards": report.skipped_shards,
+                 "numel": self.trainer.numel, "codec": self.codec.name, "tokens_total": stats.tokens_total,
+                 "tokens_averaged": report.tokens,
+                 "compute_utilization": stats.compute_utilization,
+                 "train_seconds": stats.train_seconds, "train_clock": stats.train_clock}
+        tokens_per_second = stats.tokens_per_second
+
+        def evaluate_and_save() -> float:
+            eval_loss = self.evaluate_global(frozen["params"])
+            try:
+                self.write_checkpoint(frozen, trainer_state, event["tokens_total"])
+            except OSError as err:  # the previous checkpoint stays intact (atomic writes)
+                log.error("could not write the checkpoint of step %d: %s; training goes on", frozen["step"], err)
+            return eval_loss
+
+        def log_round(eval_loss: float, skipped: bool) -> None:
+            log.info(
+                "step %d | loss %.3f | eval %s | %.0f tok/s | round %.2fs | sent %s recv %s | group %d%s | %s",
+                event["outer_step"], event["loss"], "skipped" if skipped else f"{eval_loss:.3f}", tokens_per_second,
+                report.seconds, human_bytes(report.bytes_sent), human_bytes(report.bytes_received),
+                report.group_size, f" | {report.skipped_shards} shard(s) skipped" if report.skipped_shards else "",
+                event["params_sha256"][:12],
+                extra={"event": "round_done", "eval_loss": eval_loss, "eval_skipped": skipped, **event},
+            )
+
+        def evaluated(eval_loss: float) -> None:
+            if event["outer_step"] >= self.state.step:  # not overtaken by a catch-up meanwhile
+                stats.last_eval = eval_loss
+                m.eval_loss.set(eval_loss)
+            log_round(eval_loss, skipped=False)
+
+        # Newest wins (node/reports.py): when the report thread is behind, this report replaces the
+        # waiting one, whose eval is stale and whose checkpoint this one supersedes; its round line
+        # then carries the last eval we have, marked skipped.
+        self.reports.submit(Report(event["outer_step"], evaluate_and_save, evaluated,
+                                   lambda: log_round(stats.last_eval, skipped=True)))
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1000 or unit == "GB":
+            return f"{count:.0f}{unit}" if unit == "B" else f"{count:.1f}{unit}"
+        count /= 1000
+    return f"{count:.1f}GB"

@@ -1,0 +1,316 @@
+"""The round driver: inner phase → Δ → round → commit, blocking or overlapped, over fragments.
+
+``RoundDriver`` runs a peer's training between rounds and its rounds between inner phases, on
+the event loop; the model lives in the one training thread (node/train_thread.py). Everything it
+works with comes through its constructor: the trainer (``TrainerPort``), θ_global and the
+residuals (``GlobalState``), the network part of a round (``Averager``, node/averaging.py: the
+matchmaker, the all-reduce registry, gossip), its local part (``Committer``, node/commit.py), the
+swarm as the node sees it (``SwarmPort``: views, our record, catch-up), the executors, the metrics,
+the shared ``RunStats``, the fault injection of tests (``Faults``) and the stop signals. What to
+do when (behind? outpaced? alone?) is decided by the plain functions of node/decisions.py.
+
+Blocking rounds: inner phase → Δ → round → commit, and the fragment's local model restarts from
+θ_global. Overlapped rounds (``[sync] overlap``, node/overlap.py): the round of step r runs in the
+background while step r+1 trains. Streaming fragments (``[sync] fragments``): each round syncs one
+slice of the flat parameters.
+
+Stopping: a stop request lets the round in flight finish within the grace period, then abandons
+it; an abandoned round's codec jobs are waited for and its residual rolled back
+(``settle_state``), so that the local progress is counted exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Coroutine, TypeVar
+
+import torch
+
+from . import decisions
+from .averaging import Averager, RoundOutcome
+from .cancel import cancel_and_wait
+from .commit import Committer
+from .config import Config
+from .executors import TrackedThreadPool
+from .faults import Faults
+from .globalstate import GlobalState
+from .metrics import NodeMetrics
+from .ports import PhaseStats, SwarmPort, TrainerPort
+from .progress import InnerProgress
+from .runstats import RunStats
+from .train_thread import TrainThread
+
+log = logging.getLogger("lowcomm.node")
+T = TypeVar("T")
+# A watcher of an inner phase: sets the event to end the phase early (node/overlap.py).
+PhaseWatch = Callable[[threading.Event], Awaitable[None]]
+
+
+@dataclass
+class StopSignals:
+    """How the node tells the driver to stop: ``requested`` (first signal: finish or abandon the
+    round within the grace period), ``forced`` (second signal: no grace any more) and ``training``
+    (read by the training thread between inner steps)."""
+
+    requested: asyncio.Event = field(default_factory=asyncio.Event)
+    forced: asyncio.Event = field(default_factory=asyncio.Event)
+    training: threading.Event = field(default_factory=threading.Event)
+
+
+class RoundDriver:
+    """Drives one peer's inner phases and rounds; see the module docstring. ``run`` is the
+    node's main task; after it was cancelled or failed, ``abandon`` leaves a consistent state."""
+
+    def __init__(self, config: Config, trainer: TrainerPort, state: GlobalState, *, averager: Averager,
+                 committer: Committer, swarm: SwarmPort, train_thread: TrainThread, codec_executor: TrackedThreadPool,
+                 metrics: NodeMetrics, stats: RunStats, faults: Faults, stops: StopSignals,
+                 human: bool = False) -> None:
+        self.config = config
+        self.trainer = trainer
+        self.state = state
+        self.averager = averager
+        self.committer = committer
+        self.swarm = swarm
+        self.train_thread = train_thread
+        self.codec_executor = codec_executor
+        self.metrics = metrics
+        self.stats = stats
+        self.faults = faults
+        self.stops = stops
+        self.human = human  # a progress bar of the inner steps on a terminal
+        self.committing: asyncio.Task | None = None  # the local part of the last round
+        self._nan_injected = False
+        self.overlap = None
+        if config.sync.overlap != "none":
+            from .overlap import OverlappedLoop  # it uses this class's public methods
+
+            self.overlap = OverlappedLoop(self)
+
+    async def in_train_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self.train_thread.run(fn, *args)
+
+    async def in_codec_pool(self, fn: Callable[..., T], *args: Any) -> T:
+        executor: Executor = self.codec_executor
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        if self.overlap is not None:
+            await self.overlap.run()
+            return
+        while not self.should_stop():
+            await self.swarm.catch_up()
+            await self.inner_phase(cut_when_outpaced=True)
+            if self.stops.requested.is_set():
+                break
+            prepared = await self.prepare_round()
+            if prepared is None:
+                continue
+            fragment, delta, _ = prepared
+            outcome = await self.with_grace(self.averager.run(fragment, delta, float(self.stats.tokens_since_round)))
+            if outcome is not None:
+                self.stats.tokens_since_round = 0
+                frozen = await self.shielded_commit(self.committer.apply_and_commit(outcome))
+                await self.committer.finish(outcome.report, fragment, frozen, reset_local=True)
+
+    async def abandon(self) -> None:
+        """After ``run`` was cancelled or failed: wait for the work a round left running and roll
+        it back, so that the shutdown checkpoint holds a consistent state."""
+        if self.overlap is not None:
+            await self.overlap.abandon()
+        else:
+            await self.settle_state()
+
+    def should_stop(self) -> bool:
+        max_rounds = self.config.node.max_rounds
+        if max_rounds is not None and self.stats.rounds_completed >= max_rounds:
+            log.info("completed %d round(s) (--max-rounds); stopping", self.stats.rounds_completed)
+            return True
+        return self.stops.requested.is_set()
+
+    # -- stopping within the grace period ---------------------------------------------------------
+
+    async def with_grace(self, coro: Coroutine[Any, Any, RoundOutcome | None]) -> RoundOutcome | None:
+        """Run a round's network part; on a stop request it gets the grace period (a second
+        signal ends that at once), then it is abandoned and rolled back (``settle_state``)."""
+        round_task = asyncio.create_task(coro, name="round")
+        try:
+            if await self.wait_or_stop(round_task):
+                return round_task.result()
+            log.warning("abandoning the round in flight")
+            await cancel_and_wait(round_task)
+            if round_task.cancelled():
+                self.metrics.round_failures.labels(reason="aborted").inc()
+                await self.settle_state()
+                return None
+            return round_task.result()  # it finished just as it was abandoned: keep its result
+        finally:
+            if not round_task.done():  # we were cancelled ourselves (a forced stop)
+                await cancel_and_wait(round_task)
+                await self.settle_state()
+
+    async def wait_or_stop(self, task: asyncio.Task) -> bool:
+        """Wait for ``task``; once a stop is requested, for at most the grace period, and not at
+        all after a second stop signal. Returns whether it is done."""
+        stop = asyncio.create_task(self.stops.requested.wait())
+        force = asyncio.create_task(self.stops.forced.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                await asyncio.wait({task, force}, timeout=self.config.node.grace_period,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            return task.done()
+        finally:
+            stop.cancel()
+            force.cancel()
+
+    async def shielded_commit(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run the local part of a round (outer step, commit) so that it always finishes: a
+        thread cannot be interrupted, and θ_global changed without its commit would be saved
+        with the old step and hash. ``settle_state`` waits for it if we are cancelled."""
+        self.committing = asyncio.create_task(coro, name="commit")
+        return await asyncio.shield(self.committing)
+
+    async def settle_state(self) -> None:
+        """After a round was cancelled: wait for the work it left running (a commit, codec jobs
+        in the pool that write θ_global or the residual), then give the residual back its value
+        from before the all-reduce, so that the local progress is counted exactly once (the
+        shutdown fold or the next round sends it) and the checkpoint matches its hash."""
+        if self.committing is not None and not self.committing.done():
+            await asyncio.wait([self.committing])
+        await self.codec_executor.settle()
+        undo, self.averager.undo = self.averager.undo, None
+        if undo is not None:
+            def restore() -> None:
+                self.state.residual[undo.fragment].copy_(undo.residual)
+
+            await self.in_codec_pool(restore)
+            log.info("rolled back the abandoned round's residual", extra={"event": "round_rolled_back"})
+
+    # -- the round boundary -----------------------------------------------------------------------
+
+    def next_fragment(self) -> slice:
+        """The part of the flat parameters this round syncs: all of it, or fragment (step mod K)."""
+        count = self.config.sync.fragments
+        bounds = [self.trainer.numel * i // count for i in range(count + 1)]
+        index = self.state.step % count
+        return slice(bounds[index], bounds[index + 1])
+
+    async def prepare_round(self) -> tuple[slice, torch.Tensor, torch.Tensor] | None:
+        """(fragment, Δ, local parameters of the fragment) at a round boundary; None when the
+        local model diverged. Whole-tensor arithmetic runs in the training thread, not on the
+        event loop."""
+        step = self.state.step
+        if self.faults.nan_round == self.stats.rounds_attempted + 1 and not self._nan_injected:
+            # Fault injection for tests: the local model diverges (NaN weights) before this round.
+            self._nan_injected = True
+            await self.in_train_thread(self.trainer.set_params, torch.full_like(self.state.params, math.nan))
+        fragment = self.next_fragment()
+
+        def delta_now() -> tuple[bool, torch.Tensor, torch.Tensor]:
+            local = self.local_params_now()[fragment]
+            return bool(torch.isfinite(local).all()), self.state.params[fragment] - local, local
+
+        finite, delta, local = await self.in_train_thread(delta_now)
+        if not finite:
+            # A diverged local model never sends: start over from θ_global, keep nothing of it.
+            log.error("local model diverged (non-finite weights); resetting it to the global parameters",
+                      extra={"event": "diverged", "outer_step": step})
+            await self.in_train_thread(self.trainer.reset_to, self.state.params)
+            self.stats.tokens_since_round = 0
+            self.metrics.round_failures.labels(reason="diverged").inc()
+            return None
+        return fragment, delta, local
+
+    def local_params_now(self) -> torch.Tensor:
+        """Training thread: the local parameters, after whatever the inbox still had for them."""
+        self.train_thread.drain()
+        return self.trainer.get_params()
+
+    def phase_steps(self) -> int:
+        """Inner steps between two rounds: H, or H/K with K fragments (each fragment is then
+        synced every H steps, the fragments at staggered times)."""
+        return max(1, round(self.config.train.inner_steps / self.config.sync.fragments))
+
+    # -- the inner phase --------------------------------------------------------------------------
+
+    async def inner_phase(self, cut_when_outpaced: bool = False, watch: PhaseWatch | None = None) -> PhaseStats:
+        """Up to H inner steps (H/K with K fragments). With ``cut_when_outpaced`` (blocking
+        rounds) the phase ends early once enough peers at our step finished theirs that the round
+        could close without us: a slower peer then joins that round with the steps it did (its
+        weight is its tokens) instead of arriving after it closed, catching up, and never
+        averaging at all. ``watch`` (overlapped rounds) is another such watcher."""
+        self.stats.phase = "training"
+        steps = self.phase_steps()
+        progress = InnerProgress(steps, self.state.step, enabled=self.human)
+        cut = threading.Event()
+        done_steps = 0
+        stop_training = self.stops.training
+
+        slow = self.faults.slow_step  # fault injection for tests: a straggler
+
+        def on_step(done: int, loss: float) -> None:
+            nonlocal done_steps
+            done_steps = done
+            progress.update(done, loss)
+            self.train_thread.drain()  # an overlapped round's result, as soon as it is there
+            if slow:
+                stop_training.wait(slow)
+
+        def should_stop() -> bool:
+            return stop_training.is_set() or (cut.is_set() and done_steps > 0)
+
+        def work() -> PhaseStats:
+            try:
+                return self.trainer.train_phase(steps, should_stop, on_step)
+            finally:
+                progress.close()
+
+        watcher = None
+        if cut_when_outpaced:
+            self.averager.publish_phase_soon()  # a failed round may have left "averaging" in our record
+            watcher = asyncio.create_task(self._watch_pace(cut))
+        elif watch is not None:
+            watcher = asyncio.create_task(watch(cut))
+        try:
+            stats = await self.in_train_thread(work)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        if stats.steps < steps and cut.is_set() and not stop_training.is_set():
+            log.info("the swarm finished its inner phase of step %d first; joining its round after %d of %d steps",
+                     self.state.step, stats.steps, steps,
+                     extra={"event": "inner_phase_cut", "outer_step": self.state.step, "steps": stats.steps})
+            self.metrics.inner_phase_cuts.inc()
+        self._count(stats)
+        return stats
+
+    def _count(self, phase: PhaseStats) -> None:
+        stats, m = self.stats, self.metrics
+        stats.tokens_since_round += phase.tokens
+        stats.tokens_total += phase.tokens
+        stats.train_seconds += phase.seconds
+        m.inner_steps.inc(phase.steps)
+        m.tokens.inc(phase.tokens)
+        if phase.steps:
+            stats.last_loss = phase.mean_loss
+            stats.tokens_per_second = phase.tokens / max(phase.seconds, 1e-9)
+            m.train_loss.set(phase.mean_loss)
+        # Measured at phase ends, where both clocks are exact (mid-phase the training time is not).
+        stats.train_clock = time.monotonic() - stats.training_since
+        m.compute_utilization.set(stats.compute_utilization)
+
+    async def _watch_pace(self, cut: threading.Event) -> None:
+        """Set ``cut`` when decisions.outpaced says so; reads the view the heartbeat keeps fresh."""
+        while True:
+            await asyncio.sleep(min(1.0, self.config.node.heartbeat_interval))
+            if decisions.outpaced(self.swarm.last_view(), self.swarm.position(), self.config.sync.quorum):
+                cut.set()
+                return
