@@ -1,0 +1,256 @@
+"""One simulated peer: node/rounds.py's blocking round loop with the real protocol objects.
+
+What runs for real: the ``Matchmaker`` (with its direct path, redirects, leader election,
+deadlines and the group split of protocol/layout.py), every decision of node/decisions.py
+(catch-up target, behind, outpaced cut, expected peers, solo step, direct round allowed), the
+``PeerRecord`` / ``SwarmView`` of node/swarm.py and, in gossip mode, node/gossip_mode.py's partner
+choice and protocol/gossip.py's ``Inbox``. What is simulated: time spent training (inner steps
+at the peer's compute speed), the DHT (sim/dht.py), links (sim/transport.py), the all-reduce's
+transfers (sim/allreduce.py) and the parameters, which are ``dim`` floats per peer so that hashes,
+majority votes and consensus distances come from real arithmetic.
+
+The loop follows ``RoundLoop._main_loop`` and ``_round`` step by step (same order of DHT reads
+and decisions); a failed round keeps its tokens for the next one, as the node does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import random
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from lowcomm.node import decisions
+from lowcomm.node.swarm import PeerRecord, SwarmView, peers_key
+from lowcomm.protocol import PROTOCOL_VERSION
+from lowcomm.protocol.handshake import Identity
+from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError
+from lowcomm.protocol.transport import LoopClock
+
+from .links import Link
+from .transport import JOIN, Server
+
+if TYPE_CHECKING:
+    from .engine import World
+
+FINGERPRINT = "sim"
+
+
+def params_hash(theta: np.ndarray) -> str:
+    return hashlib.sha256(theta.tobytes()).hexdigest()
+
+
+class SimPeer:
+    def __init__(self, world: "World", index: int, link: Link, dies_at: float, crash: bool,
+                 theta: np.ndarray | None, step: int) -> None:
+        self.world = world
+        cfg = world.config
+        self.index = index
+        self.peer_id = hashlib.sha256(f"{cfg.seed}/{index}".encode()).hexdigest()[:16]
+        self.link = link
+        self.dies_at = dies_at
+        self.crash = crash  # how it ends at dies_at: a crash, or a graceful leave
+        self.rng = np.random.default_rng([cfg.seed, index, 7])
+        self.step = step
+        self.theta = theta
+        self.hash = params_hash(theta) if theta is not None else ""
+        self.residual = np.zeros(cfg.dim)
+        self.phase = "training" if theta is not None else "catching_up"
+        self.tokens_since_round = 0.0
+        self.view = SwarmView({}, {}, 0.0)
+        self.view_tags: Counter = Counter()  # (step, hash, phase) -> peers, of self.view
+        self._published: tuple[PeerRecord, dict] | None = None
+        self.view_changed = asyncio.Event()
+        self.caught_up = theta is not None  # a joiner is counted live once it holds the state
+        self.alive = True
+        self.tasks: list[asyncio.Task] = []  # the loop and the heartbeat, cancelled when it ends
+        self._background: set[asyncio.Task] = set()  # record publications in flight
+        self.dht = world.dht.client(self.peer_id, link.rtt, world.propagation(self), lambda: max(self.step, 0))
+        self.server = Server(self.peer_id, link)
+        self.address = world.network.serve(self.server)
+        self.identity = Identity(self.peer_id, FINGERPRINT, "{}")
+        # The seams of protocol/transport.py: our transport, the loop's (virtual) clock, seeded group ids.
+        self.matchmaker = Matchmaker(
+            self.dht, cfg.run, self.identity, self.address, None, cfg.group_size, codec=world.codec.id,
+            numel=cfg.numel, reduce_timeout=cfg.reduce_timeout, quorum=cfg.quorum,
+            min_straggler_wait=cfg.straggler_wait, transport=world.network.transport(link), clock=LoopClock(),
+            random_bytes=random.Random(f"{cfg.seed}/{index}/groups").randbytes)
+        self.server.handlers[JOIN] = self.matchmaker.handle_join
+        self.gossip = world.gossip_state(self) if cfg.mode == "gossip" else None
+
+    # -- records and views (node/daemon.py) ---------------------------------------------------
+
+    def position(self) -> decisions.Position:
+        return decisions.Position(self.peer_id, self.step, self.hash)
+
+    def record(self, leaving: bool = False) -> PeerRecord:
+        return PeerRecord(peer_id=self.peer_id, address=self.address, outer_step=self.step, params_sha256=self.hash,
+                          bandwidth_bps=self.link.up, tokens_per_second=self.link.speed,
+                          protocol_version=PROTOCOL_VERSION, config_fingerprint=FINGERPRINT, phase=self.phase,
+                          leaving=leaving)
+
+    async def publish_record(self, leaving: bool = False) -> None:
+        ttl = 3 * self.world.config.heartbeat
+        record = self.record(leaving)
+        if self._published is None or self._published[0] != record:  # to_value is slow (asdict)
+            self._published = (record, record.to_value())
+        await self.dht.store(peers_key(self.world.config.run), self.peer_id, self._published[1], ttl)
+
+    def publish_soon(self) -> None:
+        task = asyncio.create_task(self.publish_record())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def refresh_view(self) -> SwarmView:
+        """node/swarm.py's ``read_swarm`` on the simulated DHT (records parsed once, when stored)."""
+        peers, left, self.view_tags = await self.dht.get_records(peers_key(self.world.config.run))
+        self.view = SwarmView(peers, {}, asyncio.get_running_loop().time(), left)
+        self.view_changed.set()
+        return self.view
+
+    async def heartbeat(self) -> None:
+        while True:
+            await self.publish_record()
+            await self.refresh_view()
+            await asyncio.sleep(self.world.config.heartbeat)
+
+    # -- the loop (node/rounds.py RoundLoop._main_loop) ------------------------------------------
+
+    async def live(self) -> None:
+        beat = asyncio.create_task(self.heartbeat())
+        self.tasks.append(beat)
+        while not self.caught_up:
+            await self.catch_up()
+            if not self.caught_up:
+                await asyncio.sleep(1.0)
+        while True:
+            await self.catch_up()
+            await self.inner_phase()
+            await self.round()
+
+    async def catch_up(self) -> None:
+        cfg = self.world.config
+        view = await self.refresh_view()
+        window = self.world.gossip_window if self.gossip is not None else None
+        plan = decisions.catch_up_target(view, self.position(), gossip_window=window)
+        if plan is None:
+            return
+        before = self.phase
+        self.phase = "catching_up"
+        donors = [d for d in plan.donors if d.peer_id in self.world.peers][:4]
+        loop = asyncio.get_running_loop()
+        if donors:
+            rate = min(self.link.down, sum(self.world.peers[d.peer_id].link.up for d in donors))
+            seconds = max(self.world.peers[d.peer_id].link.latency for d in donors) + self.link.latency \
+                + self.world.state_bytes / rate
+            await asyncio.sleep(seconds)
+        state = self.world.states.get((plan.step, plan.params_hash))
+        if not donors or state is None or all(self.world.peers.get(d.peer_id) is None for d in donors):
+            self.phase = before
+            return
+        kind = "minority" if plan.because_minority else ("joiner" if not self.caught_up else "behind")
+        self.world.metrics.download(plan.step, self.peer_id, kind, self.world.state_bytes)
+        self.step, self.hash, self.theta = plan.step, plan.params_hash, state.copy()
+        self.caught_up = True
+        self.phase = "training"
+
+    async def inner_phase(self) -> None:
+        """H inner steps at this peer's speed, cut when outpaced (checked on every fresh view)."""
+        cfg = self.world.config
+        self.phase = "training"
+        self.publish_soon()
+        loop = asyncio.get_running_loop()
+        per_step = cfg.step_seconds / self.link.speed
+        start = loop.time()
+        end = start + cfg.inner_steps * per_step
+        done = cfg.inner_steps
+        while (remaining := end - loop.time()) > 0:
+            self.view_changed.clear()
+            try:
+                async with asyncio.timeout(remaining):
+                    await self.view_changed.wait()
+            except TimeoutError:
+                break
+            steps = int((loop.time() - start) / per_step)
+            # outpaced() needs at least one peer at our step and hash that is averaging: the
+            # view's counts say when that is not so, and the real decision then need not run.
+            could = self.view_tags[(self.step, self.hash, "averaging")] > (self.phase == "averaging")
+            if steps > 0 and could and decisions.outpaced(self.view, self.position(), cfg.quorum):
+                done = steps
+                break
+        self.tokens_since_round += done
+
+    async def round(self) -> None:
+        """``RoundLoop._round``: behind check, direct path allowed?, form the group, average."""
+        cfg, world = self.world.config, self.world
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        step = self.step
+        self.phase = "averaging"
+        self.publish_soon()
+        delta = world.delta(self, step)
+        if self.gossip is not None:
+            await self.gossip.round(step, delta)
+            return
+        view = await self.refresh_view()
+        if decisions.behind(view, self.position()):
+            world.metrics.failed(step, self.peer_id, "behind")
+            return
+        last = self.matchmaker.last_group
+        if last is not None and not decisions.direct_round_allowed(view, self.position(),
+                                                                   {m.peer_id for m in last.members}):
+            self.matchmaker.last_group = None
+        unused_view = [view]
+
+        async def expected_peers() -> set[str]:
+            if unused_view:
+                return decisions.expected_peers(unused_view.pop(), self.position())
+            return decisions.expected_peers(await self.refresh_view(), self.position())
+
+        try:
+            group = await self.matchmaker.form_group(step, self.tokens_since_round, self.link.up, expected_peers,
+                                                     cfg.matchmaking_timeout, params_hash=self.hash, numel=cfg.numel)
+        except MatchmakingError:
+            world.metrics.failed(step, self.peer_id, "matchmaking")
+            return
+        formed = loop.time() - started
+        world.metrics.formed(step, self.peer_id, formed, group, self.matchmaker.led_last_group, world.live_count())
+        x = delta + self.residual
+        if len(group.members) == 1:
+            if not decisions.solo_step_allowed(self.view, self.position()):
+                world.metrics.failed(step, self.peer_id, "no_group")
+                return
+            self.residual[:] = 0
+            self.commit(self.theta - x)
+            world.metrics.averaged(step, self.peer_id, 1, 0, 0)
+            return
+        reduce = world.reduce_for(group)
+        reduce.vectors[self.peer_id] = x
+        result = await reduce.model.join(self.peer_id)
+        theta = self.theta.copy()
+        for j, (lo, hi) in enumerate(world.coords(group)):
+            if result.applied[j]:
+                avg = sum(w * reduce.vectors[q][lo:hi] for q, w in result.averages[j].items())
+                theta[lo:hi] -= avg
+                if result.contributed[j]:
+                    self.residual[lo:hi] = 0
+                else:
+                    self.residual[lo:hi] = x[lo:hi]
+            else:
+                self.residual[lo:hi] = x[lo:hi]  # skipped: the whole contribution waits for the next round
+        self.commit(theta)
+        world.metrics.averaged(step, self.peer_id, len(group.members), result.bytes_sent, result.bytes_received)
+
+    def commit(self, theta: np.ndarray) -> None:
+        self.tokens_since_round = 0.0
+        self.theta = theta
+        self.step += 1
+        self.hash = params_hash(theta)
+        self.world.states.setdefault((self.step, self.hash), theta.copy())
+        self.world.metrics.committed(self.step, self.peer_id, self.hash, theta)
+        self.phase = "training"
+        self.publish_soon()
