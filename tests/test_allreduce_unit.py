@@ -1,0 +1,176 @@
+"""The all-reduce state machine without sockets: the real run_allreduce, accumulators and shard
+agreement over a fake transport and a virtual clock (tests/protocol_fakes.py). Quorum and
+grace, a dead or silent owner's shard skipped by everybody, a silent client member, and the
+quorum counts of the owner's wait and the report exchange; protocol minutes in milliseconds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from lowcomm.protocol import codecs
+from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
+from lowcomm.protocol.accumulator import MIN_STRAGGLER_GRACE, ShardAccumulator
+from lowcomm.protocol.agreement import MIN_REPORT_GRACE, ShardAgreement
+from lowcomm.protocol.allreduce import EXCHANGE_END, AllReduceResult, ReduceRegistry, run_allreduce
+from lowcomm.protocol.layout import shard_layout
+
+from .protocol_fakes import FakeNet, InlineExecutor, VirtualTimeLoop, run_virtual
+
+NUMEL = 3000
+EXECUTOR = InlineExecutor()
+
+
+class Member:
+    """One peer of the round: its registry (the serving side) and its error-feedback state."""
+
+    def __init__(self, net: FakeNet, loop: VirtualTimeLoop, peer_id: str, client: bool = False) -> None:
+        self.peer_id = peer_id
+        self.address = "" if client else f"fake://{peer_id}"
+        self.rejections: list[tuple[str, str]] = []
+        self.registry = ReduceRegistry(peer_id, lambda reason, sender, _: self.rejections.append((reason, sender)),
+                                       EXECUTOR, clock=loop.clock)
+        if self.address:
+            net.registries[self.address] = self.registry
+        self.residual = torch.zeros(NUMEL)
+        self.owner_residual = torch.zeros(NUMEL)
+        self.net = net
+
+    def member(self) -> averaging_pb2.Member:
+        return averaging_pb2.Member(peer_id=self.peer_id, address=self.address, weight=1.0)
+
+    async def reduce(self, group: averaging_pb2.Group, delta: torch.Tensor, quorum: float = 1.0) -> AllReduceResult:
+        return await run_allreduce(group, self.peer_id, delta, self.residual, self.owner_residual, self.registry,
+                                   None, EXECUTOR, quorum=quorum, transport=self.net)
+
+
+def make_group(members: list[Member], codec: str = "fp32", reduce_timeout: float = 5.0) -> averaging_pb2.Group:
+    owners = [i for i, m in enumerate(members) if m.address]
+    return averaging_pb2.Group(
+        group_id=b"u" * 16, step=0, members=[m.member() for m in members],
+        shard_bounds=shard_layout(NUMEL, [0.0] * len(owners)), shard_owners=owners,
+        codec=int(codecs.get_codec(codec).id), reduce_timeout_s=reduce_timeout)
+
+
+def deltas(count: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(NUMEL, generator=gen) * 0.01 for _ in range(count)]
+
+
+def test_every_member_ends_with_the_same_decoded_average_at_once():
+    async def scenario(loop: VirtualTimeLoop):
+        net = FakeNet()
+        members = [Member(net, loop, f"peer-{i:02d}") for i in range(3)] + [Member(net, loop, "peer-50", client=True)]
+        group = make_group(members, codec="int8")
+        results = await asyncio.gather(*(m.reduce(group, d) for m, d in zip(members, deltas(4))))
+        return loop.time(), results
+
+    elapsed, results = run_virtual(scenario)
+    mean = torch.stack(deltas(4)).mean(0)
+    for i, sl in enumerate(results[0].slices):
+        assert all(torch.equal(r.averages[i], results[0].averages[i]) for r in results)  # bit-identical
+        assert torch.allclose(results[0].averages[i], mean[sl], atol=2e-3)  # int8 of the mean
+    assert all(r.reports_heard == 3 for r in results)
+    assert elapsed < 0.1  # nothing waited for a deadline or a grace
+
+
+def test_a_silent_client_member_costs_the_graces_after_the_quorum_not_the_deadline():
+    """The round of test_allreduce_faults' straggler test: three owners and a client-mode member
+    that never sends (nor reports: nobody can call it). The owners wait a grace after the quorum
+    for it, twice: for its contribution and for its shard report."""
+    async def scenario(loop: VirtualTimeLoop):
+        net = FakeNet()
+        owners = [Member(net, loop, f"peer-{i:02d}") for i in range(3)]
+        group = make_group([*owners, Member(net, loop, "peer-99", client=True)], reduce_timeout=300.0)
+        results = await asyncio.gather(*(m.reduce(group, d, quorum=0.6) for m, d in zip(owners, deltas(3))))
+        return loop.time(), results
+
+    elapsed, results = run_virtual(scenario)
+    mean = torch.stack(deltas(3)).mean(0)
+    for i, sl in enumerate(results[0].slices):
+        assert all(torch.equal(r.averages[i], results[0].averages[i]) for r in results)
+        assert torch.allclose(results[0].averages[i], mean[sl], atol=1e-6)
+    assert MIN_STRAGGLER_GRACE + MIN_REPORT_GRACE <= elapsed <= MIN_STRAGGLER_GRACE + 2 * MIN_REPORT_GRACE + 0.1
+
+
+def test_the_owners_quorum_counts_senders_that_arrived_before_it_started_waiting():
+    """Regression: the quorum was counted over the senders still missing when the wait began, so
+    with two of three in before it, it needed the silent third one and waited until the deadline."""
+    async def scenario(loop: VirtualTimeLoop):
+        group = make_group([Member(FakeNet(), loop, p) for p in ("a", "b", "c")], reduce_timeout=300.0)
+        acc = ShardAccumulator(group=group, shard_index=0, owner_id="a", codec=codecs.get_codec("fp32"),
+                               executor=EXECUTOR, owner_residual=torch.zeros(10), own=torch.ones(10),
+                               expected={"b", "c", "silent"}, weights={"a": 1.0, "b": 1.0, "c": 1.0, "silent": 1.0},
+                               clock=loop.clock)
+        await asyncio.sleep(0.5)
+        await acc.add("b", torch.ones(10))
+        await asyncio.sleep(0.5)
+        await acc.add("c", torch.ones(10))  # the quorum (0.6 of 3): 1 s after the accumulator opened
+        await acc.wait_for_senders(deadline=300.0, quorum=0.6)
+        return loop.time()
+
+    assert run_virtual(scenario) == pytest.approx(1.0 + 2 * 1.0)  # twice what the quorum took
+
+
+def test_the_report_quorum_counts_reports_heard_before_the_own_reduce_phase_ended():
+    """Regression: the same in the shard agreement, for reports that came in during the reduce."""
+    async def scenario(loop: VirtualTimeLoop):
+        agreement = ShardAgreement(b"u" * 16, "a", ["a", "b", "c", "silent"], 2, deadline=450.0, clock=loop.clock)
+        await asyncio.sleep(0.5)
+        agreement.hear("b", [False, False])
+        await asyncio.sleep(0.5)
+        agreement.hear("c", [False, False])
+        agreement.own([True, True], [False, False], deadline=450.0)
+        await agreement.settle(0.6)
+        return loop.time(), agreement.decide()
+
+    elapsed, decision = run_virtual(scenario)
+    assert elapsed == pytest.approx(1.0 + MIN_REPORT_GRACE) and decision == [True, True]
+
+
+@pytest.mark.parametrize("fault", ["dead", "silent"])
+def test_a_failed_owners_shard_is_skipped_by_everybody_and_kept_in_the_residuals(fault):
+    """``dead``: the owner's address refuses every call. ``silent``: it formed the group and its
+    server answers, but it never runs the round (no accumulator, no report). Either way the
+    survivors skip its shard alike, keep all of x there, renormalise the others' averages over
+    who sent, and the round ends within the exchange deadline."""
+    reduce_timeout = 5.0
+
+    async def scenario(loop: VirtualTimeLoop):
+        net = FakeNet()
+        members = [Member(net, loop, f"peer-{i:02d}") for i in range(3)]
+        group = make_group(members, reduce_timeout=reduce_timeout)
+        if fault == "dead":
+            net.down.add(members[2].address)
+        gen = torch.Generator().manual_seed(1)
+        old = []
+        for m in members[:2]:
+            m.residual.copy_(torch.randn(NUMEL, generator=gen) * 0.001)
+            old.append(m.residual.clone())
+        results = await asyncio.gather(*(m.reduce(group, d) for m, d in zip(members[:2], deltas(2))))
+        return loop.time(), results, [m.residual for m in members[:2]], old
+
+    elapsed, results, residuals, old = run_virtual(scenario)
+    x = [d + o for d, o in zip(deltas(2), old)]
+    failed = 2  # shard 2 belongs to peer-02
+    for i, sl in enumerate(results[0].slices):
+        if i == failed:
+            assert all(r.averages[i] is None for r in results)
+            assert all(torch.equal(res[sl], xi[sl]) for res, xi in zip(residuals, x))
+            continue
+        assert torch.equal(results[0].averages[i], results[1].averages[i])
+        assert torch.allclose(results[0].averages[i], ((x[0] + x[1]) / 2)[sl], atol=1e-7, rtol=1e-6)
+    assert reduce_timeout <= elapsed <= EXCHANGE_END * reduce_timeout + 1.0  # the owners waited for it, no longer
+
+
+def test_runs_are_deterministic():
+    async def scenario(loop: VirtualTimeLoop):
+        net = FakeNet()
+        members = [Member(net, loop, f"peer-{i:02d}") for i in range(3)] + [Member(net, loop, "peer-99", client=True)]
+        group = make_group(members, codec="int8", reduce_timeout=30.0)
+        results = await asyncio.gather(*(m.reduce(group, d, quorum=0.6) for m, d in zip(members[:3], deltas(3))))
+        return loop.time(), [torch.cat([a for a in r.averages]).numpy().tobytes() for r in results], net.calls
+
+    assert run_virtual(scenario) == run_virtual(scenario)
