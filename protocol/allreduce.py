@@ -258,6 +258,8 @@ async def run_allreduce(
     default gRPC over the channels of ``channel_for(address)``. Time is ``registry.clock``.
     """
     if transport is None:
+        if channel_for is None:
+            raise ValueError("run_allreduce needs channel_for (for gRPC) or a transport")
         from .grpc_transport import GrpcReduceTransport  # the adapter; the logic below never sees gRPC
 
         transport = GrpcReduceTransport(channel_for)

@@ -119,6 +119,8 @@ class Matchmaker(DirectPath):
         self.address = address  # "" in client mode: never a leader, owns no shard
         self.channel_for = channel_for  # read at every call by the default transport (tests swap it)
         if transport is None:
+            if channel_for is None:
+                raise ValueError("a Matchmaker needs channel_for (for gRPC) or a transport")
             from .grpc_transport import GrpcMatchmakingTransport  # the adapter; the logic below never sees gRPC
 
             transport = GrpcMatchmakingTransport(lambda: self.channel_for)

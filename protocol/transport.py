@@ -31,32 +31,37 @@ Plugging in a fake transport and clock (unit tests, sim/)
    ``asyncio.timeout``/``asyncio.sleep`` for the same deadlines.
 2. Randomness: ``Matchmaker(..., random_bytes=random.Random(seed).randbytes)``.
 3. Transport: ``Matchmaker(dht, run, identity, address, None, ..., transport=fake)`` and
-   ``run_allreduce(..., channel_for=None, ..., transport=fake)``. A fake routes a call to the
-   callee's serving method and turns a ``Refused`` into ``CallFailed``::
+   ``run_allreduce(group, peer_id, ..., registry, None, executor, ..., transport=fake)``; the
+   serving side of a peer is its ``Matchmaker`` and ``ReduceRegistry``. A fake routes a call to
+   the callee's serving method, copies the messages (a real network never shares the caller's
+   objects), and turns the callee's ``Refused`` into ``CallFailed``::
 
-       class FakeNet(MatchmakingTransport, ReduceTransport):
+       class FakeNet:                                   # one object can serve every peer
            async def join(self, address, request, timeout):
-               callee = self.peers[address]          # none: raise CallFailed(Code.UNAVAILABLE, ...)
+               callee = self.matchmakers.get(address)   # none, or dead: CallFailed(Code.UNAVAILABLE, ...)
                try:
-                   async with asyncio.timeout(timeout):
-                       return await callee.matchmaker.handle_join(request)
+                   async with asyncio.timeout(timeout):  # expiry: CallFailed(Code.DEADLINE_EXCEEDED, ...)
+                       return copy(await callee.handle_join(copy(request)))
                except Refused as err:
                    raise CallFailed(err.code, err.detail) from None
-               except TimeoutError:
-                   raise CallFailed(Code.DEADLINE_EXCEEDED, "deadline") from None
 
-           async def report_shards(self, address, report, timeout):  # likewise, handle_report(report)
-               ...
+           async def report_shards(self, address, report, timeout):
+               ...                                      # the same, with registry.handle_report(report)
 
-           def reduce(self, address, requests, timeout):
-               return self.peers[address].registry.handle(requests)  # an async iterator
+           async def reduce(self, address, requests, timeout):   # an async generator
+               ...                                      # registry.handle(requests) in a task of its own
 
-   Copy request messages (``CopyFrom`` or serialise) if the caller must not share them with
-   the callee, as a real network would not. ``reduce`` returns an async iterator of
-   ``ReduceMessage`` and consumes ``requests`` as the callee reads them (the sender counts an
-   upload as done when the transport asks for the message after its last chunk); it raises
-   ``CallFailed`` from the iteration when the call fails. tests/test_matchmaking_unit.py and
-   tests/test_allreduce_unit.py hold working fakes of both.
+   ``reduce`` must yield the owner's messages, raise ``CallFailed`` (never ``Refused``) from
+   the iteration when the call fails, and end the callee's handler when the caller stops
+   reading (the caller closes the stream). Run the owner's ``registry.handle(requests)`` in a
+   task of its own, as a server does, and hand its messages over through a queue: timeouts
+   and cancellation then stay with the task they belong to. The sender counts its upload as
+   done when the handler asks for the message after its last chunk. tests/protocol_fakes.py
+   (``FakeNet``, ``VirtualTimeLoop``, ``InlineExecutor``, ``FakeDHT``) is a complete, tested
+   set of fakes; tests/test_matchmaking_unit.py and tests/test_allreduce_unit.py use them.
+4. Executor: the all-reduce runs codec work in the executor it is given; under virtual time
+   an executor that runs inline keeps the clock exact (a thread would let time jump while
+   it works).
 """
 
 from __future__ import annotations
