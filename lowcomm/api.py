@@ -120,6 +120,8 @@ class Swarm:
                 self._write_loaded_state(self._to_load)
             self._restore_logging = self._setup_logging() if self._log else (lambda: None)
             limit_malloc_arenas()
+            import hivemind  # noqa: F401 - its import selects torch's file_system sharing; undone next
+
             share_tensors_by_descriptor()  # before hivemind's first future: no torch_shm_manager process
             try:
                 self._dht = _start_dht(cfg)  # forks the DHT process: before any gRPC object exists

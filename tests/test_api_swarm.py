@@ -1,0 +1,165 @@
+"""``lowcomm.Swarm`` in real swarms on loopback: the example script as two processes (one params
+hash per step, then a resume from its checkpoint), and an API peer in this process averaging
+with a ``lowcomm-node`` daemon peer (catch-up before the first step, state_dict/load_state_dict,
+nothing left running after the block).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from torch.nn.utils import parameters_to_vector
+
+from lowcomm.node.localswarm import NodeProcess
+from lowcomm.protocol.state import params_sha256
+
+from .hf_assets import write_byte_tokens, write_llama_config
+
+transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+pytestmark = pytest.mark.multiprocess
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "train_hf.py"
+MAX_STEPS = 200  # inner steps the API peer takes at most to see its two rounds with the daemon
+WAIT = 120  # start-up (torch, transformers, hivemind) and a few rounds on a loaded 2-core machine
+
+
+def example(swarm, name: str, workdir: Path, *args: str) -> NodeProcess:
+    """examples/train_hf.py as one peer; registered with the ``swarm`` fixture, which kills it."""
+    command = [sys.executable, str(EXAMPLE), "--checkpoint-dir", str(workdir / name), *args]
+    node = NodeProcess(name, [], command=command, env={"OMP_NUM_THREADS": "1"})
+    swarm.nodes.append(node)
+    return node
+
+
+def hashes(node: NodeProcess, group_size: int = 1) -> dict[int, str]:
+    return {e["outer_step"]: e["params_sha256"] for e in node.rounds() if e["group_size"] >= group_size}
+
+
+def nothing_left_in_session(node: NodeProcess) -> bool:
+    """No process of the peer's session (its DHT process, p2pd) outlived it."""
+    try:
+        os.killpg(node.proc.pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_the_example_as_two_processes_agrees_per_step_and_resumes_from_its_checkpoint(swarm, tmp_path):
+    first = example(swarm, "peer-0", tmp_path, "--min-peers", "2", "--steps", "30")
+    maddr = first.wait_event("example_ready", WAIT)["multiaddrs"][0]
+    second = example(swarm, "peer-1", tmp_path, "--min-peers", "2", "--steps", "30", "--peers", maddr)
+    assert first.wait_exit(WAIT) == 0 and second.wait_exit(WAIT) == 0
+    ours, theirs = hashes(first, 2), hashes(second, 2)
+    # 30 inner steps at H = 10: three rounds, all of both peers, one params hash per step.
+    assert sorted(ours) == [1, 2, 3] and ours == theirs
+    assert nothing_left_in_session(first) and nothing_left_in_session(second)
+
+    # Run again from the same checkpoint directory: it resumes at step 3 with step 3's hash (the
+    # stop folded the local progress into the residual) and goes on from there.
+    again = example(swarm, "peer-0", tmp_path, "--steps", "40")
+    resumed = again.wait_event("resumed", WAIT)
+    assert (resumed["outer_step"], resumed["params_sha256"]) == (3, ours[3])
+    assert again.wait_exit(WAIT) == 0
+    assert sorted(hashes(again)) == [4]  # the inner step count came back too: 10 more steps, one round
+    assert again.wait_event("example_done", 1)["outer_step"] == 4
+
+
+class Events(logging.Handler):
+    """The node's structured events (``round_done``, ``resumed``...) in this process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "event", None):
+            self.events.append(dict(record.__dict__))
+
+
+@pytest.fixture
+def events():
+    handler = Events()
+    logger = logging.getLogger("lowcomm")
+    level = logger.level
+    logger.setLevel(logging.INFO)  # the events are INFO records; the root logger's level would drop them
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def test_an_api_peer_and_a_daemon_peer_average_together(swarm, tmp_path, events):
+    import lowcomm
+
+    llama = write_llama_config(tmp_path / "llama" / "config.json")
+    tokens = write_byte_tokens(tmp_path / "train.bin", 200_000)
+    run = {"model": {"hf_config": str(llama)},
+           "data": {"format": "tokens", "path": str(tokens), "seq_len": 64, "eval_batches": 2},
+           "train": {"inner_steps": 10, "batch_size": 8, "lr": 3e-3, "warmup_steps": 0},
+           "sync": {"group_size": 2, "matchmaking_timeout": 15, "reduce_timeout": 8}}
+    toml = tmp_path / "run.toml"
+    toml.write_text("".join(f"[{section}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in body.items())
+                            for section, body in run.items()))
+    daemon = swarm.start(0, extra=["--config", str(toml), "--set", "node.heartbeat_interval=1"], fast=False)
+    maddr = daemon.multiaddr
+
+    # The API peer: the same model, built by the user from the same config.json.
+    torch.manual_seed(1)  # other initial weights than the daemon's: the catch-up replaces them
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**json.loads(llama.read_text())))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = torch.from_numpy(np.fromfile(tokens, dtype=np.uint16).astype(np.int64))
+    node = {"host": "127.0.0.1", "checkpoint_dir": str(tmp_path / "api"), "heartbeat_interval": 1, "grace_period": 10}
+    children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with lowcomm.Swarm(model, optimizer, config={**run, "node": node}, peers=[maddr], log=False) as api:
+        # Joined and caught up before the first step: the model holds the swarm's θ_global.
+        assert params_sha256(parameters_to_vector(model.parameters()).detach()) == api.status()["params_sha256"]
+        assert api.status()["swarm_peers"] == 2
+        for _ in range(MAX_STEPS):  # bounded: a failure must not train forever
+            if len([e for e in events.events if e["event"] == "round_done" and e["group_size"] == 2]) >= 2:
+                break
+            starts = torch.randint(len(data) - 65, (8,))
+            batch = torch.stack([data[s:s + 65] for s in starts])
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            api.step(tokens=batch.numel(), loss=loss)
+    ours = {e["outer_step"]: e["params_sha256"] for e in events.events
+            if e["event"] == "round_done" and e["group_size"] == 2}
+    for step, digest in ours.items():
+        event = daemon.wait_for(lambda e: e.get("event") == "round_done" and e.get("outer_step") == step, WAIT)
+        assert event["params_sha256"] == digest and event["group_size"] == 2, f"step {step}"
+
+    # After the block: the node stopped cleanly, nothing of it runs, the model holds θ_global.
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("lowcomm")]
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in children_before]
+    assert not [(p.pid, p.name(), p.status()) for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    state = api.state_dict()
+    last = max(ours)
+    assert state["step"] == last and state["params_sha256"] == ours[last]
+    assert params_sha256(parameters_to_vector(model.parameters()).detach()) == ours[last]
+    assert state["trainer"]["optimizer"]["state"]  # the inner AdamW moments are in it
+
+    # load_state_dict: a new peer (empty checkpoint directory, alone) resumes from that state.
+    fresh = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**json.loads(llama.read_text())))
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=3e-3)
+    other = lowcomm.Swarm(fresh, fresh_optimizer, config={**run, "node": {**node, "checkpoint_dir": str(tmp_path / "b")}},
+                          log=False)
+    other.load_state_dict(state)
+    with other:
+        assert other.outer_step == last
+        assert params_sha256(parameters_to_vector(fresh.parameters()).detach()) == ours[last]
+        moments = fresh_optimizer.state_dict()["state"][0]["exp_avg"]
+        assert torch.equal(moments, state["trainer"]["optimizer"]["state"][0]["exp_avg"])
