@@ -13,9 +13,12 @@ Model:
   key (XOR of SHA-256 ids), which serve every request of that key: a single ``<run>/peers``
   record of the whole swarm is a hotspot there.
 
-What is visible is kept up to date by timers (visibility, expiry), so a read costs one dict copy.
-For the peers record the parsed records are kept too (live ones, the leaving ones, and a count
-per (outer step, params hash, phase)), so that a view of N peers costs a copy, not N parses.
+Visibility and expiry happen on ticks of ``TICK`` seconds (a store is visible at the first tick
+after its propagation delay), so what a key holds changes at most once per tick and readers in
+between share one snapshot: at N=1024 a read then costs nothing, not a copy of N records. For
+the peers record the parsed records are kept (live ones, leaving ones, and a count per (outer
+step, params hash, phase)), so that a view of N peers costs no N parses. Readers must not
+mutate what they get.
 """
 
 from __future__ import annotations
@@ -45,6 +48,13 @@ class StepCounters:
     served: Counter  # requests served per replica holder, for callers at this step
 
 
+TICK = 0.25  # seconds: the granularity of visibility and expiry
+
+
+def _tick(t: float) -> float:
+    return math.ceil(t / TICK) * TICK
+
+
 def _position(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
 
@@ -59,6 +69,8 @@ class SimDHT:
         self._records: dict[str, dict[str, Any]] = {}  # parsed key -> subkey -> live record
         self._left: dict[str, set[str]] = {}  # parsed key -> subkeys whose record says leaving
         self._tags: dict[str, Counter] = {}  # parsed key -> (outer_step, params hash, phase) -> count
+        self._values: dict[str, dict[str, dict]] = {}  # key -> what get() returns until the key changes
+        self._snapshots: dict[str, tuple] = {}  # parsed key -> what get_records() returns until it changes
         self.steps: dict[int, StepCounters] = defaultdict(lambda: StepCounters(Counter(), Counter(), Counter(), Counter()))
         self._live: dict[str, int] = {}  # peer id -> its XOR position
         self._holders: dict[str, list[str]] = {}  # key -> replica holders (recomputed on churn)
@@ -120,25 +132,36 @@ class SimDHT:
         if version.expires_at <= loop.time():
             return
         entries = self._visible.setdefault(key, {})
+        self._values.pop(key, None)
+        self._snapshots.pop(key, None)
         if parser is not None:
             self._index(key, subkey, entries.get(subkey), -1)
             self._index(key, subkey, version, +1)
         entries[subkey] = version
-        loop.call_at(version.expires_at, self._expire, key, subkey, version)
+        loop.call_at(_tick(version.expires_at), self._expire, key, subkey, version)
 
     def _expire(self, key: str, subkey: str, version: Version) -> None:
         entries = self._visible.get(key)
         if entries is not None and entries.get(subkey) is version:
             del entries[subkey]
+            self._values.pop(key, None)
+            self._snapshots.pop(key, None)
             if key in self._parsers:
                 self._index(key, subkey, version, -1)
 
-    def visible(self, key: str) -> dict[str, Version]:
-        return dict(self._visible.get(key, ()))
+    def values(self, key: str) -> dict[str, dict]:
+        found = self._values.get(key)
+        if found is None:
+            found = self._values[key] = {subkey: v.value for subkey, v in self._visible.get(key, {}).items()}
+        return found
 
     def records(self, key: str) -> tuple[dict[str, Any], frozenset[str], Counter]:
         """(live parsed records, subkeys leaving, counts per (step, hash, phase)) of a parsed key."""
-        return dict(self._records[key]), frozenset(self._left[key]), Counter(self._tags[key])
+        found = self._snapshots.get(key)
+        if found is None:
+            found = self._snapshots[key] = (dict(self._records[key]), frozenset(self._left[key]),
+                                            Counter(self._tags[key]))
+        return found
 
     def _serve(self, key: str, counters: StepCounters) -> None:
         for holder in self.holders(key):
@@ -162,18 +185,15 @@ class DHTClient:
         self.dht._serve(key, counters)
         loop = asyncio.get_running_loop()
         version = Version(value, loop.time() + ttl)
-        loop.call_later(self.propagation, self.dht._publish, key, subkey, version)
+        loop.call_at(_tick(loop.time() + self.propagation), self.dht._publish, key, subkey, version)
         return True
 
     async def get(self, key: str) -> dict[str, dict]:
-        return {subkey: version.value for subkey, version in (await self.get_versions(key)).items()}
-
-    async def get_versions(self, key: str) -> dict[str, Version]:
         counters = self.dht.steps[self.step()]
         counters.reads[self.peer_id] += 1
         await asyncio.sleep(self.rtt * self.dht.hops())
         self.dht._serve(key, counters)
-        found = self.dht.visible(key)
+        found = self.dht.values(key)
         counters.subkeys_read[self.peer_id] += len(found)
         return found
 

@@ -58,6 +58,8 @@ class SimConfig:
     reduce_timeout: float = 60.0  # [sync] reduce_timeout
     quorum: float = 2 / 3
     straggler_wait: float = 2.0
+    buckets: bool = False  # prototype of the fix: group buckets per step (sim/buckets.py)
+    ideal_global: bool = False  # what-if: every group of a step ends with the same θ (item 3), free
     dim: int = 16  # floats of simulated parameters per peer
     run: str = "sim"
 
@@ -94,6 +96,7 @@ class World:
         self.everyone: dict[str, SimPeer] = {}  # ever spawned (the reduce model asks about the dead too)
         self.states: dict[tuple[int, str], np.ndarray] = {}
         self.reduces: dict[bytes, _Reduce] = {}
+        self.global_theta: dict[tuple[int, str], np.ndarray] = {}  # ideal_global: θ of (step, hash)
         self.state_bytes = 8 * config.numel  # θ_global and the outer momentum, fp32
         self.gossip_window = STEP_WINDOW
         self.next_index = 0
