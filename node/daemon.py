@@ -4,10 +4,11 @@ One event loop (uvloop, created by the CLI) runs RPCs, heartbeats and rounds; th
 one dedicated training thread; codec and hashing work goes to a small executor; the DHT runs in
 hivemind's own process. Every await that depends on another peer has a deadline.
 
-``Node`` builds the collaborators (DHT client, gRPC server, matchmaker, reduce registry, state
-donor, executors, metrics) and hands them to the ``RoundDriver`` (node/driver.py), which runs the
-inner phases and rounds; the node itself keeps the swarm view and our record (the driver's
-``SwarmPort``), the state downloads, the checkpoints and the shutdown.
+``Node`` builds the collaborators (DHT client and ``SwarmLink``, gRPC server, matchmaker, reduce
+registry, state donor, executors, metrics, the trainer unless one is injected) and hands them to
+the ``RoundDriver`` (node/driver.py), which runs the inner phases and rounds. The node itself
+starts and stops: restore (node/restore.py), the initial catch-up (node/catchup.py), the
+shutdown fold and checkpoint, the status RPC.
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ import torch
 from grpc_health.v1 import health, health_pb2
 
 from lowcomm import __version__
-from lowcomm.protocol import PROTOCOL_VERSION, codecs
-from lowcomm.protocol._pb.lowcomm.v1 import node_pb2, state_pb2, state_pb2_grpc
-from lowcomm.protocol.auth import RunAuth, ServerAuthInterceptor, TLSConfig, client_interceptors
+from lowcomm.protocol import codecs
+from lowcomm.protocol._pb.lowcomm.v1 import node_pb2
 from lowcomm.protocol.aggregation import Aggregation
 from lowcomm.protocol.allreduce import ReduceRegistry
-from lowcomm.protocol.handshake import Identity, IncompatiblePeer
+from lowcomm.protocol.auth import RunAuth, ServerAuthInterceptor, TLSConfig, client_interceptors
+from lowcomm.protocol.handshake import Identity
 from lowcomm.protocol.matchmaking import Matchmaker
 from lowcomm.protocol.rpc import (
     HEALTH_SERVICE,
@@ -44,29 +45,30 @@ from lowcomm.protocol.rpc import (
     StateServicer,
     create_server,
 )
-from lowcomm.protocol.state import Donor, StateDonor, StateError, download_state
+from lowcomm.protocol.state import StateDonor
 
-from . import checkpoint, decisions
-from .errors import FatalError
-from .config import Config
+from . import restore
+from .averaging import Averager
 from .cancel import cancel_and_wait
-from .faults import Faults
-from .executors import TrackedThreadPool, shutdown_without_blocking
-from .averaging import Averager, RoundReport  # noqa: F401 (RoundReport is part of this module's API)
+from .catchup import CatchUp
 from .commit import Committer
+from .config import Config
+from .dht import swarm_clock
 from .driver import RoundDriver, StopSignals
+from .errors import FatalError
+from .executors import TrackedThreadPool, shutdown_without_blocking
+from .faults import Faults
 from .globalstate import GlobalState
-from .gossip_mode import STEP_WINDOW as GOSSIP_STEP_WINDOW
 from .gossip_mode import GossipHost, GossipMode
 from .grpc_metrics import HandledCounter
 from .metrics import NodeMetrics, serve_metrics
+from .ports import ReplicaEvaluating, TrainerPort
 from .reconnect import Reconnector
 from .reports import ReportQueue
-from .dht import swarm_clock
-from .swarm import HivemindDHT, PeerRecord, SwarmView, peers_key, read_swarm, signed
 from .runstats import RunStats
+from .swarm import HivemindDHT, SwarmView, signed
+from .swarmlink import SwarmLink
 from .train_thread import TrainThread, lower_priority
-from .ports import ReplicaEvaluating, TrainerPort
 from .trainer import Trainer
 
 log = logging.getLogger("lowcomm.node")
@@ -120,18 +122,17 @@ class Node:
         self.stats = RunStats()  # written by the round driver, read by our record and status
         self.address = ""
         self.faults = Faults.from_env()  # fault injection for tests (node/faults.py)
-        # Checkpoints exist but none is usable: the state must come from the swarm (_restore).
-        self.must_download = False
+        self._must_download = False  # checkpoints exist but none is usable (node/restore.py)
         self.gossip: GossipMode | None = None  # when [sync] mode = "gossip"
-        self.driver: RoundDriver | None = None  # built once the server runs (_build_driver)
-        self.view = SwarmView({}, {}, 0.0)
+        self.link: SwarmLink | None = None  # our record and the swarm view, once the state is known
+        self.driver: RoundDriver | None = None  # built once the server runs (_build_rounds)
+        self.catchup: CatchUp  # state downloads (node/catchup.py), built with the driver
         self.health = health.aio.HealthServicer()
         # Asked once: DHT calls block on another process, never on the event loop.
         self.multiaddrs = [str(m) for m in dht.get_visible_maddrs()]
         # After a partition heals, hivemind alone never reintroduces the two sides (node/reconnect.py).
         self.reconnector = Reconnector(dht, self.peer_id, config.node.peers,
                                        interval=max(10.0, 3 * config.node.heartbeat_interval))
-        self._reconnecting: asyncio.Task | None = None
         self.trainer: TrainerPort
         # Eval of θ_global in the report thread; NaN for a trainer that offers no replica.
         self.evaluate_global: Callable[[torch.Tensor], float] = lambda _params: math.nan
@@ -189,15 +190,17 @@ class Node:
             self.stats.last_eval = await self.in_train_thread(self.trainer.evaluate)
             self.metrics.eval_loss.set(self.stats.last_eval)
             self.metrics.outer_step.set(self.state.step)
-            server = await self._start_server()
-            self.driver = self._build_driver()
+            link = self.link = SwarmLink(self.config, self.identity, self.state, dht_client=self.dht_client,
+                                         reconnector=self.reconnector, metrics=self.metrics, stats=self.stats)
+            server = await self._start_server(link)
+            self.driver = self._build_rounds(link)
             metrics_server, metrics_port = self._start_metrics()
             self.donor.publish(await self.in_codec_pool(self.state.snapshot))
             self._announce(metrics_port)
-            heartbeat = asyncio.create_task(self._heartbeat(), name="heartbeat")
+            heartbeat = asyncio.create_task(link.heartbeat(), name="heartbeat")
             training = False
             try:
-                await self._catch_up(initial=True)
+                await self.catchup.run(initial=True)
                 await self.health.set(HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
                 self.stats.training_since = time.monotonic()
                 training = True
@@ -208,11 +211,11 @@ class Node:
                     if not self.force_stop.is_set():
                         raise  # cancelled from outside, not by a second signal
             finally:
-                await cancel_and_wait(heartbeat, self._reconnecting)
+                await cancel_and_wait(heartbeat, link.reconnecting)
                 if training:  # also after a failure: what the node learnt is saved
                     await self._stop_rounds()
                     await self._reports_written()
-                    await self._shutdown()
+                    await self._shutdown(link)
             return 0
         finally:
             if server is not None:
@@ -225,43 +228,13 @@ class Node:
             await shutdown_without_blocking(self.codec_executor, self.report_executor)
 
     def _restore(self) -> GlobalState:
-        """Runs in the training thread: the newest usable checkpoint (a damaged newest one falls
-        back to the previous one), or the seed's initial weights when there is none. When
-        checkpoints exist but none is usable, the node says so and must download the swarm's
-        state (``_catch_up``) rather than silently start over."""
-        cfg = self.config
-        for stale in checkpoint.remove_stale_temporaries(cfg.node.checkpoint_dir):
-            log.info("removed %s, left by an interrupted checkpoint write", stale.name)
+        """Training thread: the state to start from (node/restore.py)."""
+        restored = restore.restore(self.config, self.trainer)
+        self.stats.tokens_total = restored.tokens_total
+        self._must_download = restored.must_download
+        return restored.state
 
-        def parse(payload: dict[str, Any]) -> tuple[GlobalState, dict[str, Any]]:
-            if payload.get("config_fingerprint") != cfg.run_fingerprint():
-                raise FatalError(
-                    f"a checkpoint in {cfg.node.checkpoint_dir} belongs to another run config; use another "
-                    f"--checkpoint-dir or the run config it was made with"
-                )
-            if not isinstance(payload.get("trainer"), dict):
-                raise KeyError("trainer state missing")
-            return GlobalState.from_checkpoint(payload, cfg.sync.outer_lr, cfg.sync.outer_momentum), payload
-
-        found = checkpoint.load_newest(cfg.node.checkpoint_dir, parse)
-        if found is not None:
-            (state, payload), path = found
-            self.trainer.set_params(state.params)
-            self.trainer.load_local_state(payload["trainer"])
-            self.stats.tokens_total = int(payload.get("tokens_total", 0))
-            log.info("resumed from checkpoint %s (outer step %d)", path, state.step,
-                     extra={"event": "resumed", "outer_step": state.step, "params_sha256": state.params_hash,
-                            "checkpoint": path.name})
-            return state
-        damaged = checkpoint.list_checkpoints(cfg.node.checkpoint_dir)
-        if damaged:
-            self.must_download = True
-            log.error("no usable checkpoint in %s (%d damaged file(s) skipped): the node downloads the swarm's "
-                      "state instead of starting over", cfg.node.checkpoint_dir, len(damaged),
-                      extra={"event": "checkpoints_unusable"})
-        return GlobalState.fresh(self.trainer.get_params(), cfg.sync.outer_lr, cfg.sync.outer_momentum)
-
-    async def _start_server(self) -> grpc.aio.Server:
+    async def _start_server(self, link: SwarmLink) -> grpc.aio.Server:
         cfg = self.config.node
         self.registry = ReduceRegistry(self.peer_id, self._on_reject, self.codec_executor,
                                        Aggregation.from_config(self.config.sync))
@@ -276,8 +249,8 @@ class Node:
         if self.config.sync.mode == "gossip":
             self.gossip = GossipMode(GossipHost(
                 self.peer_id, self.identity, self.config.sync, self.codec, self.trainer.numel, self.state,
-                self.channels, self.codec_executor, self.metrics, view=lambda: self.view,
-                refresh_view=self.refresh_view, on_reject=self._on_reject))
+                self.channels, self.codec_executor, self.metrics, view=link.last_view,
+                refresh_view=link.refresh_view, on_reject=self._on_reject))
         try:
             server, port = create_server(
                 cfg.host, cfg.grpc_port,
@@ -299,22 +272,26 @@ class Node:
                  "run secret required (RPCs and DHT records authenticated)" if self.auth else "open run (no secret)")
         if serve_peers:
             self.address = f"{self._announce_host()}:{port}"
-            self.matchmaker.address = self.address
+            self.matchmaker.address = link.address = self.address
         self.grpc_port = port
         return server
 
-    def _build_driver(self) -> RoundDriver:
-        """The round driver and its two halves, wired to this node's collaborators."""
-        averager = Averager(self.config, self.peer_id, self.state, swarm=self, matchmaker=self.matchmaker,
+    def _build_rounds(self, link: SwarmLink) -> RoundDriver:
+        """The round driver, its two halves and the catch-up, wired to this node's collaborators."""
+        averager = Averager(self.config, self.peer_id, self.state, swarm=link, matchmaker=self.matchmaker,
                             registry=self.registry, channels=self.channels, codec_executor=self.codec_executor,
                             metrics=self.metrics, stats=self.stats, faults=self.faults,
                             stop_training=self.stop_training, gossip=self.gossip)
-        committer = Committer(self.state, self.trainer, swarm=self, donor=self.donor, train_thread=self.train_thread,
+        self.catchup = CatchUp(self.config, self.identity, self.trainer, self.state, swarm=link, averager=averager,
+                               channels=self.channels, donor=self.donor, train_thread=self.train_thread,
+                               codec_executor=self.codec_executor, metrics=self.metrics, stats=self.stats,
+                               gossip=self.gossip is not None, must_download=self._must_download)
+        committer = Committer(self.state, self.trainer, swarm=link, donor=self.donor, train_thread=self.train_thread,
                               codec_executor=self.codec_executor, reports=self.reports, metrics=self.metrics,
                               stats=self.stats, codec=self.codec, evaluate_global=self.evaluate_global,
                               write_checkpoint=self._write_checkpoint)
-        return RoundDriver(self.config, self.trainer, self.state, averager=averager, committer=committer, swarm=self,
-                           train_thread=self.train_thread, codec_executor=self.codec_executor, metrics=self.metrics,
+        return RoundDriver(self.config, self.trainer, self.state, averager=averager, committer=committer, swarm=link,
+                           catch_up=self.catchup.run, train_thread=self.train_thread, codec_executor=self.codec_executor, metrics=self.metrics,
                            stats=self.stats, faults=self.faults, stops=self.stops, human=self.human)
 
     def _start_metrics(self) -> tuple[Any, int]:
@@ -349,153 +326,15 @@ class Node:
                    "join_command": join_line},
         )
 
-    # -- the swarm view -----------------------------------------------------------------------
+    @property
+    def view(self) -> SwarmView:
+        """The swarm as last read (empty before the node started)."""
+        return self.link.view if self.link is not None else SwarmView({}, {}, 0.0)
 
-    def my_record(self, leaving: bool = False) -> PeerRecord:
-        step, digest = self.state.published()  # together: never a new step with the old hash
-        return PeerRecord(
-            peer_id=self.peer_id, address=self.address, outer_step=step,
-            params_sha256=digest, bandwidth_bps=self.stats.bandwidth_bps,
-            tokens_per_second=self.stats.tokens_per_second, protocol_version=PROTOCOL_VERSION,
-            config_fingerprint=self.identity.config_fingerprint, phase=self.stats.phase, leaving=leaving,
-        )
-
-    async def publish_record(self, leaving: bool = False) -> None:
-        ttl = 3 * self.config.node.heartbeat_interval
-        await self.dht_client.store(peers_key(self.config.run.name), self.peer_id, self.my_record(leaving).to_value(), ttl)
-
-    async def refresh_view(self) -> SwarmView:
-        self.view = await read_swarm(self.dht_client, self.config.run.name, self.identity.config_fingerprint,
-                                     PROTOCOL_VERSION)
-        self.metrics.swarm_peers.set(len(self.view.peers | {self.peer_id: None}))
-        self.metrics.swarm_outer_step_max.set(max(self.view.max_step, self.state.step))
-        return self.view
-
-    async def _heartbeat(self) -> None:
-        while True:
-            try:
-                await self.publish_record()
-                view = await self.refresh_view()
-                missing = self.reconnector.missing(view.peers.keys(), view.left)
-                # In a task of its own: pinging unreachable peers must never delay our record
-                # past its TTL (the others would think we left).
-                if self.reconnector.due(missing) and (self._reconnecting is None or self._reconnecting.done()):
-                    self._reconnecting = asyncio.create_task(self._reconnect(missing), name="dht-reconnect")
-            except Exception:  # a heartbeat must survive any DHT hiccup
-                log.exception("heartbeat failed")
-            await asyncio.sleep(self.config.node.heartbeat_interval)
-
-    async def _reconnect(self, missing: list[str]) -> None:
-        try:
-            answered = await self.reconnector.reconnect(missing)
-        except Exception as err:  # never an unhandled task error: the next heartbeat tries again
-            log.debug("DHT re-bootstrap failed: %r", err)
-            return
-        if answered is not None:
-            self.metrics.dht_rebootstraps.labels(outcome="reached" if answered else "unreachable").inc()
-
-    def last_view(self) -> SwarmView:
-        return self.view
-
-    def position(self) -> decisions.Position:
-        step, digest = self.state.published()
-        return decisions.Position(self.peer_id, step, digest)
-
-    # -- catch-up -----------------------------------------------------------------------------
-
-    async def catch_up(self) -> None:
-        """Between inner phases (the round driver calls it): see ``_catch_up``."""
-        await self._catch_up()
-
-    async def _catch_up(self, initial: bool = False) -> None:
-        """Download the swarm's state when it is ahead of us or we are in a minority at our step."""
-        view = await self.refresh_view()
-        if initial and self.config.node.peers and not view.peers and not view.foreign:
-            # Right after joining, the records may take a moment to reach us.
-            for _ in range(8):
-                await asyncio.sleep(0.5)
-                view = await self.refresh_view()
-                if view.peers or view.foreign:
-                    break
-        if initial:
-            await self._handshake(view)
-        if initial and self.must_download and not decisions.others(view, self.position()):
-            raise FatalError(
-                f"no usable checkpoint in {self.config.node.checkpoint_dir} and no peer to download the swarm's "
-                f"state from: join a live swarm with --peers, or move the damaged checkpoint files away to "
-                f"start over from the initial weights")
-        plan = decisions.catch_up_target(view, self.position(),
-                                         gossip_window=GOSSIP_STEP_WINDOW if self.gossip is not None else None)
-        if plan is None:
-            return
-        if plan.because_minority:
-            log.warning("our params at step %d differ from the majority of the swarm; re-downloading", plan.step)
-        self.stats.phase = "catching_up"
-        await self._download(plan.step, plan.params_hash, [Donor(p.peer_id, p.address) for p in plan.donors])
-
-    async def _handshake(self, view: SwarmView) -> None:
-        """Refuse to run next to a swarm of another run config, naming the difference."""
-        candidates = [p for p in (*view.peers.values(), *view.foreign.values()) if p.address and p.peer_id != self.peer_id]
-        if not candidates or view.peers.keys() - {self.peer_id}:
-            return
-        stub = state_pb2_grpc.StateTransferStub(self.channels(candidates[0].address))
-        try:
-            await stub.GetStateInfo(state_pb2.StateInfoRequest(hello=self.identity.hello()), timeout=10)
-        except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise FatalError(f"refused by the swarm: {err.details()}") from None
-
-    async def _download(self, step: int, digest: str | None, donors: list[Donor]) -> None:
-        started = time.monotonic()
-        try:
-            got = await download_state(donors, step, digest, self.identity, self.channels,
-                                       timeout=max(60.0, self.config.sync.reduce_timeout),
-                                       expected_numel=self.trainer.numel)  # the run config's size, not a donor's
-        except StateError as err:
-            log.warning("state download of step %d failed: %s; training on from step %d", step, err, self.state.step)
-            return
-        except IncompatiblePeer as err:
-            raise FatalError(f"refused by the swarm: {err}") from None
-
-        def adopt() -> None:
-            # Our local progress since θ_global is not lost: it goes into the residual, to be sent
-            # with our next contribution. When the state we replace is the result of our own last
-            # round (our group lost the majority vote), what we contributed to that round was not
-            # applied in the swarm's state either, so all of it goes back into the residual.
-            averager = self.driver.averager if self.driver is not None else None
-            last = averager.last_contribution if averager is not None else None
-            if last is not None and last[0] == self.state.step == got.step:
-                self.state.residual.copy_(last[1])
-            self.state.residual.add_(self.state.params - self.trainer.get_params())
-            if averager is not None:
-                averager.last_contribution = None
-            self.state.adopt(got.step, got.params, got.momentum)
-            self.trainer.set_params(self.state.params)
-
-        await self.in_train_thread(adopt)
-        self.donor.publish(await self.in_codec_pool(self.state.snapshot))
-        self.must_download = False
-        self.metrics.state_downloads.inc()
-        self.metrics.state_download_bytes.inc(got.bytes_downloaded)
-        self.metrics.outer_step.set(self.state.step)
-        log.info("caught up: downloaded step %d (%d bytes from %d donor(s) in %.1fs)", got.step, got.bytes_downloaded,
-                 got.donors_used, time.monotonic() - started,
-                 extra={"event": "state_downloaded", "outer_step": got.step, "params_sha256": self.state.params_hash})
-        await self.publish_record()
-
-    # -- the main loop ------------------------------------------------------------------------
-
-    def _save_checkpoint(self) -> None:
-        self._write_checkpoint(self.state.to_checkpoint(), self.trainer.local_state(), self.stats.tokens_total)
+    # -- stopping -----------------------------------------------------------------------------
 
     def _write_checkpoint(self, state: dict[str, Any], trainer_state: dict[str, Any], tokens_total: int) -> None:
-        payload = state | {
-            "config_fingerprint": self.config.run_fingerprint(),
-            "trainer": trainer_state,
-            "tokens_total": tokens_total,
-        }
-        path = checkpoint.save(self.config.node.checkpoint_dir, int(state["step"]), payload)
-        log.debug("checkpoint written: %s", path)
+        restore.save(self.config, state, trainer_state, tokens_total)
 
     async def _stop_rounds(self) -> None:
         """Whatever round is still in flight (a failure or a forced stop interrupted the loop):
@@ -511,7 +350,7 @@ class Node:
         checkpoint is always among them: node/reports.py)."""
         await self.reports.flush()
 
-    async def _shutdown(self) -> None:
+    async def _shutdown(self, link: SwarmLink) -> None:
         """Fold unsent local progress into the residual, checkpoint, leave the DHT."""
         self.stats.phase = "stopping"
 
@@ -519,12 +358,12 @@ class Node:
             self.train_thread.drain()  # an overlapped round's result not yet applied to the local model
             self.state.residual.add_(self.state.params - self.trainer.get_params())
             self.trainer.set_params(self.state.params)
-            self._save_checkpoint()
+            self._write_checkpoint(self.state.to_checkpoint(), self.trainer.local_state(), self.stats.tokens_total)
 
         await self.in_train_thread(fold_and_save)
         try:
             async with asyncio.timeout(2.0 if self.force_stop.is_set() else 5.0):
-                await self.publish_record(leaving=True)
+                await link.publish_record(leaving=True)
         except TimeoutError:
             pass
         log.info("stopped cleanly at outer step %d (checkpoint in %s)", self.state.step,
@@ -533,11 +372,12 @@ class Node:
     # -- status -------------------------------------------------------------------------------
 
     async def status(self) -> node_pb2.NodeStatus:
+        view = self.view
         swarm = [
             node_pb2.SwarmPeer(peer_id=p.peer_id, address=p.address, outer_step=p.outer_step,
                                params_sha256=p.params_sha256, tokens_per_second=p.tokens_per_second,
                                client_mode=not p.address, bandwidth_bps=p.bandwidth_bps)
-            for p in sorted(self.view.peers.values(), key=lambda p: p.peer_id)
+            for p in sorted(view.peers.values(), key=lambda p: p.peer_id)
         ]
         state = getattr(self, "state", None)
         step, digest = state.published() if state else (0, "")
@@ -546,7 +386,7 @@ class Node:
             params_sha256=digest,
             swarm_peers=len({p.peer_id for p in swarm} | {self.peer_id}), loss=self.stats.last_loss,
             eval_loss=self.stats.last_eval, tokens_total=self.stats.tokens_total, phase=self.stats.phase,
-            swarm_outer_step_max=max(self.view.max_step, step),
+            swarm_outer_step_max=max(view.max_step, step),
             rounds_completed=self.stats.rounds_completed, tokens_per_second=self.stats.tokens_per_second, swarm=swarm,
             multiaddrs=self.multiaddrs, codec=self.config.sync.codec,
             mode=self.config.sync.mode, consensus_distance=self.stats.consensus_distance, version=__version__,

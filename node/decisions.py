@@ -121,3 +121,18 @@ def catch_up_target(view: SwarmView, me: Position, gossip_window: int | None = N
     if not donors:
         return None
     return CatchUp(target, digest, donors, minority)
+
+
+def fragment(numel: int, fragments: int, step: int) -> slice:
+    """The part of the flat parameters the round of ``step`` syncs (Streaming DiLoCo): all of
+    them, or fragment (step mod K) of K contiguous, nearly equal ones. Every peer at a step
+    picks the same slice, so the members of a round agree on it without asking."""
+    bounds = [numel * i // fragments for i in range(fragments + 1)]
+    index = step % fragments
+    return slice(bounds[index], bounds[index + 1])
+
+
+def phase_steps(inner_steps: int, fragments: int) -> int:
+    """Inner steps between two rounds: H, or H/K with K fragments (each fragment is then synced
+    every H steps, the fragments at staggered times); at least one."""
+    return max(1, round(inner_steps / fragments))

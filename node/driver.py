@@ -5,7 +5,7 @@ the event loop; the model lives in the one training thread (node/train_thread.py
 works with comes through its constructor: the trainer (``TrainerPort``), θ_global and the
 residuals (``GlobalState``), the network part of a round (``Averager``, node/averaging.py: the
 matchmaker, the all-reduce registry, gossip), its local part (``Committer``, node/commit.py), the
-swarm as the node sees it (``SwarmPort``: views, our record, catch-up), the executors, the metrics,
+swarm as the node sees it (``SwarmPort``: views, our record), the catch-up, the executors, the metrics,
 the shared ``RunStats``, the fault injection of tests (``Faults``) and the stop signals. What to
 do when (behind? outpaced? alone?) is decided by the plain functions of node/decisions.py.
 
@@ -68,7 +68,8 @@ class RoundDriver:
     node's main task; after it was cancelled or failed, ``abandon`` leaves a consistent state."""
 
     def __init__(self, config: Config, trainer: TrainerPort, state: GlobalState, *, averager: Averager,
-                 committer: Committer, swarm: SwarmPort, train_thread: TrainThread, codec_executor: TrackedThreadPool,
+                 committer: Committer, swarm: SwarmPort, catch_up: Callable[[], Awaitable[None]],
+                 train_thread: TrainThread, codec_executor: TrackedThreadPool,
                  metrics: NodeMetrics, stats: RunStats, faults: Faults, stops: StopSignals,
                  human: bool = False) -> None:
         self.config = config
@@ -77,6 +78,8 @@ class RoundDriver:
         self.averager = averager
         self.committer = committer
         self.swarm = swarm
+        # Download the swarm's state when it is ahead of us or holds other parameters (node/catchup.py).
+        self.catch_up = catch_up
         self.train_thread = train_thread
         self.codec_executor = codec_executor
         self.metrics = metrics
@@ -106,7 +109,7 @@ class RoundDriver:
             await self.overlap.run()
             return
         while not self.should_stop():
-            await self.swarm.catch_up()
+            await self.catch_up()
             await self.inner_phase(cut_when_outpaced=True)
             if self.stops.requested.is_set():
                 break
@@ -198,10 +201,7 @@ class RoundDriver:
 
     def next_fragment(self) -> slice:
         """The part of the flat parameters this round syncs: all of it, or fragment (step mod K)."""
-        count = self.config.sync.fragments
-        bounds = [self.trainer.numel * i // count for i in range(count + 1)]
-        index = self.state.step % count
-        return slice(bounds[index], bounds[index + 1])
+        return decisions.fragment(self.trainer.numel, self.config.sync.fragments, self.state.step)
 
     async def prepare_round(self) -> tuple[slice, torch.Tensor, torch.Tensor] | None:
         """(fragment, Δ, local parameters of the fragment) at a round boundary; None when the
@@ -235,9 +235,8 @@ class RoundDriver:
         return self.trainer.get_params()
 
     def phase_steps(self) -> int:
-        """Inner steps between two rounds: H, or H/K with K fragments (each fragment is then
-        synced every H steps, the fragments at staggered times)."""
-        return max(1, round(self.config.train.inner_steps / self.config.sync.fragments))
+        """Inner steps between two rounds (decisions.phase_steps)."""
+        return decisions.phase_steps(self.config.train.inner_steps, self.config.sync.fragments)
 
     # -- the inner phase --------------------------------------------------------------------------
 

@@ -71,7 +71,7 @@ class OverlappedLoop:
             if d.should_stop():
                 break
             if failed or d.averager.behind(d.swarm.last_view()):
-                await d.swarm.catch_up()  # only here is no round in flight
+                await d.catch_up()  # only here is no round in flight
             prepared = await d.prepare_round()
             if prepared is None:
                 continue

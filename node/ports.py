@@ -89,8 +89,7 @@ class ReplicaEvaluating(Protocol):
 
 
 class SwarmPort(Protocol):
-    """What the round driver asks of the node about the swarm (the node owns the DHT, its record
-    and the state downloads; node/daemon.py)."""
+    """What the round driver asks about the swarm: views and our record (node/swarmlink.py)."""
 
     def last_view(self) -> "SwarmView":
         """The swarm as the heartbeat last read it (no DHT call)."""
@@ -100,9 +99,6 @@ class SwarmPort(Protocol):
 
     async def publish_record(self) -> None:
         """Publish this peer's record (step, hash, phase) now."""
-
-    async def catch_up(self) -> None:
-        """Download the swarm's state when it is ahead of us or we are in a minority at our step."""
 
     def position(self) -> "Position":
         """This peer's (id, step, params hash), read together."""

@@ -122,3 +122,10 @@ def test_faults_are_parsed_once_and_a_typo_fails_loudly():
         Faults.from_env({"LOWCOMM_FAULT_HOLD_RUOND": "2"})
     with pytest.raises(ValueError, match="not a number"):
         Faults.from_env({"LOWCOMM_FAULT_NAN_ROUND": "two"})
+
+
+def test_fragments_cover_the_parameters_in_turn_and_phases_shrink_with_them():
+    assert decisions.fragment(10, 1, 7) == slice(0, 10)
+    slices = [decisions.fragment(10, 3, step) for step in range(4)]
+    assert slices == [slice(0, 3), slice(3, 6), slice(6, 10), slice(0, 3)]  # contiguous, all covered, cyclic
+    assert (decisions.phase_steps(50, 1), decisions.phase_steps(50, 4), decisions.phase_steps(2, 8)) == (50, 12, 1)

@@ -167,7 +167,8 @@ class Harness:
                               codec=codecs.get_codec("int8"), evaluate_global=lambda params: 0.0,
                               write_checkpoint=lambda frozen, *_: self.checkpoints.append(int(frozen["step"])))
         self.driver = RoundDriver(self.config, self.trainer, self.state, averager=self.averager,  # type: ignore[arg-type]
-                                  committer=committer, swarm=self.swarm, train_thread=self.train_thread,
+                                  committer=committer, swarm=self.swarm, catch_up=self.swarm.catch_up,
+                                  train_thread=self.train_thread,
                                   codec_executor=self.codec_executor, metrics=self.metrics, stats=self.stats,
                                   faults=Faults(), stops=self.stops)
 

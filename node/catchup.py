@@ -1,0 +1,137 @@
+"""Catching up with the swarm: the handshake with a swarm of another run, and state downloads.
+
+Before its first phase and between rounds a node checks the swarm view (node/decisions.py
+``catch_up_target``): when peers committed a newer step, or hold other parameters than the
+majority at ours, it downloads the swarm's state from donors at that step and hash
+(protocol/state.py). Its own local progress since θ_global is not lost: it goes into the
+residual, to be sent with its next contribution. In gossip mode a swarm a few steps ahead is
+caught up with by mixing instead (``GOSSIP_STEP_WINDOW``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Executor
+
+import grpc
+
+from lowcomm.protocol._pb.lowcomm.v1 import state_pb2, state_pb2_grpc
+from lowcomm.protocol.handshake import Identity, IncompatiblePeer
+from lowcomm.protocol.rpc import ChannelPool
+from lowcomm.protocol.state import Donor, StateDonor, StateError, download_state
+
+from . import decisions
+from .averaging import Averager
+from .config import Config
+from .errors import FatalError
+from .globalstate import GlobalState
+from .gossip_mode import STEP_WINDOW as GOSSIP_STEP_WINDOW
+from .metrics import NodeMetrics
+from .ports import SwarmPort, TrainerPort
+from .runstats import RunStats
+from .swarm import SwarmView
+from .train_thread import TrainThread
+
+log = logging.getLogger("lowcomm.node")
+
+
+class CatchUp:
+    """The node's state downloads; ``must_download`` when no checkpoint was usable at start."""
+
+    def __init__(self, config: Config, identity: Identity, trainer: TrainerPort, state: GlobalState, *,
+                 swarm: SwarmPort, averager: Averager, channels: ChannelPool, donor: StateDonor,
+                 train_thread: TrainThread, codec_executor: Executor, metrics: NodeMetrics, stats: RunStats,
+                 gossip: bool, must_download: bool) -> None:
+        self.config = config
+        self.identity = identity
+        self.trainer = trainer
+        self.state = state
+        self.swarm = swarm
+        self.averager = averager  # its last contribution goes back into the residual if outvoted
+        self.channels = channels
+        self.donor = donor
+        self.train_thread = train_thread
+        self.codec_executor = codec_executor
+        self.metrics = metrics
+        self.stats = stats
+        self.gossip = gossip
+        self.must_download = must_download
+
+    async def run(self, initial: bool = False) -> None:
+        """Download the swarm's state when it is ahead of us or we are in a minority at our step.
+        ``initial`` (before the first phase): wait a moment for the records, refuse another run."""
+        view = await self.swarm.refresh_view()
+        if initial and self.config.node.peers and not view.peers and not view.foreign:
+            # Right after joining, the records may take a moment to reach us.
+            for _ in range(8):
+                await asyncio.sleep(0.5)
+                view = await self.swarm.refresh_view()
+                if view.peers or view.foreign:
+                    break
+        if initial:
+            await self._handshake(view)
+        if initial and self.must_download and not decisions.others(view, self.swarm.position()):
+            raise FatalError(
+                f"no usable checkpoint in {self.config.node.checkpoint_dir} and no peer to download the swarm's "
+                f"state from: join a live swarm with --peers, or move the damaged checkpoint files away to "
+                f"start over from the initial weights")
+        plan = decisions.catch_up_target(view, self.swarm.position(),
+                                         gossip_window=GOSSIP_STEP_WINDOW if self.gossip else None)
+        if plan is None:
+            return
+        if plan.because_minority:
+            log.warning("our params at step %d differ from the majority of the swarm; re-downloading", plan.step)
+        self.stats.phase = "catching_up"
+        await self._download(plan.step, plan.params_hash, [Donor(p.peer_id, p.address) for p in plan.donors])
+
+    async def _handshake(self, view: SwarmView) -> None:
+        """Refuse to run next to a swarm of another run config, naming the difference."""
+        me = self.identity.peer_id
+        candidates = [p for p in (*view.peers.values(), *view.foreign.values()) if p.address and p.peer_id != me]
+        if not candidates or view.peers.keys() - {me}:
+            return
+        stub = state_pb2_grpc.StateTransferStub(self.channels(candidates[0].address))
+        try:
+            await stub.GetStateInfo(state_pb2.StateInfoRequest(hello=self.identity.hello()), timeout=10)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise FatalError(f"refused by the swarm: {err.details()}") from None
+
+    async def _download(self, step: int, digest: str | None, donors: list[Donor]) -> None:
+        started = time.monotonic()
+        try:
+            got = await download_state(donors, step, digest, self.identity, self.channels,
+                                       timeout=max(60.0, self.config.sync.reduce_timeout),
+                                       expected_numel=self.trainer.numel)  # the run config's size, not a donor's
+        except StateError as err:
+            log.warning("state download of step %d failed: %s; training on from step %d", step, err, self.state.step)
+            return
+        except IncompatiblePeer as err:
+            raise FatalError(f"refused by the swarm: {err}") from None
+        state, averager = self.state, self.averager
+
+        def adopt() -> None:
+            # Our local progress since θ_global is not lost: it goes into the residual, to be sent
+            # with our next contribution. When the state we replace is the result of our own last
+            # round (our group lost the majority vote), what we contributed to that round was not
+            # applied in the swarm's state either, so all of it goes back into the residual.
+            last = averager.last_contribution
+            if last is not None and last[0] == state.step == got.step:
+                state.residual.copy_(last[1])
+            state.residual.add_(state.params - self.trainer.get_params())
+            averager.last_contribution = None
+            state.adopt(got.step, got.params, got.momentum)
+            self.trainer.set_params(state.params)
+
+        await self.train_thread.run(adopt)
+        self.donor.publish(await asyncio.get_running_loop().run_in_executor(self.codec_executor, state.snapshot))
+        self.must_download = False
+        self.metrics.state_downloads.inc()
+        self.metrics.state_download_bytes.inc(got.bytes_downloaded)
+        self.metrics.outer_step.set(state.step)
+        log.info("caught up: downloaded step %d (%d bytes from %d donor(s) in %.1fs)", got.step, got.bytes_downloaded,
+                 got.donors_used, time.monotonic() - started,
+                 extra={"event": "state_downloaded", "outer_step": got.step, "params_sha256": state.params_hash})
+        await self.swarm.publish_record()

@@ -1,0 +1,75 @@
+"""A node's checkpoints: where its state comes from at start, and how a committed state is saved.
+
+``restore`` (training thread, at start) loads the newest usable checkpoint of the run's
+directory (a damaged newest one falls back to the previous one) into the trainer, or starts
+from the seed's initial weights when there is none. When checkpoints exist but none is usable
+it says so: the node must then download the swarm's state (node/catchup.py) rather than
+silently start over. ``save`` writes one atomically (node/checkpoint.py); the newest is never
+replaced by a half-written file.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from . import checkpoint
+from .config import Config
+from .errors import FatalError
+from .globalstate import GlobalState
+from .ports import TrainerPort
+
+log = logging.getLogger("lowcomm.node")
+
+
+@dataclass
+class Restored:
+    state: GlobalState
+    tokens_total: int
+    must_download: bool  # checkpoints exist, none usable: the state must come from the swarm
+
+
+def restore(config: Config, trainer: TrainerPort) -> Restored:
+    """Training thread: the state to start from, with the trainer's local state loaded."""
+    cfg = config
+    for stale in checkpoint.remove_stale_temporaries(cfg.node.checkpoint_dir):
+        log.info("removed %s, left by an interrupted checkpoint write", stale.name)
+
+    def parse(payload: dict[str, Any]) -> tuple[GlobalState, dict[str, Any]]:
+        if payload.get("config_fingerprint") != cfg.run_fingerprint():
+            raise FatalError(
+                f"a checkpoint in {cfg.node.checkpoint_dir} belongs to another run config; use another "
+                f"--checkpoint-dir or the run config it was made with"
+            )
+        if not isinstance(payload.get("trainer"), dict):
+            raise KeyError("trainer state missing")
+        return GlobalState.from_checkpoint(payload, cfg.sync.outer_lr, cfg.sync.outer_momentum), payload
+
+    found = checkpoint.load_newest(cfg.node.checkpoint_dir, parse)
+    if found is not None:
+        (state, payload), path = found
+        trainer.set_params(state.params)
+        trainer.load_local_state(payload["trainer"])
+        log.info("resumed from checkpoint %s (outer step %d)", path, state.step,
+                 extra={"event": "resumed", "outer_step": state.step, "params_sha256": state.params_hash,
+                        "checkpoint": path.name})
+        return Restored(state, int(payload.get("tokens_total", 0)), must_download=False)
+    damaged = checkpoint.list_checkpoints(cfg.node.checkpoint_dir)
+    if damaged:
+        log.error("no usable checkpoint in %s (%d damaged file(s) skipped): the node downloads the swarm's "
+                  "state instead of starting over", cfg.node.checkpoint_dir, len(damaged),
+                  extra={"event": "checkpoints_unusable"})
+    return Restored(GlobalState.fresh(trainer.get_params(), cfg.sync.outer_lr, cfg.sync.outer_momentum), 0,
+                    must_download=bool(damaged))
+
+
+def save(config: Config, state: dict[str, Any], trainer_state: dict[str, Any], tokens_total: int) -> None:
+    """Write the checkpoint of ``state`` (``GlobalState.to_checkpoint`` or a frozen copy of it)."""
+    payload = state | {
+        "config_fingerprint": config.run_fingerprint(),
+        "trainer": trainer_state,
+        "tokens_total": tokens_total,
+    }
+    path = checkpoint.save(config.node.checkpoint_dir, int(state["step"]), payload)
+    log.debug("checkpoint written: %s", path)
