@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
 from lowcomm.protocol.allreduce import ReduceRegistry, run_allreduce
 from lowcomm.protocol.handshake import IncompatiblePeer
 from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError
@@ -212,7 +213,7 @@ class Averager:
         outcome.report.tokens = weight
         return outcome
 
-    async def _fault_hold(self, step: int, group) -> None:
+    async def _fault_hold(self, step: int, group: averaging_pb2.Group) -> None:
         """Fault injection for tests: stall inside a round (after the group formed, before sending
         anything) until the process is killed: in this process's ``hold_round``-th round with at
         least one partner, or in the first round in which this peer led (and so had already sent
@@ -257,7 +258,7 @@ class Averager:
         return RoundOutcome(RoundReport(group_size=1, seconds=0.0, bytes_sent=0, bytes_received=0, skipped_shards=0),
                             apply=work)
 
-    async def _allreduce(self, group, fragment: slice, delta: torch.Tensor) -> RoundOutcome:
+    async def _allreduce(self, group: averaging_pb2.Group, fragment: slice, delta: torch.Tensor) -> RoundOutcome:
         reduce_started = time.monotonic()
         residual = self.state.residual[fragment]  # views: updated in place by the all-reduce
 

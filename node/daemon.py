@@ -291,7 +291,8 @@ class Node:
                               stats=self.stats, codec=self.codec, evaluate_global=self.evaluate_global,
                               write_checkpoint=self._write_checkpoint)
         return RoundDriver(self.config, self.trainer, self.state, averager=averager, committer=committer, swarm=link,
-                           catch_up=self.catchup.run, train_thread=self.train_thread, codec_executor=self.codec_executor, metrics=self.metrics,
+                           catch_up=self.catchup.run, train_thread=self.train_thread,
+                           codec_executor=self.codec_executor, metrics=self.metrics,
                            stats=self.stats, faults=self.faults, stops=self.stops, human=self.human)
 
     def _start_metrics(self) -> tuple[Any, int]:

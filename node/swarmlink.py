@@ -21,14 +21,16 @@ from .globalstate import GlobalState
 from .metrics import NodeMetrics
 from .reconnect import Reconnector
 from .runstats import RunStats
-from .swarm import PeerRecord, SwarmView, peers_key, read_swarm
+from .swarm import HivemindDHT, PeerRecord, SignedDHT, SwarmView, peers_key, read_swarm
 
 log = logging.getLogger("lowcomm.node")
 
 
 class SwarmLink:
-    def __init__(self, config: Config, identity: Identity, state: GlobalState, *, dht_client, reconnector: Reconnector,
-                 metrics: NodeMetrics, stats: RunStats, address: str = "") -> None:
+    """This peer's record and view of the swarm (see the module docstring)."""
+
+    def __init__(self, config: Config, identity: Identity, state: GlobalState, *, dht_client: HivemindDHT | SignedDHT,
+                 reconnector: Reconnector, metrics: NodeMetrics, stats: RunStats, address: str = "") -> None:
         self.config = config
         self.identity = identity
         self.peer_id = identity.peer_id

@@ -1,5 +1,6 @@
 """The round driver (node/driver.py) without sockets: a fake trainer whose every inner step moves
-each parameter by -0.1, a fake network part of the round, the real commit, overlap and rollback.
+each parameter by -0.1, a fake network part of the round, the real commit, overlap and rollback;
+and the driver's SwarmPort (node/swarmlink.py) over an in-memory DHT.
 """
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -161,12 +162,14 @@ class Harness:
         self.stats = RunStats()
         self.stops = StopSignals()
         self.checkpoints: list[int] = []
-        committer = Committer(self.state, self.trainer, swarm=self.swarm, donor=StateDonor(Identity("peer-a", "f", "{}")),
+        donor = StateDonor(Identity("peer-a", "f", "{}"))
+        committer = Committer(self.state, self.trainer, swarm=self.swarm, donor=donor,
                               train_thread=self.train_thread, codec_executor=self.codec_executor,
                               reports=self.reports, metrics=self.metrics, stats=self.stats,
                               codec=codecs.get_codec("int8"), evaluate_global=lambda params: 0.0,
                               write_checkpoint=lambda frozen, *_: self.checkpoints.append(int(frozen["step"])))
-        self.driver = RoundDriver(self.config, self.trainer, self.state, averager=self.averager,  # type: ignore[arg-type]
+        averager: Any = self.averager  # duck-typed: the driver uses the attributes FakeAverager has
+        self.driver = RoundDriver(self.config, self.trainer, self.state, averager=averager,
                                   committer=committer, swarm=self.swarm, catch_up=self.swarm.catch_up,
                                   train_thread=self.train_thread,
                                   codec_executor=self.codec_executor, metrics=self.metrics, stats=self.stats,
@@ -244,3 +247,48 @@ def test_an_abandoned_round_rolls_back_the_residual_and_keeps_the_progress():
     assert h.averager.undo is None
     assert h.metrics.round_failures.labels(reason="aborted")._value.get() == 1
     assert h.stats.tokens_since_round == 4 * TOKENS  # the phase's progress waits for the next round
+
+
+class MemoryDHT:
+    """The two DHT calls of node/swarm.py, in memory."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, dict[str, dict]] = {}
+
+    async def store(self, key: str, subkey: str, value: dict, ttl: float) -> bool:
+        self.data.setdefault(key, {})[subkey] = value
+        return True
+
+    async def get(self, key: str) -> dict[str, dict]:
+        return dict(self.data.get(key, {}))
+
+
+def test_the_swarm_link_publishes_step_hash_and_phase_and_reads_them_back():
+    from lowcomm.node.reconnect import Reconnector
+    from lowcomm.node.swarmlink import SwarmLink
+
+    config = Config.model_validate({})
+    state = GlobalState.fresh(torch.zeros(NUMEL), 0.7, 0.9)
+    stats = RunStats(phase="training", tokens_per_second=5.0)
+    dht: Any = MemoryDHT()
+    reconnector = Reconnector(dht, "peer-a", [], 10.0)  # only the heartbeat uses it
+    link = SwarmLink(config, Identity("peer-a", config.run_fingerprint(), "{}"), state, dht_client=dht,
+                     reconnector=reconnector, metrics=NodeMetrics(), stats=stats, address="127.0.0.1:1")
+
+    async def main() -> None:
+        await link.publish_record()
+        mine = (await link.refresh_view()).peers["peer-a"]
+        assert (mine.outer_step, mine.params_sha256, mine.phase, mine.tokens_per_second) == (
+            0, state.params_hash, "training", 5.0)
+        state.params += 1.0
+        state.commit()
+        stats.phase = "averaging"
+        await link.publish_record()
+        mine = (await link.refresh_view()).peers["peer-a"]
+        assert (mine.outer_step, mine.params_sha256, mine.phase) == (1, state.params_hash, "averaging")
+        assert link.position() == decisions.Position("peer-a", 1, state.params_hash) and link.last_view() is link.view
+        await link.publish_record(leaving=True)
+        view = await link.refresh_view()
+        assert "peer-a" not in view.peers and "peer-a" in view.left
+
+    asyncio.run(main())
