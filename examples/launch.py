@@ -71,12 +71,13 @@ def main() -> int:
             for proc in procs:
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGINT)
-            codes = [proc.wait() for proc in procs]
+            for proc in procs:
+                proc.wait()
         except KeyboardInterrupt:
             for proc in procs:
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
-            return 130
+        return 130  # each peer stopped gracefully (checkpoint written) or was killed on the second Ctrl-C
     failed = [f"peer-{i} exited with {code}" for i, code in enumerate(codes) if code]
     if failed:
         print("; ".join(failed), file=sys.stderr)
