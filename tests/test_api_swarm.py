@@ -1,13 +1,14 @@
 """``lowcomm.Swarm`` in real swarms on loopback: the example script as two processes (one params
 hash per step, then a resume from its checkpoint), and an API peer in this process averaging
 with a ``lowcomm-node`` daemon peer (catch-up before the first step, state_dict/load_state_dict,
-nothing left running after the block).
+nothing left running after the block, an eval_fn on a replica).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -122,7 +123,13 @@ def test_an_api_peer_and_a_daemon_peer_average_together(swarm, tmp_path, events)
     data = torch.from_numpy(np.fromfile(tokens, dtype=np.uint16).astype(np.int64))
     node = {"host": "127.0.0.1", "checkpoint_dir": str(tmp_path / "api"), "heartbeat_interval": 1, "grace_period": 10}
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
-    with lowcomm.Swarm(model, optimizer, config={**run, "node": node}, peers=[maddr], log=False) as api:
+    held_out = data[-65 * 4:].view(4, 65)
+
+    def eval_fn(replica) -> float:
+        return replica(input_ids=held_out, labels=held_out).loss.item()
+
+    with lowcomm.Swarm(model, optimizer, config={**run, "node": node}, peers=[maddr], eval_fn=eval_fn,
+                       log=False) as api:
         # Joined and caught up before the first step: the model holds the swarm's θ_global.
         assert params_sha256(parameters_to_vector(model.parameters()).detach()) == api.status()["params_sha256"]
         assert api.status()["swarm_peers"] == 2
@@ -146,6 +153,9 @@ def test_an_api_peer_and_a_daemon_peer_average_together(swarm, tmp_path, events)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("lowcomm")]
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in children_before]
     assert not [(p.pid, p.name(), p.status()) for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    # eval_fn ran on the starting model and on a replica for every committed θ_global.
+    assert math.isfinite(next(e for e in events.events if e["event"] == "node_ready")["eval_loss"])
+    assert all(math.isfinite(e["eval_loss"]) for e in events.events if e["event"] == "round_done")
     state = api.state_dict()
     last = max(ours)
     assert state["step"] == last and state["params_sha256"] == ours[last]
