@@ -114,14 +114,15 @@ def test_an_api_peer_and_a_daemon_peer_average_together(swarm, tmp_path, events)
     toml.write_text("".join(f"[{section}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in body.items())
                             for section, body in run.items()))
     daemon = swarm.start(0, extra=["--config", str(toml), "--set", "node.heartbeat_interval=1"], fast=False)
-    maddr = daemon.multiaddr
 
-    # The API peer: the same model, built by the user from the same config.json.
+    # The API peer (built while the daemon starts): the same model, built by the user from the
+    # same config.json.
     torch.manual_seed(1)  # other initial weights than the daemon's: the catch-up replaces them
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**json.loads(llama.read_text())))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = torch.from_numpy(np.fromfile(tokens, dtype=np.uint16).astype(np.int64))
     node = {"host": "127.0.0.1", "checkpoint_dir": str(tmp_path / "api"), "heartbeat_interval": 1, "grace_period": 10}
+    maddr = daemon.multiaddr
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
     held_out = data[-65 * 4:].view(4, 65)
 
