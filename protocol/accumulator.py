@@ -10,7 +10,7 @@ import logging
 import math
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 import torch
 
@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 MIN_STRAGGLER_GRACE = 1.0  # seconds an owner with a quorum of contributions still waits for the rest
 
 RejectCallback = Callable[[str, str, str], None]  # (reason, sender peer id, detail)
+# A split step's hook (crossgroup.py): from the group's partial average (None if it has none) and
+# who is inside it to the step's (payload, decoded average or None, failure, contributors).
+Publish = Callable[[torch.Tensor | None, list[str]], Awaitable[tuple[bytes, torch.Tensor | None, str, list[str]]]]
 
 
 @dataclass
@@ -61,6 +64,9 @@ class ShardAccumulator:
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # no Reduce stream is open
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     clock: Clock = field(default_factory=LoopClock)  # the time base of ``wait_for_senders``' deadline
+    # None: the average is this group's, encoded here. Set in a split step: the group's partial
+    # average goes to the shard's team instead and the team's encoded average is published.
+    publish: Publish | None = None
 
     def __post_init__(self) -> None:
         self.contributions.setdefault(self.owner_id, self.own)
@@ -135,24 +141,38 @@ class ShardAccumulator:
                 loop = asyncio.get_running_loop()
                 contributions = [(s, self.weights[s], x) for s, x in self.contributions.items()]
 
-                def aggregate_and_encode() -> tuple[Aggregated, bytes, torch.Tensor | None, str]:
+                def aggregate_only() -> tuple[Aggregated, str]:
                     try:
                         outcome = aggregate(contributions, self.aggregation)
                     except ValueError as err:  # malformed weights or lengths: no average rather than a crash
-                        return Aggregated(None, []), b"", None, f"the contributions cannot be aggregated: {err}"
+                        return Aggregated(None, []), f"the contributions cannot be aggregated: {err}"
                     if outcome.average is None:
-                        return outcome, b"", None, "no valid contribution was left"
+                        return outcome, "no valid contribution was left"
                     if not bool(torch.isfinite(outcome.average).all()):
-                        return outcome, b"", None, "the average overflowed to non-finite values"
+                        return outcome, "the average overflowed to non-finite values"
+                    return outcome, ""
+
+                def aggregate_and_encode() -> tuple[Aggregated, bytes, torch.Tensor | None, str]:
+                    outcome, failure = aggregate_only()
+                    if failure:
+                        return outcome, b"", None, failure
                     try:
                         payload, decoded = codecs.encode_with_feedback(self.codec, outcome.average, self.owner_residual)
                     except codecs.CodecError as err:
                         return outcome, b"", None, f"the average cannot be encoded: {err}"
                     return outcome, payload, decoded, ""
 
+                contributors: list[str] | None = None
                 try:
-                    outcome, self.result_payload, self.result, self.failure = await loop.run_in_executor(
-                        self.executor, aggregate_and_encode)
+                    if self.publish is None:
+                        outcome, self.result_payload, self.result, self.failure = await loop.run_in_executor(
+                            self.executor, aggregate_and_encode)
+                    else:
+                        outcome, problem = await loop.run_in_executor(self.executor, aggregate_only)
+                        self.contributions = {}
+                        partial = None if problem else outcome.average
+                        self.result_payload, self.result, self.failure, contributors = await self.publish(
+                            partial, outcome.used if partial is not None else [])
                 finally:
                     self.contributions = {}  # the memory goes back as soon as the average exists
                     # Senders waiting now get the average one after the other; later ones at once.
@@ -160,7 +180,10 @@ class ShardAccumulator:
                                   if s in self.awaiting] if self.staggered else []
                     self._served = {s: asyncio.Event() for s in self.turns}
                     self.finalized.set()
-                self.contributors = outcome.used if self.result is not None else []
+                if contributors is not None:  # a split step: who is inside the step's average
+                    self.contributors = contributors if self.result is not None else []
+                else:
+                    self.contributors = outcome.used if self.result is not None else []
                 for rejection in outcome.rejected:
                     self._reject(rejection.reason, rejection.sender, rejection.detail)
                 if self.result is None:

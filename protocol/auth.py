@@ -227,17 +227,18 @@ def _metadata_value(metadata: Iterable[Any] | None, key: str) -> str | bytes | N
 
 
 def claimed_sender(message: Any) -> str | None:
-    """The peer id a request names as its sender (``hello.peer_id``, a Reduce header or a
-    ShardReport's ``sender_peer_id``), if any."""
+    """The peer id a request names as its sender (``hello.peer_id``, a Reduce header or team
+    header, or a ShardReport's ``sender_peer_id``), if any."""
     fields = getattr(getattr(message, "DESCRIPTOR", None), "fields_by_name", {})
     if "hello" in fields and message.HasField("hello"):
         return message.hello.peer_id
     if "sender_peer_id" in fields:  # a ShardReport
         return message.sender_peer_id
-    if "header" in fields and message.HasField("header"):
-        header = message.header
-        if "sender_peer_id" in header.DESCRIPTOR.fields_by_name:
-            return header.sender_peer_id
+    for name in ("header", "team_header"):  # the first message of a Reduce stream
+        if name in fields and message.HasField(name):
+            header = getattr(message, name)
+            if "sender_peer_id" in header.DESCRIPTOR.fields_by_name:
+                return header.sender_peer_id
     return None
 
 

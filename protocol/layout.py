@@ -52,3 +52,25 @@ def shard_layout(numel: int, owners_bandwidth: list[float]) -> list[int]:
         bounds.append(min(numel, round(numel * acc / total)))
     bounds.append(numel)
     return bounds
+
+
+def split_step_layout(numel: int, groups: list[list[averaging_pb2.Member]],
+                      bandwidth: dict[str, float]) -> tuple[list[int], list[list[int]]]:
+    """One shard layout for every group of a split step (crossgroup.py), and each group's owners.
+
+    K = the smallest group's number of reachable members; the K shards have equal sizes (the
+    layout must be the same in every group, and a shard's pace is set by its team reducer, not
+    by one group's owner), and each group's owners are its K reachable members with the highest
+    declared bandwidth (ties by member order), listed in member order; the others only send.
+    """
+    reachable = [[i for i, m in enumerate(g) if m.address] for g in groups]
+    shards = min(len(r) for r in reachable)
+    if shards == 0:
+        raise ValueError("every group of a split step needs a reachable member")
+
+    def speed(group: list[averaging_pb2.Member], i: int) -> float:
+        b = bandwidth.get(group[i].peer_id, 0.0)
+        return b if b > 0 and math.isfinite(b) else 0.0
+
+    owners = [sorted(sorted(r, key=lambda i, g=g: (-speed(g, i), i))[:shards]) for g, r in zip(groups, reachable)]
+    return shard_layout(numel, [0.0] * shards), owners

@@ -39,7 +39,7 @@ class Member(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class Group(_message.Message):
-    __slots__ = ("group_id", "step", "members", "shard_bounds", "shard_owners", "codec", "reduce_timeout_s")
+    __slots__ = ("group_id", "step", "members", "shard_bounds", "shard_owners", "codec", "reduce_timeout_s", "step_groups", "group_index")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,8 @@ class Group(_message.Message):
     SHARD_OWNERS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     REDUCE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
     group_id: bytes
     step: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
@@ -54,7 +56,19 @@ class Group(_message.Message):
     shard_owners: _containers.RepeatedScalarFieldContainer[int]
     codec: _tensor_pb2.Codec
     reduce_timeout_s: float
-    def __init__(self, group_id: _Optional[bytes] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., shard_bounds: _Optional[_Iterable[int]] = ..., shard_owners: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., reduce_timeout_s: _Optional[float] = ...) -> None: ...
+    step_groups: _containers.RepeatedCompositeFieldContainer[StepGroup]
+    group_index: int
+    def __init__(self, group_id: _Optional[bytes] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., shard_bounds: _Optional[_Iterable[int]] = ..., shard_owners: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., reduce_timeout_s: _Optional[float] = ..., step_groups: _Optional[_Iterable[_Union[StepGroup, _Mapping]]] = ..., group_index: _Optional[int] = ...) -> None: ...
+
+class StepGroup(_message.Message):
+    __slots__ = ("group_id", "members", "shard_owners")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_OWNERS_FIELD_NUMBER: _ClassVar[int]
+    group_id: bytes
+    members: _containers.RepeatedCompositeFieldContainer[Member]
+    shard_owners: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group_id: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., shard_owners: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("group", "redirect")
@@ -101,14 +115,36 @@ class ReduceResult(_message.Message):
     def __init__(self, codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., contributors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReduceMessage(_message.Message):
-    __slots__ = ("header", "result", "chunk")
+    __slots__ = ("header", "result", "chunk", "team_header")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TEAM_HEADER_FIELD_NUMBER: _ClassVar[int]
     header: ReduceHeader
     result: ReduceResult
     chunk: bytes
-    def __init__(self, header: _Optional[_Union[ReduceHeader, _Mapping]] = ..., result: _Optional[_Union[ReduceResult, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+    team_header: TeamHeader
+    def __init__(self, header: _Optional[_Union[ReduceHeader, _Mapping]] = ..., result: _Optional[_Union[ReduceResult, _Mapping]] = ..., chunk: _Optional[bytes] = ..., team_header: _Optional[_Union[TeamHeader, _Mapping]] = ...) -> None: ...
+
+class TeamHeader(_message.Message):
+    __slots__ = ("group_id", "shard_index", "from_group", "sender_peer_id", "numel", "contributors", "payload_bytes", "fetch")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FROM_GROUP_FIELD_NUMBER: _ClassVar[int]
+    SENDER_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
+    group_id: bytes
+    shard_index: int
+    from_group: int
+    sender_peer_id: str
+    numel: int
+    contributors: _containers.RepeatedScalarFieldContainer[str]
+    payload_bytes: int
+    fetch: bool
+    def __init__(self, group_id: _Optional[bytes] = ..., shard_index: _Optional[int] = ..., from_group: _Optional[int] = ..., sender_peer_id: _Optional[str] = ..., numel: _Optional[int] = ..., contributors: _Optional[_Iterable[str]] = ..., payload_bytes: _Optional[int] = ..., fetch: _Optional[bool] = ...) -> None: ...
 
 class ShardReport(_message.Message):
     __slots__ = ("group_id", "sender_peer_id", "skip")

@@ -28,7 +28,9 @@ if _version_not_supported:
 class AveragingStub:
     """Averaging is served by every reachable peer. A round uses JoinGroup once per follower
     (to the leader, found in the DHT or, for a stable group, the lowest member of the last group), Reduce once per (sender, shard owner) pair, and ReportShards once per
-    (member, reachable member) pair after the reduce phase.
+    (member, reachable member) pair after the reduce phase. A step split into several groups
+    (Group.step_groups) also uses Reduce once per (shard owner, team reducer) pair, starting with
+    a TeamHeader, and ReportShards between the owners of a shard across groups.
     """
 
     def __init__(self, channel):
@@ -57,7 +59,9 @@ class AveragingStub:
 class AveragingServicer:
     """Averaging is served by every reachable peer. A round uses JoinGroup once per follower
     (to the leader, found in the DHT or, for a stable group, the lowest member of the last group), Reduce once per (sender, shard owner) pair, and ReportShards once per
-    (member, reachable member) pair after the reduce phase.
+    (member, reachable member) pair after the reduce phase. A step split into several groups
+    (Group.step_groups) also uses Reduce once per (shard owner, team reducer) pair, starting with
+    a TeamHeader, and ReportShards between the owners of a shard across groups.
     """
 
     def JoinGroup(self, request, context):
@@ -115,7 +119,9 @@ def add_AveragingServicer_to_server(servicer, server):
 class Averaging:
     """Averaging is served by every reachable peer. A round uses JoinGroup once per follower
     (to the leader, found in the DHT or, for a stable group, the lowest member of the last group), Reduce once per (sender, shard owner) pair, and ReportShards once per
-    (member, reachable member) pair after the reduce phase.
+    (member, reachable member) pair after the reduce phase. A step split into several groups
+    (Group.step_groups) also uses Reduce once per (shard owner, team reducer) pair, starting with
+    a TeamHeader, and ReportShards between the owners of a shard across groups.
     """
 
     @staticmethod

@@ -1,0 +1,332 @@
+"""One average per step across the groups of a split step (issue 15, item 3).
+
+When more peers came to a step than ``group_size`` allows, the leader splits them into groups
+(layout.py) and gives every group the same *step plan* (``Group.step_groups``): all groups'
+members and owners, this group's index, and one shard layout used by every group (K shards,
+K = the smallest group's number of reachable members; a member beyond the K owners of its
+group owns nothing and only sends). The round is then a hierarchical reduce:
+
+1. **Stage 1** (allreduce.py, as in a single group): the owner of shard k in group g collects
+   its group's contributions and aggregates them (accumulator.py, the configured rule) into the
+   group's partial average A_g[k], with weight W_g = the sum of the bounded weights of the
+   members inside it. It does not encode it.
+2. **Stage 2** (this module): the owners of shard k across groups form *team k*; its reducer is
+   the owner in group (k mod G). Each owner streams (A_g[k], its contributors) to the reducer
+   in float32 (a Reduce stream that starts with a ``TeamHeader``); the reducer recomputes W_g
+   from the plan (the weights of the listed members: a sender cannot claim more), sums
+   Σ W_g·A_g / Σ W_g in group order (aggregation.weighted_mean), encodes that once with its
+   own error feedback, as an owner of a single group does, and answers every owner with the
+   same bytes and the union of the contributors inside. float32 rather than the round's codec:
+   the partial averages reach the reducer exactly, so the step's average is the token-weighted
+   global mean up to the one encoding at the reducer, and no owner needs a second
+   error-feedback state that a skipped shard would have to roll back. The cost is 4 bytes per
+   value of shard k from each owner to the reducer (the reducer receives (G−1)·4·numel/K); for
+   many groups per step an encoded or tree-shaped stage 2 is the next step.
+3. **Stage 3** (allreduce.py, today's all-gather): each owner streams the reducer's bytes to its
+   group. Every member of every group decodes the same bytes: one θ_global per step.
+
+**Faults.** The reducer closes on all parts, or a grace after a quorum of them, or at
+TEAM_CLOSE reduce timeouts after the group arrived; a group whose part is missing is left out of
+shard k (its members keep their part in their residuals, since they are not among the
+contributors) but receives the result like everybody else. Before an owner forwards the result,
+the team runs the shard agreement of agreement.py among its owners (one shard, the team's own
+id): an owner that lacks the result through no fault of its own (the reducer died, or died
+mid-reply) asks to skip it, and every owner that hears so skips it, so all groups skip it alike
+(each owner then refuses the shard to its group, whose members skip it and keep all of x). An
+owner that dies after that leaves its group without the bytes: its members then *fetch* the
+result from the team's other owners (a Reduce stream with ``TeamHeader.fetch``; each owner keeps
+its team's outcome for a few rounds), so one dead owner costs its group nothing more than its
+own members' parts that it did not pass on. Only two failures together (an owner and every
+other owner of its team unreachable to its group) can still leave a group without a shard the
+others applied; the params-hash vote then sends that group to download, as before.
+
+**Time.** A split step's waits after the owners' deadline T (the reduce timeout) are CROSS_EXTRA·T
+longer (``stretch``): stage 2 closes by TEAM_CLOSE·T, an owner waits for the reducer until
+TEAM_ANSWER·T and the team agreement ends by TEAM_AGREE_END·T; a member waits for its owner's
+answer until TEAM_AGREE_END·T plus the usual transfer margin (``answer_delay``), fetches from
+the team until FETCH_END·T, and its group's exchange ends at 1.5 T + stretch. So a split step
+takes at most one reduce timeout longer than a single group's, in the worst case.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import numpy as np
+import torch
+
+from . import codecs
+from ._pb.lowcomm.v1 import averaging_pb2
+from .accumulator import MIN_STRAGGLER_GRACE, bounded_weights
+from .aggregation import weighted_mean
+from .sender import chunks
+from .transport import Clock, Code, Refused
+from .validate import ContributionRejected, check_contribution
+
+log = logging.getLogger(__name__)
+
+CROSS_EXTRA = 1.0  # a split step's waits after the owners' deadline are this many reduce timeouts longer
+TEAM_CLOSE = 1.4  # the reducer closes the team's sum this many reduce timeouts after the group arrived
+TEAM_ANSWER = 1.55  # an owner waits for the reducer's answer until then
+TEAM_AGREE_END = 1.75  # the team's shard agreement ends then
+FETCH_END = 2.4  # a member stops fetching a team's result then (its group's exchange ends at 2.5)
+KEPT_TEAMS = 16  # team outcomes a peer keeps for fetches: this round's and a few before
+
+
+def is_split(group: averaging_pb2.Group) -> bool:
+    """Whether ``group`` is one of several groups of its step (then its average is the step's)."""
+    return len(group.step_groups) > 1
+
+
+def stretch(group: averaging_pb2.Group) -> float:
+    """Seconds a split step's waits after the owners' deadline are longer (0 for one group)."""
+    return CROSS_EXTRA * group.reduce_timeout_s if is_split(group) else 0.0
+
+
+def answer_delay(group: averaging_pb2.Group) -> float:
+    """Seconds a split step's owners answer their members later than a single group's (they
+    decide with their team first, by TEAM_AGREE_END reduce timeouts after the group arrived)."""
+    return (TEAM_AGREE_END - 1.0) * group.reduce_timeout_s if is_split(group) else 0.0
+
+
+def team_id(reducer_group_id: bytes, shard_index: int) -> bytes:
+    """The id of team ``shard_index``'s shard agreement (it must differ from every group id)."""
+    return hashlib.sha256(b"lowcomm-team/" + reducer_group_id + shard_index.to_bytes(4, "big")).digest()[:16]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The groups of a split step as every member's Group message lists them."""
+
+    groups: tuple[averaging_pb2.StepGroup, ...]
+    index: int  # this group's
+
+    @classmethod
+    def of(cls, group: averaging_pb2.Group) -> StepPlan | None:
+        if not is_split(group):
+            return None
+        if not 0 <= group.group_index < len(group.step_groups):
+            raise ValueError(f"group_index {group.group_index} outside the {len(group.step_groups)} step groups")
+        return cls(tuple(group.step_groups), group.group_index)
+
+    def owner(self, g: int, k: int) -> averaging_pb2.Member:
+        step_group = self.groups[g]
+        return step_group.members[step_group.shard_owners[k]]
+
+    def reducer_group(self, k: int) -> int:
+        return k % len(self.groups)
+
+    def team(self, k: int) -> list[tuple[int, averaging_pb2.Member]]:
+        """(group index, owner) of every owner of shard ``k``, reducer's group first."""
+        first = self.reducer_group(k)
+        order = [first, *(g for g in range(len(self.groups)) if g != first)]
+        return [(g, self.owner(g, k)) for g in order]
+
+    def team_key(self, k: int) -> bytes:
+        return self.groups[self.reducer_group(k)].group_id
+
+    def weight(self, g: int, contributors: list[str]) -> float:
+        """Group ``g``'s weight for a part made of ``contributors``: their bounded weights."""
+        weights = bounded_weights(self.groups[g].members)
+        return sum(weights[p] for p in sorted(set(contributors)) if p in weights)
+
+
+@dataclass
+class TeamState:
+    """One peer's side of team k in one step: on the reducer the sum of the parts, on every
+    owner the team's outcome (kept for members that fetch it)."""
+
+    plan: StepPlan
+    shard_index: int
+    numel: int
+    codec: codecs.Codec
+    reducer: bool
+    close_at: float  # on the clock: when the reducer closes the sum
+    ends_at: float  # on the clock: when the round's last fetch is over
+    clock: Clock
+    parts: dict[int, tuple[float, torch.Tensor, list[str]]] = field(default_factory=dict)  # g -> (W, A, who)
+    announced: set[int] = field(default_factory=set)  # groups whose part stream began (one try each)
+    expected: set[int] = field(default_factory=set)
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: bool = False
+    summed: asyncio.Event = field(default_factory=asyncio.Event)  # reducer: the result exists (or failed)
+    payload: bytes = b""
+    contributors: list[str] = field(default_factory=list)
+    decided: asyncio.Event = field(default_factory=asyncio.Event)  # the team agreement decided
+    applied: bool = False
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+    def __post_init__(self) -> None:
+        self.expected = {g for g in range(len(self.plan.groups)) if g != self.plan.index}
+        self._senders = len(self.expected)
+
+    def add(self, g: int, weight: float, part: torch.Tensor, contributors: list[str]) -> bool:
+        """Keep group ``g``'s part; False if it came after the sum was closed."""
+        if self.closed:
+            return False
+        self.parts[g] = (weight, part, contributors)
+        self.expected.discard(g)
+        self.progress.set()
+        return True
+
+    def give_up(self, g: int) -> None:
+        self.expected.discard(g)
+        self.progress.set()
+
+    async def wait_for_parts(self, clock: Clock, started: float, quorum: float) -> None:
+        """The accumulator's wait (accumulator.wait_for_senders), over groups: all parts, a grace
+        of twice the quorum's time (at least MIN_STRAGGLER_GRACE) after a quorum, or close_at."""
+        needed = max(1, math.ceil(quorum * self._senders))
+        quorum_at: float | None = None
+        while self.expected:
+            now = clock.monotonic()
+            if quorum_at is None and self._senders - len(self.expected) >= needed:
+                quorum_at = now
+            limit = self.close_at if quorum_at is None else min(
+                self.close_at, quorum_at + max(MIN_STRAGGLER_GRACE, 2 * (quorum_at - started)))
+            if now >= limit:
+                log.info("team %d: group(s) %s missed the team's close and are left out of it",
+                         self.shard_index, sorted(self.expected))
+                return
+            self.progress.clear()
+            try:
+                async with asyncio.timeout(limit - now):
+                    await self.progress.wait()
+            except TimeoutError:
+                pass
+
+    def sum_and_encode(self, owner_residual: torch.Tensor) -> None:
+        """Reducer: Σ W_g·A_g / Σ W_g in group order, encoded once with the reducer's feedback."""
+        self.closed = True
+        try:
+            terms = [(f"{g:08d}", w, a) for g, (w, a, _) in sorted(self.parts.items()) if w > 0]
+            if not terms:
+                raise ValueError("no part with a positive weight")
+            mean = weighted_mean(terms)
+            if not bool(torch.isfinite(mean).all()):
+                raise ValueError("the team's average overflowed to non-finite values")
+            self.payload, _ = codecs.encode_with_feedback(self.codec, mean, owner_residual)
+            self.contributors = sorted({p for g, (w, _, who) in self.parts.items() if w > 0 for p in who})
+        except (ValueError, codecs.CodecError) as err:
+            log.warning("team %d: no average this round: %s", self.shard_index, err)
+            self.payload, self.contributors = b"", []
+        finally:
+            self.parts = {}
+            self.summed.set()
+
+    def decide(self, applied: bool, payload: bytes, contributors: list[str]) -> None:
+        self.applied = applied
+        if applied:
+            self.payload, self.contributors = payload, contributors
+        self.decided.set()
+
+
+class TeamBook:
+    """The team states of this peer's recent steps, by (reducer group id, shard index)."""
+
+    def __init__(self) -> None:
+        self._teams: OrderedDict[tuple[bytes, int], TeamState] = OrderedDict()
+        self._changed = asyncio.Event()
+
+    def open(self, teams: list[TeamState]) -> None:
+        for team in teams:
+            self._teams[(team.plan.team_key(team.shard_index), team.shard_index)] = team
+        while len(self._teams) > KEPT_TEAMS:
+            self._teams.popitem(last=False)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def find(self, key: bytes, shard_index: int, timeout: float) -> TeamState | None:
+        try:
+            async with asyncio.timeout(timeout):
+                while (team := self._teams.get((key, shard_index))) is None:
+                    await self._changed.wait()
+        except TimeoutError:
+            return None
+        return team
+
+    async def handle(self, header: averaging_pb2.TeamHeader, requests: AsyncIterator[averaging_pb2.ReduceMessage],
+                     find_timeout: float) -> AsyncIterator[averaging_pb2.ReduceMessage]:
+        """Server side of a team stream: a part for the reducer, or a fetch; raises Refused."""
+        team = await self.find(header.group_id, header.shard_index, find_timeout)
+        if team is None:
+            raise Refused(Code.NOT_FOUND, "no such team on this peer")
+        plan, k = team.plan, team.shard_index
+        if not 0 <= header.from_group < len(plan.groups) or header.numel != team.numel:
+            raise Refused(Code.INVALID_ARGUMENT, "the team header does not match this step's plan")
+        # Every wait below ends with the round (a stalled or early caller holds nothing longer).
+        bound = max(0.0, team.ends_at - team.clock.monotonic()) + 1.0
+        if header.fetch:
+            if header.sender_peer_id not in {m.peer_id for m in plan.groups[header.from_group].members}:
+                raise Refused(Code.INVALID_ARGUMENT, f"{header.sender_peer_id or '?'} is not in group {header.from_group}")
+            try:
+                async with asyncio.timeout(bound):
+                    await team.decided.wait()
+            except TimeoutError:
+                raise Refused(Code.DEADLINE_EXCEEDED, "the team did not decide in time") from None
+            if not team.applied:
+                raise Refused(Code.ABORTED, "the team skips this shard this round")
+        else:
+            if not team.reducer or header.from_group == plan.index:
+                raise Refused(Code.INVALID_ARGUMENT, "this peer does not reduce that shard for that group")
+            if header.sender_peer_id != plan.owner(header.from_group, k).peer_id:
+                raise Refused(Code.INVALID_ARGUMENT, f"{header.sender_peer_id or '?'} does not own shard {k} "
+                                                     f"in group {header.from_group}")
+            empty = header.payload_bytes == 0 and not header.contributors  # the group has no part this round
+            if (header.payload_bytes != 4 * team.numel and not empty) or header.from_group in team.announced:
+                raise Refused(Code.INVALID_ARGUMENT, "unexpected size, or that group's part already came")
+            members = {m.peer_id for m in plan.groups[header.from_group].members}
+            if not set(header.contributors) <= members:
+                raise Refused(Code.INVALID_ARGUMENT, "a contributor is not a member of the sender's group")
+            team.announced.add(header.from_group)  # one try per group, whatever happens to this stream
+            added = False
+            try:
+                part = None if empty else await _receive_part(team, header, requests, bound)
+                if part is not None:
+                    added = team.add(header.from_group, plan.weight(header.from_group, list(header.contributors)),
+                                     part, list(header.contributors))
+            finally:
+                if not added:
+                    team.give_up(header.from_group)
+            try:
+                async with asyncio.timeout(bound):
+                    await team.summed.wait()
+            except TimeoutError:
+                raise Refused(Code.DEADLINE_EXCEEDED, "the team's average was never computed") from None
+            if not team.payload:
+                raise Refused(Code.ABORTED, "no team average for this shard this round")
+        yield averaging_pb2.ReduceMessage(result=averaging_pb2.ReduceResult(
+            codec=team.codec.id, numel=team.numel, payload_bytes=len(team.payload), contributors=team.contributors))
+        for chunk in chunks(team.payload):
+            team.bytes_out += len(chunk)
+            yield averaging_pb2.ReduceMessage(chunk=chunk)
+
+
+async def _receive_part(team: TeamState, header: averaging_pb2.TeamHeader,
+                        requests: AsyncIterator[averaging_pb2.ReduceMessage], bound: float) -> torch.Tensor:
+    """The float32 partial average that follows a team header, checked (finite), or Refused."""
+    payload = bytearray()
+    try:
+        async with asyncio.timeout(bound):
+            async for message in requests:
+                if not message.HasField("chunk") or len(payload) + len(message.chunk) > header.payload_bytes:
+                    raise Refused(Code.INVALID_ARGUMENT, "unexpected message or more bytes than declared")
+                payload += message.chunk
+    except TimeoutError:
+        raise Refused(Code.DEADLINE_EXCEEDED, "the part did not arrive in time") from None
+    if len(payload) != header.payload_bytes:
+        raise Refused(Code.INVALID_ARGUMENT, f"{len(payload)} of {header.payload_bytes} declared bytes arrived")
+    team.bytes_in += len(payload)
+    part = torch.from_numpy(np.frombuffer(bytes(payload), dtype="<f4").astype(np.float32))
+    try:
+        check_contribution(part)
+    except ContributionRejected as err:
+        raise Refused(Code.INVALID_ARGUMENT, str(err)) from None
+    return part

@@ -1,0 +1,42 @@
+"""One average across two groups of a split step over real gRPC (grpc.aio on 127.0.0.1:0, one
+event loop): the team streams to the reducers, the shard reports of the teams and the fetches
+go through the same Averaging service as a single group's round (protocol/crossgroup.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from .swarm_harness import apply_outer, digest, start_peers
+
+
+def test_two_groups_of_a_split_step_end_with_one_state_over_grpc():
+    numel, count = 50_001, 5
+
+    async def scenario():
+        peers = await start_peers(count, numel, "int8", group_size=3)
+        try:
+            gen = torch.Generator().manual_seed(0)
+            theta = torch.randn(numel, generator=gen)
+            deltas = [torch.randn(numel, generator=gen) * 0.01 for _ in peers]
+            expected = {p.peer_id for p in peers}
+            groups = await asyncio.gather(*(p.form(0, expected) for p in peers))
+            results = await asyncio.gather(*(p.reduce(g, d) for p, g, d in zip(peers, groups, deltas)))
+            return theta, deltas, groups, results
+        finally:
+            await asyncio.gather(*(p.stop() for p in peers))
+
+    theta, deltas, groups, results = asyncio.run(scenario())
+    assert sorted(len(g.members) for g in {g.group_id: g for g in groups}.values()) == [2, 3]
+    assert all(len(g.step_groups) == 2 for g in groups)
+    assert all(a is not None for r in results for a in r.averages)
+    assert len({digest(apply_outer(theta, r)) for r in results}) == 1  # one θ_global for both groups
+    mean = torch.stack(deltas).mean(0)
+    average = torch.cat(results[0].averages)
+    assert torch.allclose(average, mean, atol=0.01 * mean.abs().max().item() + 1e-7)  # int8 of the global mean
+    # Not just one group's mean: a group's own average differs from the global one by far more.
+    for g in {g.group_id: g for g in groups}.values():
+        ids = [int(m.peer_id.split("-")[1]) for m in g.members]
+        local = torch.stack([deltas[i] for i in ids]).mean(0)
+        assert (local - average).abs().max() > 0.01 * mean.abs().max()
