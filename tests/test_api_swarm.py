@@ -1,6 +1,6 @@
 """``lowcomm.Swarm`` in real swarms on loopback: the example script as two processes (one params
 hash per step, then a resume from its checkpoint), and an API peer in this process averaging
-with a ``lowcomm-node`` daemon peer (catch-up before the first step, state_dict/load_state_dict,
+with a ``lowcomm-node`` daemon peer in overlapped rounds (catch-up before the first step, state_dict/load_state_dict,
 nothing left running after the block, an eval_fn on a replica).
 """
 
@@ -109,7 +109,8 @@ def test_an_api_peer_and_a_daemon_peer_average_together(swarm, tmp_path, events)
     run = {"model": {"hf_config": str(llama)},
            "data": {"format": "tokens", "path": str(tokens), "seq_len": 64, "eval_batches": 2},
            "train": {"inner_steps": 10, "batch_size": 8, "lr": 3e-3, "warmup_steps": 0},
-           "sync": {"group_size": 2, "matchmaking_timeout": 15, "reduce_timeout": 8}}
+           # Overlapped: the round runs while the API user's loop trains on (the example covers blocking rounds).
+           "sync": {"group_size": 2, "matchmaking_timeout": 15, "reduce_timeout": 8, "overlap": "delayed"}}
     toml = tmp_path / "run.toml"
     toml.write_text("".join(f"[{section}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in body.items())
                             for section, body in run.items()))
