@@ -1,7 +1,7 @@
 """The simulated swarm: peers, churn, the shared DHT and network, and the run itself.
 
 ``simulate(config)`` builds the world on a virtual-time loop (sim/vloop.py), starts
-``config.peers`` peers at step 0 with the same initial parameters (gossip: different ones, so
+``config.peers`` peers at step 0 with the same initial parameters (gossip: 10 % apart, so
 that the consensus distance has something to close), lets churn remove and add peers, and stops
 once every live peer holding the state committed step ``rounds``; it returns one figure line per round
 (sim/metrics.py) and a summary.
@@ -217,10 +217,11 @@ class World:
 
     async def run(self) -> list[dict]:
         cfg = self.config
-        if cfg.mode == "gossip":
-            init = [np.random.default_rng([cfg.seed, i, 5]).normal(0.0, 1.0, cfg.dim) for i in range(cfg.peers)]
+        base = np.random.default_rng([cfg.seed, 5]).normal(0.0, 1.0, cfg.dim)
+        if cfg.mode == "gossip":  # different starts (10 % spread), so that mixing has a distance to close
+            init = [base + np.random.default_rng([cfg.seed, i, 5]).normal(0.0, 0.1, cfg.dim) for i in range(cfg.peers)]
         else:
-            init = [np.random.default_rng([cfg.seed, 5]).normal(0.0, 1.0, cfg.dim)] * cfg.peers
+            init = [base] * cfg.peers
         for i in range(cfg.peers):
             theta = init[i].copy()
             self.states.setdefault((0, params_hash(theta)), theta.copy())
