@@ -175,3 +175,13 @@ def test_an_api_peer_and_a_daemon_peer_average_together(swarm, tmp_path, events)
         assert params_sha256(parameters_to_vector(fresh.parameters()).detach()) == ours[last]
         moments = fresh_optimizer.state_dict()["state"][0]["exp_avg"]
         assert torch.equal(moments, state["trainer"]["optimizer"]["state"][0]["exp_avg"])
+
+    # A peer whose model the run's [model] does not describe (no [model] section: the fingerprint
+    # names its own model) is refused by the daemon's swarm, with the difference, before any step.
+    small = torch.nn.Linear(8, 8)
+    stranger = lowcomm.Swarm(small, torch.optim.SGD(small.parameters(), lr=0.1), peers=[maddr], log=False,
+                             config={"train": run["train"], "sync": run["sync"], "data": {"seq_len": 64},
+                                     "node": {**node, "checkpoint_dir": str(tmp_path / "stranger")}})
+    with pytest.raises(lowcomm.SwarmError, match=r"refused by the swarm: .*\[model\] kind"):
+        with stranger:
+            pytest.fail("a refused peer must not get to its first step")
