@@ -19,6 +19,16 @@ registrant, so one leader receives the JoinGroup of the whole swarm and polls th
 The heartbeat still reads the whole table every ``heartbeat`` seconds (what the node needs
 for "behind" and the majority vote); that part stays O(N) per peer and is reported as such.
 
+``lag_tolerant`` (the second half of the prototype, measured because the sweep showed that
+``behind`` dominates once groups run in parallel): node/decisions.py's ``behind`` sends a peer to
+download the whole state as soon as *any* peer is past its step, so with many groups the first
+group to commit turns every peer whose round has not started yet into a downloader. With
+``lag_tolerant`` a peer one step behind still averages at its own step (with the other late
+peers of its bucket); it downloads only when the swarm is two steps ahead (the real
+``catch_up_target`` with ``gossip_window=1``) or its hash is in a minority at its step. This only
+makes sense with one global average per step (``ideal_global``), where a late group of step r
+ends with the same parameters as the early ones.
+
 ``ideal_global`` (a what-if, labelled so in every output): every group of a step ends with the
 same parameters, as item 3's global average across groups would make it, at no extra cost;
 it shows what the figures would be once the groups of a step no longer diverge.
@@ -32,6 +42,12 @@ from typing import Awaitable, Callable
 
 from lowcomm.node import decisions
 from lowcomm.node.swarm import SwarmView
+
+
+def lagging(view: SwarmView, me: decisions.Position) -> bool:
+    """``behind`` of the prototype: a peer two steps ahead, or a majority elsewhere at our step."""
+    return (any(p.outer_step > me.step + 1 for p in decisions.others(view, me))
+            or decisions.majority_elsewhere(view, me) is not None)
 
 
 def bucket_count(expected: int, group_size: int) -> int:

@@ -59,6 +59,7 @@ class SimConfig:
     quorum: float = 2 / 3
     straggler_wait: float = 2.0
     buckets: bool = False  # prototype of the fix: group buckets per step (sim/buckets.py)
+    lag_tolerant: bool = False  # prototype: one step behind averages instead of downloading (sim/buckets.py)
     ideal_global: bool = False  # what-if: every group of a step ends with the same θ (item 3), free
     dim: int = 16  # floats of simulated parameters per peer
     run: str = "sim"

@@ -23,6 +23,7 @@ VARIANTS: dict[str, dict] = {
     "gossip-k2": dict(mode="gossip", gossip_partners=2),
     "buckets-g16": dict(mode="allreduce", group_size=16, buckets=True),
     "buckets-g16-ideal": dict(mode="allreduce", group_size=16, buckets=True, ideal_global=True),
+    "buckets-g16-ideal-lag": dict(mode="allreduce", group_size=16, buckets=True, ideal_global=True, lag_tolerant=True),
 }
 
 

@@ -200,3 +200,13 @@ def test_gossip_run_mixes_parameters() -> None:
     distances = [line["consensus_distance"] for line in lines]
     assert distances[-1] < distances[0] < summary["initial_consensus_distance"]
     assert all(line["share_averaged"] > 0.5 for line in lines)
+
+
+def test_bucket_prototype_splits_a_step_into_powers_of_two() -> None:
+    from sim.buckets import bucket_count, bucket_of
+
+    assert [bucket_count(n, 16) for n in (1, 31, 32, 63, 64, 1024, 1500)] == [1, 1, 2, 2, 4, 64, 64]
+    peers = [f"p{i}" for i in range(1024)]
+    sizes = [sum(bucket_of(7, p, 64) == b for p in peers) for b in range(64)]
+    assert sum(sizes) == 1024 and min(sizes) >= 5 and max(sizes) <= 32  # about 16 each, re-mixed per step
+    assert [bucket_of(7, p, 64) for p in peers[:20]] != [bucket_of(8, p, 64) for p in peers[:20]]
