@@ -116,7 +116,7 @@ class ReduceRegistry:
         except (StopAsyncIteration, TimeoutError):
             raise Refused(Code.INVALID_ARGUMENT, "Reduce stream must start with a header") from None
         if first.HasField("team_header"):  # a shard owner of another group of a split step
-            async for message in self.teams.handle(first.team_header, requests, HEADER_TIMEOUT):
+            async for message in self.teams.handle(first.team_header, requests, self.executor, HEADER_TIMEOUT):
                 yield message
             return
         if not first.HasField("header"):

@@ -9,7 +9,8 @@ group owns nothing and only sends). The round is then a hierarchical reduce:
 1. **Stage 1** (allreduce.py, as in a single group): the owner of shard k in group g collects
    its group's contributions and aggregates them (accumulator.py, the configured rule) into the
    group's partial average A_g[k], with weight W_g = the sum of the bounded weights of the
-   members inside it. It does not encode it.
+   members inside it. It does not encode it. (A robust rule, such as the trimmed mean, thus
+   acts within each group; across groups the partial averages are weighed by W_g.)
 2. **Stage 2** (this module): the owners of shard k across groups form *team k*; its reducer is
    the owner in group (k mod G). Each owner streams (A_g[k], its contributors) to the reducer
    in float32 (a Reduce stream that starts with a ``TeamHeader``); the reducer recomputes W_g
@@ -55,6 +56,7 @@ import hashlib
 import logging
 import math
 from collections import OrderedDict
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -113,6 +115,14 @@ class StepPlan:
             return None
         if not 0 <= group.group_index < len(group.step_groups):
             raise ValueError(f"group_index {group.group_index} outside the {len(group.step_groups)} step groups")
+        mine, shards = group.step_groups[group.group_index], len(group.shard_bounds) - 1
+        if list(mine.members) != list(group.members) or list(mine.shard_owners) != list(group.shard_owners):
+            raise ValueError("the step plan's entry for this group differs from the group")
+        for index, step_group in enumerate(group.step_groups):
+            owners = list(step_group.shard_owners)
+            if len(owners) != shards or not all(0 <= i < len(step_group.members) for i in owners) or \
+                    not all(step_group.members[i].address for i in owners):
+                raise ValueError(f"step group {index} has no reachable owner for every one of the {shards} shards")
         return cls(tuple(group.step_groups), group.group_index)
 
     def owner(self, g: int, k: int) -> averaging_pb2.Member:
@@ -202,23 +212,30 @@ class TeamState:
             except TimeoutError:
                 pass
 
-    def sum_and_encode(self, owner_residual: torch.Tensor) -> None:
-        """Reducer: Σ W_g·A_g / Σ W_g in group order, encoded once with the reducer's feedback."""
-        self.closed = True
-        try:
-            terms = [(f"{g:08d}", w, a) for g, (w, a, _) in sorted(self.parts.items()) if w > 0]
+    async def sum_and_encode(self, owner_residual: torch.Tensor, executor: Executor) -> None:
+        """Reducer: Σ W_g·A_g / Σ W_g in group order, encoded once with the reducer's feedback
+        (the arithmetic in ``executor``; the state changes here, on the event loop)."""
+        self.closed = True  # parts that come from now on are late
+        parts, self.parts = self.parts, {}
+
+        def compute() -> tuple[bytes, str]:
+            terms = [(f"{g:08d}", w, a) for g, (w, a, _) in sorted(parts.items()) if w > 0]
             if not terms:
-                raise ValueError("no part with a positive weight")
+                return b"", "no part with a positive weight"
             mean = weighted_mean(terms)
             if not bool(torch.isfinite(mean).all()):
-                raise ValueError("the team's average overflowed to non-finite values")
-            self.payload, _ = codecs.encode_with_feedback(self.codec, mean, owner_residual)
-            self.contributors = sorted({p for g, (w, _, who) in self.parts.items() if w > 0 for p in who})
-        except (ValueError, codecs.CodecError) as err:
-            log.warning("team %d: no average this round: %s", self.shard_index, err)
-            self.payload, self.contributors = b"", []
+                return b"", "the team's average overflowed to non-finite values"
+            try:
+                return codecs.encode_with_feedback(self.codec, mean, owner_residual)[0], ""
+            except codecs.CodecError as err:
+                return b"", f"the team's average cannot be encoded: {err}"
+
+        try:
+            self.payload, problem = await asyncio.get_running_loop().run_in_executor(executor, compute)
+            if problem:
+                log.warning("team %d: no average this round: %s", self.shard_index, problem)
+            self.contributors = sorted({p for w, _, who in parts.values() if w > 0 for p in who}) if self.payload else []
         finally:
-            self.parts = {}
             self.summed.set()
 
     def decide(self, applied: bool, payload: bytes, contributors: list[str]) -> None:
@@ -253,7 +270,7 @@ class TeamBook:
         return team
 
     async def handle(self, header: averaging_pb2.TeamHeader, requests: AsyncIterator[averaging_pb2.ReduceMessage],
-                     find_timeout: float) -> AsyncIterator[averaging_pb2.ReduceMessage]:
+                     executor: Executor, find_timeout: float) -> AsyncIterator[averaging_pb2.ReduceMessage]:
         """Server side of a team stream: a part for the reducer, or a fetch; raises Refused."""
         team = await self.find(header.group_id, header.shard_index, find_timeout)
         if team is None:
@@ -288,7 +305,7 @@ class TeamBook:
             team.announced.add(header.from_group)  # one try per group, whatever happens to this stream
             added = False
             try:
-                part = None if empty else await _receive_part(team, header, requests, bound)
+                part = None if empty else await _receive_part(team, header, requests, bound, executor)
                 if part is not None:
                     added = team.add(header.from_group, plan.weight(header.from_group, list(header.contributors)),
                                      part, list(header.contributors))
@@ -310,7 +327,8 @@ class TeamBook:
 
 
 async def _receive_part(team: TeamState, header: averaging_pb2.TeamHeader,
-                        requests: AsyncIterator[averaging_pb2.ReduceMessage], bound: float) -> torch.Tensor:
+                        requests: AsyncIterator[averaging_pb2.ReduceMessage], bound: float,
+                        executor: Executor) -> torch.Tensor:
     """The float32 partial average that follows a team header, checked (finite), or Refused."""
     payload = bytearray()
     try:
@@ -324,9 +342,13 @@ async def _receive_part(team: TeamState, header: averaging_pb2.TeamHeader,
     if len(payload) != header.payload_bytes:
         raise Refused(Code.INVALID_ARGUMENT, f"{len(payload)} of {header.payload_bytes} declared bytes arrived")
     team.bytes_in += len(payload)
-    part = torch.from_numpy(np.frombuffer(bytes(payload), dtype="<f4").astype(np.float32))
-    try:
+
+    def decode() -> torch.Tensor:  # a copy in native float32, checked for finite values
+        part = torch.from_numpy(np.frombuffer(payload, dtype="<f4").astype(np.float32))
         check_contribution(part)
+        return part
+
+    try:
+        return await asyncio.get_running_loop().run_in_executor(executor, decode)
     except ContributionRejected as err:
         raise Refused(Code.INVALID_ARGUMENT, str(err)) from None
-    return part

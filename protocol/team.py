@@ -109,13 +109,16 @@ class TeamRound:
             else:
                 team.give_up(me)
             await team.wait_for_parts(self.clock, self.started, self.quorum)
-            await loop.run_in_executor(self.executor, team.sum_and_encode, owner_residual)
+            # The encoding's error feedback counts only if the team applies the average.
+            before = await loop.run_in_executor(self.executor, owner_residual.clone)
+            await team.sum_and_encode(owner_residual, self.executor)
             payload, contributors = team.payload, team.contributors
             failure = "" if payload else "the team's average could not be made"
         else:
             g = plan.reducer_group(k)
             reducer = plan.owner(g, k)
-            part = b"" if average is None else average.numpy().astype("<f4").tobytes()
+            part = b"" if average is None else await loop.run_in_executor(
+                self.executor, lambda: average.numpy().astype("<f4").tobytes())
             header = averaging_pb2.TeamHeader(  # without a part of our own (empty): the others' sum
                 group_id=plan.team_key(k), shard_index=k, from_group=me, sender_peer_id=self.peer_id,
                 numel=team.numel, contributors=used if average is not None else [], payload_bytes=len(part))
@@ -137,6 +140,8 @@ class TeamRound:
                 decoded, failure = None, f"the team's average is unusable: {err}"
         applied = await self._agree(k, decoded is not None)
         team.decide(applied, payload, contributors)
+        if not applied and team.reducer:  # nobody applies it: no error feedback of it either
+            await loop.run_in_executor(self.executor, owner_residual.copy_, before)
         if not applied:
             return b"", None, failure or "another owner of the team lacks its average", []
         return payload, decoded, "", contributors

@@ -215,7 +215,7 @@ def test_a_team_reducer_refuses_parts_that_the_plan_does_not_allow():
                 yield
 
             try:
-                async for _ in book.handle(header, nothing(), find_timeout=1.0):
+                async for _ in book.handle(header, nothing(), EXECUTOR, find_timeout=1.0):
                     pass
             except Refused as err:
                 return err.code.name
@@ -235,3 +235,54 @@ def test_a_team_reducer_refuses_parts_that_the_plan_does_not_allow():
 def test_a_team_header_names_its_sender_for_the_run_secret_check():
     header = averaging_pb2.TeamHeader(sender_peer_id="peer-c")
     assert claimed_sender(averaging_pb2.ReduceMessage(team_header=header)) == "peer-c"
+
+
+class BrokenAnswerNet(FakeNet):
+    """A FakeNet whose team reducers answer ``victim``'s team stream with a result that does not
+    match the shard (as if the reducer died mid-reply to that owner only)."""
+
+    def __init__(self, victim: list[str]) -> None:
+        super().__init__()
+        self.victim = victim
+
+    async def reduce(self, address, requests, timeout):
+        first = await anext(requests)
+
+        async def replay():
+            yield first
+            async for message in requests:
+                yield message
+
+        broken = first.HasField("team_header") and not first.team_header.fetch and \
+            first.team_header.sender_peer_id in self.victim
+        async for message in super().reduce(address, replay(), timeout):
+            if broken and message.HasField("result"):
+                message.result.numel += 1
+            yield message
+
+
+def test_an_owner_without_the_reducers_answer_makes_its_team_skip_the_shard_in_every_group():
+    """Shard 1's reducer (group 1) answers the owner in group 2 with a broken result: that owner
+    asks its team to skip, so every group skips shard 1, every member keeps all of x there, and
+    the reducer's error feedback of the average nobody applied is undone."""
+    victim: list[str] = []
+
+    async def scenario(loop: VirtualTimeLoop):
+        net, dht = BrokenAnswerNet(victim), FakeDHT(loop)
+        peers = [Peer(net, dht, loop, f"peer-{i:02d}", 4, "int8") for i in range(11)]
+        groups = await asyncio.gather(*(p.group({q.peer_id for q in peers}) for p in peers))
+        victim.append(owner_of(groups, 2, 1))
+        results = await asyncio.gather(*(p.reduce(g, d) for p, g, d in zip(peers, groups, deltas(11))))
+        reducer = next(p for p in peers if p.peer_id == owner_of(groups, 1, 1))
+        return groups, results, peers, reducer
+
+    groups, results, peers, reducer = run_virtual(scenario)
+    assert all([a is None for a in r.averages] == [False, True, False] for r in results)
+    assert all(torch.equal(r.averages[k], results[0].averages[k]) for r in results for k in (0, 2))
+    sl = results[0].slices[1]
+    for peer, delta in zip(peers, deltas(11)):
+        assert torch.equal(peer.residual[sl], delta[sl])  # all of x carried to the next round
+    assert torch.equal(reducer.owner_residual[sl], torch.zeros(sl.stop - sl.start))  # feedback undone
+    other = results[0].slices[0]
+    owner0 = next(p for p in peers if p.peer_id == owner_of(groups, 0, 0))
+    assert owner0.owner_residual[other].abs().sum() > 0  # an applied int8 average does leave feedback
