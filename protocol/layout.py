@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from typing import Callable
 
 from ._pb.lowcomm.v1 import averaging_pb2
 
@@ -74,3 +75,37 @@ def split_step_layout(numel: int, groups: list[list[averaging_pb2.Member]],
 
     owners = [sorted(sorted(r, key=lambda i, g=g: (-speed(g, i), i))[:shards]) for g, r in zip(groups, reachable)]
     return shard_layout(numel, [0.0] * shards), owners
+
+
+def close_groups(parts: list[list[averaging_pb2.Member]], bandwidth: dict[str, float], numel: int,
+                 template: averaging_pb2.Group, random_bytes: Callable[[int], bytes]) -> list[averaging_pb2.Group]:
+    """The Group messages a leader sends for the groups ``parts`` (``split_into_groups``).
+
+    ``template`` carries what every group shares (step, codec, reduce timeout). One group: its
+    shard layout by bandwidth over its reachable members. Several: the same layout and the step
+    plan in every one of them (``split_step_layout``, crossgroup.py). Group ids are drawn in
+    group order, one ``random_bytes(16)`` each.
+    """
+    ids = [random_bytes(16) for _ in parts]
+    groups = []
+    if len(parts) == 1:
+        owners = [i for i, m in enumerate(parts[0]) if m.address]
+        group = averaging_pb2.Group()
+        group.CopyFrom(template)
+        group.group_id = ids[0]
+        group.shard_bounds.extend(shard_layout(numel, [bandwidth[parts[0][i].peer_id] for i in owners]))
+        group.members.extend(parts[0])
+        group.shard_owners.extend(owners)
+        return [group]
+    bounds, owner_lists = split_step_layout(numel, parts, bandwidth)
+    plan = [averaging_pb2.StepGroup(group_id=i, members=g, shard_owners=o) for i, g, o in zip(ids, parts, owner_lists)]
+    for index, (group_id, group_members) in enumerate(zip(ids, parts)):
+        group = averaging_pb2.Group()
+        group.CopyFrom(template)
+        group.group_id, group.group_index = group_id, index
+        group.members.extend(group_members)
+        group.shard_bounds.extend(bounds)
+        group.shard_owners.extend(owner_lists[index])
+        group.step_groups.extend(plan)
+        groups.append(group)
+    return groups

@@ -37,7 +37,7 @@ from typing import Any, Awaitable, Callable, Protocol
 from ._pb.lowcomm.v1 import averaging_pb2
 from .direct import DIRECT_TIMEOUT, DirectPath
 from .handshake import Identity, IncompatiblePeer
-from .layout import shard_layout, split_into_groups, split_step_layout
+from .layout import close_groups, shard_layout, split_into_groups  # noqa: F401 - shard_layout re-exported
 from .transport import CallFailed, Clock, Code, LoopClock, MatchmakingTransport, RandomBytes, Refused
 
 log = logging.getLogger(__name__)
@@ -388,25 +388,10 @@ class Matchmaker(DirectPath):
         members = [me, *(self._member(f.request, p) for p, f in current.followers.items() if not f.reply.done())]
         bandwidth = {p: f.request.bandwidth_bps for p, f in current.followers.items()} | {self.peer_id: my_bandwidth}
         mine: averaging_pb2.Group | None = None
+        template = averaging_pb2.Group(step=current.step, codec=self.codec, reduce_timeout_s=self.reduce_timeout)
         parts = split_into_groups(members, self.group_size, current.step)
-        ids = [self.random_bytes(16) for _ in parts]
-        if len(parts) > 1:  # one step plan for every group: one average across them (crossgroup.py)
-            bounds, owner_lists = split_step_layout(current.numel, parts, bandwidth)
-            plan = [averaging_pb2.StepGroup(group_id=i, members=g, shard_owners=o)
-                    for i, g, o in zip(ids, parts, owner_lists)]
-        for index, (group_id, group_members) in enumerate(zip(ids, parts)):
-            if len(parts) > 1:
-                group = averaging_pb2.Group(
-                    group_id=group_id, step=current.step, members=group_members, shard_bounds=bounds,
-                    shard_owners=owner_lists[index], codec=self.codec, reduce_timeout_s=self.reduce_timeout,
-                    step_groups=plan, group_index=index)
-            else:
-                owners = [i for i, m in enumerate(group_members) if m.address]
-                group = averaging_pb2.Group(
-                    group_id=group_id, step=current.step, members=group_members,
-                    shard_bounds=shard_layout(current.numel, [bandwidth[group_members[i].peer_id] for i in owners]),
-                    shard_owners=owners, codec=self.codec, reduce_timeout_s=self.reduce_timeout)
-            for member in group_members:
+        for group in close_groups(parts, bandwidth, current.numel, template, self.random_bytes):
+            for member in group.members:
                 if member.peer_id == self.peer_id:
                     mine = group
                 elif not current.followers[member.peer_id].reply.done():
