@@ -36,12 +36,16 @@ def start(index: int, nproc: int, script: list[str], workdir: Path, peers: list[
     def relay() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            print(f"[peer-{index}] {line}", end="", flush=True)
             try:
                 event = json.loads(line)
             except ValueError:
+                event = None
+            if not isinstance(event, dict):
+                print(f"[peer-{index}] {line}", end="", flush=True)
                 continue
-            if isinstance(event, dict) and event.get("event") == "example_ready" and not ready.is_set():
+            # The peers log JSON lines (their output is a pipe): shown here as their message.
+            print(f"[peer-{index}] {event.get('msg') or json.dumps(event)}", flush=True)
+            if event.get("event") == "example_ready" and not ready.is_set():
                 maddrs.extend(event["multiaddrs"])
                 ready.set()
         ready.set()  # it ended before it was ready: the launcher stops waiting
@@ -63,7 +67,8 @@ def main() -> int:
         ready.wait()
         if not maddrs:
             return procs[0].wait() or 1
-        procs += [start(i, args.nproc, script, args.workdir, maddrs[:1], threading.Event(), []) for i in range(1, args.nproc)]
+        for index in range(1, args.nproc):
+            procs.append(start(index, args.nproc, script, args.workdir, maddrs[:1], threading.Event(), []))
         codes = [proc.wait() for proc in procs]
     except KeyboardInterrupt:
         print("stopping the peers (Ctrl-C again kills them)", file=sys.stderr, flush=True)

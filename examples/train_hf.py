@@ -28,10 +28,16 @@ model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediat
                                      num_attention_heads=4, max_position_embeddings=128))
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
 data = torch.tensor(list(open(argparse.__file__, "rb").read()))  # bytes of a stdlib module as tokens
+data, held_out = data[:-65 * 16], data[-65 * 16:].view(16, 65)  # the tail: a fixed held-out set
 
 config = {"train": {"inner_steps": 10}, "sync": {"codec": "int8"},
           "node": {"host": "127.0.0.1", "checkpoint_dir": args.checkpoint_dir}}
-with lowcomm.Swarm(model, optimizer, config=config, peers=args.peers) as swarm:
+
+def held_out_loss(replica: torch.nn.Module) -> float:  # run on a copy of the model for every new θ_global
+    return replica(input_ids=held_out, labels=held_out).loss.item()
+
+
+with lowcomm.Swarm(model, optimizer, config=config, peers=args.peers, eval_fn=held_out_loss) as swarm:
     print(json.dumps({"event": "example_ready", "multiaddrs": swarm.multiaddrs}), flush=True)
     swarm.wait_for_peers(args.min_peers)
     sampler = torch.Generator().manual_seed(hash(swarm.peer_id) % 2**31)  # each peer its own batches

@@ -140,7 +140,8 @@ def test_inner_optimizer_state_round_trips_through_local_state():
     other_model = nn.Linear(4, 1)
     other = ExternalTrainer(other_model, torch.optim.AdamW(other_model.parameters(), lr=0.1))
     other.load_local_state(state)
-    assert torch.equal(other.optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    moments = other.optimizer.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(moments, optimizer.state_dict()["state"][0]["exp_avg"])
     with pytest.raises(lowcomm.node.models.ModelError, match="does not fit"):
         ExternalTrainer(nn.Linear(4, 1), torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)).load_local_state(state)
 

@@ -75,6 +75,12 @@ def test_the_example_as_two_processes_agrees_per_step_and_resumes_from_its_check
     assert again.wait_event("example_done", 1)["outer_step"] == 4
 
 
+def build_llama(config_json: Path) -> torch.nn.Module:
+    """The user's own model from the run's config.json (what lowcomm-node builds, unwrapped)."""
+    config = transformers.AutoConfig.for_model(**json.loads(config_json.read_text()))
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
 class Events(logging.Handler):
     """The node's structured events (``round_done``, ``resumed``...) in this process."""
 
@@ -119,7 +125,7 @@ def test_an_api_peer_and_a_daemon_peer_average_together(swarm, tmp_path, events)
     # The API peer (built while the daemon starts): the same model, built by the user from the
     # same config.json.
     torch.manual_seed(1)  # other initial weights than the daemon's: the catch-up replaces them
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**json.loads(llama.read_text())))
+    model = build_llama(llama)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = torch.from_numpy(np.fromfile(tokens, dtype=np.uint16).astype(np.int64))
     node = {"host": "127.0.0.1", "checkpoint_dir": str(tmp_path / "api"), "heartbeat_interval": 1, "grace_period": 10}
@@ -165,10 +171,10 @@ def test_an_api_peer_and_a_daemon_peer_average_together(swarm, tmp_path, events)
     assert state["trainer"]["optimizer"]["state"]  # the inner AdamW moments are in it
 
     # load_state_dict: a new peer (empty checkpoint directory, alone) resumes from that state.
-    fresh = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**json.loads(llama.read_text())))
+    fresh = build_llama(llama)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=3e-3)
-    other = lowcomm.Swarm(fresh, fresh_optimizer, config={**run, "node": {**node, "checkpoint_dir": str(tmp_path / "b")}},
-                          log=False)
+    other = lowcomm.Swarm(fresh, fresh_optimizer, log=False,
+                          config={**run, "node": {**node, "checkpoint_dir": str(tmp_path / "b")}})
     other.load_state_dict(state)
     with other:
         assert other.outer_step == last
