@@ -1,0 +1,52 @@
+"""``python -m sim.plot``: the Scale figures vs N from bench/out/scale/sweep.jsonl (needs matplotlib,
+the ``bench`` extra): formation p95, share averaged, DHT records read per peer, busiest peer's RPCs,
+bytes per peer and gossip consensus distance, one line per variant."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+PANELS = [("mean_form_p95_s", "group formation p95 (s)"), ("mean_share_averaged", "share of live peers averaged"),
+          ("mean_dht_subkeys_read_per_peer", "DHT records read per peer per round"),
+          ("mean_busiest_peer_rpcs", "RPCs received by the busiest peer"),
+          ("mean_bytes_per_peer_mb", "MB per peer per round"), ("mean_consensus_distance", "consensus distance")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m sim.plot")
+    parser.add_argument("--sweep", type=Path, default=Path("bench/out/scale/sweep.jsonl"))
+    parser.add_argument("--out", type=Path, default=Path("bench/out/scale/scale.png"))
+    args = parser.parse_args()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    latest: dict[tuple[str, int], dict] = {}
+    for line in args.sweep.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            latest[(row["variant"], row["peers"])] = row
+    variants = sorted({v for v, _ in latest})
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, (key, title) in zip(axes.flat, PANELS):
+        for variant in variants:
+            points = sorted((n, row[key]) for (v, n), row in latest.items() if v == variant and row.get(key) is not None)
+            if points:
+                ax.plot([n for n, _ in points], [y for _, y in points], marker="o", label=variant)
+        ax.set_xscale("log", base=2)
+        if key in ("mean_dht_subkeys_read_per_peer", "mean_busiest_peer_rpcs"):
+            ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel("peers (N)")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle("lowcomm simulated scale sweep (python -m sim sweep)")
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=90)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()
