@@ -40,3 +40,33 @@ def test_two_groups_of_a_split_step_end_with_one_state_over_grpc():
         ids = [int(m.peer_id.split("-")[1]) for m in g.members]
         local = torch.stack([deltas[i] for i in ids]).mean(0)
         assert (local - average).abs().max() > 0.01 * mean.abs().max()
+
+
+def test_a_dead_owner_costs_its_group_only_its_own_parts_over_grpc():
+    """The owner of shard 0 in the group that does not reduce shard 0 stops its server after the
+    groups formed. Its group's other member fetches shard 0 from the team; all survivors end
+    with the same averages of every shard."""
+    numel, count = 20_001, 5
+
+    async def scenario():
+        peers = await start_peers(count, numel, "int8", group_size=3, reduce_timeout=2.0)
+        try:
+            gen = torch.Generator().manual_seed(1)
+            deltas = [torch.randn(numel, generator=gen) * 0.01 for _ in peers]
+            groups = await asyncio.gather(*(p.form(0, {p.peer_id for p in peers}) for p in peers))
+            plan = groups[0].step_groups
+            other = 1 - 0 % len(plan)  # shard 0 is reduced in group 0
+            victim_id = plan[other].members[plan[other].shard_owners[0]].peer_id
+            victim = next(p for p in peers if p.peer_id == victim_id)
+            await victim.stop()
+            live = [(p, g, d) for p, g, d in zip(peers, groups, deltas) if p is not victim]
+            results = await asyncio.gather(*(p.reduce(g, d) for p, g, d in live))
+            return results
+        finally:
+            await asyncio.gather(*(p.stop() for p in peers))
+
+    results = asyncio.run(scenario())
+    assert len(results) == 4
+    for r in results:
+        assert all(a is not None for a in r.averages)
+        assert all(torch.equal(a, b) for a, b in zip(r.averages, results[0].averages))
