@@ -69,6 +69,8 @@ class RoundOutcome:
     # Codec pool: the outer step on θ_global (returns the number of skipped shards); None when
     # the round already changed the state itself (gossip mode shields and waits for its own work).
     apply: Callable[[], int] | None = None
+    # The group of an all-reduce round: the optimizer-state rounds (node/state_sync.py) reuse it.
+    group: averaging_pb2.Group | None = None
 
 
 @dataclass
@@ -296,4 +298,4 @@ class Averager:
         if skipped:
             self.metrics.round_failures.labels(reason="shard_skipped").inc()
         return RoundOutcome(RoundReport(len(group.members), 0.0, sent, received, skipped, allreduce_seconds=seconds),
-                            apply=apply)
+                            apply=apply, group=group)

@@ -156,6 +156,14 @@ class TrainSection(_Section):
     sequences (an effective batch of batch_size × micro_batches at the memory of one)."""
     seed: int = 0
     """Seed of the initial weights (identical on every peer) and of the data order."""
+    optimizer: Literal["adamw", "mtdao"] = "adamw"
+    """The inner optimizer. adamw: AdamW (β = 0.9, 0.95). mtdao: MT-DAO, Adam with a fast (β 0.9)
+    and a slow first moment mixed quasi-hyperbolically (node/optimizers.py); meant with [sync]
+    state_sync averaging its slow moment (method = "mtdao" sets both)."""
+    mtdao_beta_slow: float = Field(0.99, gt=0.0, lt=1.0)
+    """mtdao: decay of the slow first moment (0.99..0.999: a horizon longer than an inner phase)."""
+    mtdao_slow_weight: float = Field(0.5, ge=0.0, le=1.0)
+    """mtdao: weight of the slow moment in the step (1 − it is the fast moment's)."""
 
 
 # ``[sync] method``: a named sync algorithm sets several keys together (README, "Sync options").
@@ -165,21 +173,44 @@ METHOD_FIXED: dict[str, dict[str, Any]] = {
     "diloco": {},
     # The decayed error feedback of the sparseloco codec stands in for the outer momentum.
     "sparseloco": {"codec": "sparseloco", "outer_momentum": 0.0},
+    "desloc": {},
+    "mtdao": {},
 }
 METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
     "diloco": {},
     # θ ← θ − α·mean(decoded), every contribution's norm clipped to the shard's median norm. The
     # paper's α is 1; 1.5 measured better on the short benchmark (bench/analysis.md, "SparseLoCo").
     "sparseloco": {"outer_lr": 1.5, "aggregation": "clipped_mean", "clip_factor": 1.0},
+    # DES-LOC: parameters every round, AdamW's first moment every 3 rounds, its second every 6.
+    "desloc": {"state_sync": {"exp_avg": 3, "exp_avg_sq": 6}},
+    # MT-DAO: the slow moment every round (the swarm's long-horizon direction), the fast one never
+    # (it is this peer's own recent gradients), the second moment with DES-LOC's period.
+    "mtdao": {"state_sync": {"exp_avg_slow": 1, "exp_avg_sq": 6}},
 }
+# Which inner optimizer a method needs ([train] optimizer; set by the method when not given).
+METHOD_OPTIMIZER: dict[str, str] = {"desloc": "adamw", "mtdao": "mtdao"}
+# The optimizer states ``state_sync`` may name, per [train] optimizer (node/optimizers.py).
+STATE_NAMES: dict[str, tuple[str, ...]] = {
+    "adamw": ("exp_avg", "exp_avg_sq"),
+    "mtdao": ("exp_avg_fast", "exp_avg_slow", "exp_avg_sq"),
+}
+STATE_SYNC_CODECS = ("fp32", "fp16", "bf16", "int8", "int4")  # dense codecs: a state is not a sparse update
 
 
 class SyncSection(_Section):
-    method: Literal["diloco", "sparseloco"] = "diloco"
+    method: Literal["diloco", "sparseloco", "desloc", "mtdao"] = "diloco"
     """diloco: the codec below under outer Nesterov SGD. sparseloco: top-k 2-bit sparse
     pseudo-gradients with decayed error feedback and no outer momentum; sets codec = "sparseloco"
     and outer_momentum = 0 (other values are an error) and defaults outer_lr = 1.5, aggregation =
-    "clipped_mean", clip_factor = 1.0 (explicit values win)."""
+    "clipped_mean", clip_factor = 1.0 (explicit values win). desloc: DES-LOC, AdamW's moments
+    synced on their own periods; defaults state_sync = {exp_avg = 3, exp_avg_sq = 6}. mtdao:
+    sets [train] optimizer = "mtdao" and defaults state_sync = {exp_avg_slow = 1, exp_avg_sq = 6}."""
+    state_sync: dict[str, int] = {}
+    """Inner-optimizer states averaged across the group, each every N rounds (on the rounds that
+    produce an outer step divisible by N), through the same all-reduce and codec as the
+    pseudo-gradients, with their own error feedback; every member then loads the same average.
+    Names: adamw exp_avg, exp_avg_sq; mtdao exp_avg_fast, exp_avg_slow, exp_avg_sq. Empty: the
+    optimizer state stays local (DiLoCo)."""
     mode: Literal["allreduce", "gossip"] = "allreduce"
     """How peers average: butterfly all-reduce inside groups (identical state), or gossip with a few
     random partners per round (states differ by design; the consensus distance is measured)."""
@@ -237,6 +268,14 @@ class SyncSection(_Section):
                 raise ValueError(f"method = \"{method}\" sets {key} = {value!r}; remove {key} = {data[key]!r} "
                                  f"or choose method = \"diloco\"")
         return {**METHOD_DEFAULTS[method], **METHOD_FIXED[method], **data}
+
+    @field_validator("state_sync")
+    @classmethod
+    def _periods_positive(cls, value: dict[str, int]) -> dict[str, int]:
+        bad = {name: period for name, period in value.items() if period < 1}
+        if bad:
+            raise ValueError(f"periods are rounds, at least 1; got {bad}")
+        return value
 
     @model_validator(mode="after")
     def _sparse_needs_allreduce(self) -> "SyncSection":
@@ -316,7 +355,39 @@ class Config(_Section):
     def _modes_combine(self) -> "Config":
         if self.sync.mode == "gossip" and (self.sync.overlap != "none" or self.sync.fragments > 1):
             raise ValueError("[sync] overlap and fragments work with mode = \"allreduce\" only")
+        self._check_state_sync()
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _method_sets_optimizer(cls, data: Any) -> Any:
+        """``[sync] method = "mtdao"`` (or "desloc") chooses the inner optimizer too."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("sync"), Mapping):
+            return data
+        needed = METHOD_OPTIMIZER.get(data["sync"].get("method"))
+        train = data.get("train", {})
+        if needed is None or not isinstance(train, Mapping):
+            return data
+        if train.get("optimizer", needed) != needed:
+            raise ValueError(f"[sync] method = \"{data['sync']['method']}\" needs [train] optimizer = \"{needed}\", "
+                             f"not {train['optimizer']!r}")
+        return {**data, "train": {**train, "optimizer": needed}}
+
+    def _check_state_sync(self) -> None:
+        sync = self.sync
+        if not sync.state_sync:
+            return
+        known = STATE_NAMES[self.train.optimizer]
+        unknown = sorted(set(sync.state_sync) - set(known))
+        if unknown:
+            raise ValueError(f"[sync] state_sync names {', '.join(unknown)}, which [train] optimizer = "
+                             f"\"{self.train.optimizer}\" does not have (its states: {', '.join(known)})")
+        if sync.mode != "allreduce" or sync.overlap != "none" or sync.fragments != 1:
+            raise ValueError("[sync] state_sync works with mode = \"allreduce\", overlap = \"none\" and fragments = 1 "
+                             "only")
+        if sync.codec not in STATE_SYNC_CODECS:
+            raise ValueError(f"[sync] state_sync needs a dense codec ({', '.join(STATE_SYNC_CODECS)}), not "
+                             f"codec = \"{sync.codec}\"")
 
     def run_config(self) -> dict[str, Any]:
         """The part every peer of a run must share, as plain JSON-able data.
@@ -331,6 +402,13 @@ class Config(_Section):
         # fingerprints (and checkpoints) of runs made before it existed, and of equivalent spellings.
         sync = self.sync.model_dump(exclude={"matchmaking_timeout", "reduce_timeout", "quorum", "straggler_wait",
                                              "method"})
+        # Keys added later enter the fingerprint only when set: runs without them keep theirs.
+        if not sync["state_sync"]:
+            del sync["state_sync"]
+        train = self.train.model_dump()
+        if train["optimizer"] == "adamw":
+            for key in ("optimizer", "mtdao_beta_slow", "mtdao_slow_weight"):
+                del train[key]
         data: dict[str, Any] = {"seq_len": self.data.seq_len}
         if self.data.tokenizer != "bytes":
             data.update(tokenizer_definition(self.data.tokenizer))
@@ -338,7 +416,7 @@ class Config(_Section):
             "run": self.run.model_dump(),
             **model_definition(self.model),
             "data": data,
-            "train": self.train.model_dump(),
+            "train": train,
             "sync": sync,
         }
 

@@ -37,6 +37,7 @@ from .averaging import Averager, RoundOutcome
 from .cancel import cancel_and_wait
 from .commit import Committer
 from .config import Config
+from .errors import FatalError
 from .executors import TrackedThreadPool
 from .faults import Faults
 from .globalstate import GlobalState
@@ -44,6 +45,7 @@ from .metrics import NodeMetrics
 from .ports import PhaseStats, SwarmPort, TrainerPort
 from .progress import InnerProgress
 from .runstats import RunStats
+from .state_sync import OptimizerStateHolding, StateSync
 from .train_thread import TrainThread
 
 log = logging.getLogger("lowcomm.node")
@@ -89,6 +91,16 @@ class RoundDriver:
         self.human = human  # a progress bar of the inner steps on a terminal
         self.committing: asyncio.Task | None = None  # the local part of the last round
         self._nan_injected = False
+        # [sync] state_sync (DES-LOC, MT-DAO): optimizer-state rounds after a round's commit.
+        self.state_sync: StateSync | None = None
+        if config.sync.state_sync:
+            if not isinstance(trainer, OptimizerStateHolding):
+                raise FatalError("[sync] state_sync (method = \"desloc\" or \"mtdao\") works with lowcomm-node's own "
+                                 "trainer only: the optimizer of a training loop of your own is not lowcomm's to average")
+            self.state_sync = StateSync(config.sync.state_sync, averager.peer_id, trainer.numel, trainer,
+                                        registry=averager.registry, channels=averager.channels,
+                                        executor=codec_executor, in_train_thread=train_thread.run,
+                                        quorum=config.sync.quorum)
         self.overlap = None
         if config.sync.overlap != "none":
             from .overlap import OverlappedLoop  # it uses this class's public methods
@@ -121,6 +133,7 @@ class RoundDriver:
             if outcome is not None:
                 self.stats.tokens_since_round = 0
                 frozen = await self.shielded_commit(self.committer.apply_and_commit(outcome))
+                await self.sync_optimizer_state(outcome)
                 await self.committer.finish(outcome.report, fragment, frozen, reset_local=True)
 
     async def abandon(self) -> None:
@@ -173,6 +186,34 @@ class RoundDriver:
         finally:
             stop.cancel()
             force.cancel()
+
+    async def sync_optimizer_state(self, outcome: RoundOutcome) -> None:
+        """After a committed all-reduce round: the optimizer-state rounds due at it
+        (node/state_sync.py), abandoned like a round on a stop; their bytes count in its report."""
+        if self.state_sync is None or outcome.group is None or not self.state_sync.due(outcome.group):
+            return
+        task = asyncio.create_task(self.state_sync.run(outcome.group), name="state_sync")
+        try:
+            finished = await self.wait_or_stop(task)
+            if not finished:
+                log.warning("abandoning the optimizer-state round in flight")
+                await cancel_and_wait(task)
+        finally:
+            if not task.done():  # we were cancelled ourselves (a forced stop)
+                await cancel_and_wait(task)
+            if task.cancelled() or task.exception() is not None:
+                await self.codec_executor.settle()  # its codec jobs write the residuals
+                self.state_sync.rollback()
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            raise error
+        if not task.cancelled():
+            synced = task.result()
+            outcome.report.bytes_sent += synced.bytes_sent
+            outcome.report.bytes_received += synced.bytes_received
+            log.info("optimizer state %s averaged with the group (%d shard(s) skipped)", ", ".join(synced.synced),
+                     synced.skipped_shards, extra={"event": "state_synced", "outer_step": self.state.step,
+                                                   "states": synced.synced, "skipped_shards": synced.skipped_shards})
 
     async def shielded_commit(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run the local part of a round (outer step, commit) so that it always finishes: a

@@ -54,6 +54,41 @@ def mean_eval_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, tor
     return total / len(batches)
 
 
+def build_optimizer(config: Config, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The inner optimizer ``[train] optimizer`` names."""
+    train = config.train
+    if train.optimizer == "mtdao":
+        from .optimizers import MTDAO
+
+        return MTDAO(params, lr=train.lr, beta_fast=0.9, beta_slow=train.mtdao_beta_slow, beta2=0.95,
+                     slow_weight=train.mtdao_slow_weight, weight_decay=train.weight_decay)
+    return torch.optim.AdamW(params, lr=train.lr, betas=(0.9, 0.95), weight_decay=train.weight_decay)
+
+
+def optimizer_state_flat(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], name: str) -> torch.Tensor:
+    """The optimizer state ``name`` of every parameter as one flat float32 CPU vector, in the
+    order of the flat parameters (zeros for a parameter that has no state yet)."""
+    parts = []
+    for param in params:
+        value = optimizer.state.get(param, {}).get(name)
+        parts.append(torch.zeros(param.numel()) if value is None else value.detach().reshape(-1).to("cpu", torch.float32))
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def load_optimizer_state_flat(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], name: str,
+                              flat: torch.Tensor) -> None:
+    """Overwrite the state ``name`` of every parameter that has one with its slice of ``flat``
+    (a parameter without state yet gets it with its first step)."""
+    offset = 0
+    with torch.no_grad():
+        for param in params:
+            count = param.numel()
+            value = optimizer.state.get(param, {}).get(name)
+            if value is not None:
+                value.copy_(flat[offset:offset + count].view_as(value))
+            offset += count
+
+
 class Trainer:
     """The daemon's trainer: a ``TrainerPort`` (node/ports.py) that is also ``ReplicaEvaluating``."""
 
@@ -77,9 +112,7 @@ class Trainer:
                                     config.data.shards, peer_key, config.train.seed, vocab_limit=vocab)
         self.eval_set = eval_batches(corpus.eval, config.data.seq_len, config.train.batch_size,
                                      config.data.eval_batches, vocab_limit=vocab)
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=config.train.lr, betas=(0.9, 0.95), weight_decay=config.train.weight_decay
-        )
+        self.optimizer = build_optimizer(config, self.params)
         self.inner_steps_done = 0
         # bf16 autocast on CUDA: the usual speed-up for transformer training, weights stay fp32.
         self._autocast = (
@@ -111,6 +144,14 @@ class Trainer:
         self.set_params(flat)
         self.optimizer.state.clear()
 
+    def optimizer_state(self, name: str) -> torch.Tensor:
+        """Training thread: the inner optimizer's state ``name`` as a flat float32 CPU vector."""
+        return optimizer_state_flat(self.optimizer, self.params, name)
+
+    def load_optimizer_state(self, name: str, flat: torch.Tensor) -> None:
+        """Training thread: replace the inner optimizer's state ``name`` (node/state_sync.py)."""
+        load_optimizer_state_flat(self.optimizer, self.params, name, flat)
+
     # -- the inner loop ---------------------------------------------------------------------
 
     def _lr(self) -> float:
@@ -121,7 +162,7 @@ class Trainer:
 
     def train_phase(self, steps: int, should_stop: Callable[[], bool],
                     on_step: Callable[[int, float], None] | None = None) -> PhaseStats:
-        """Run up to ``steps`` inner AdamW steps; returns early (with what it did) on ``should_stop``."""
+        """Run up to ``steps`` inner optimizer steps; returns early (with what it did) on ``should_stop``."""
         self.model.train()
         started = time.perf_counter()
         losses: list[float] = []

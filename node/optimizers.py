@@ -1,0 +1,75 @@
+"""Inner optimizers beyond torch's AdamW: MT-DAO (multi-timescale distributed adaptive optimizer).
+
+MT-DAO keeps two first moments of the gradient, a fast one (β_fast ≈ 0.9, the usual Adam
+momentum) and a slow one (β_slow ≈ 0.99..0.999, a horizon of hundreds of steps, longer than an
+inner phase), and Adam's second moment. Its step combines the two quasi-hyperbolically:
+
+    m_f ← β_f·m_f + (1−β_f)·g          m_s ← β_s·m_s + (1−β_s)·g          v ← β2·v + (1−β2)·g²
+    u   = (1−ω)·m_f/(1−β_f^t) + ω·m_s/(1−β_s^t)
+    θ   ← θ·(1 − lr·wd) − lr · u / (√(v/(1−β2^t)) + ε)
+
+with ω the slow moment's weight. The slow moment is what is worth averaging across the swarm
+(``[sync] state_sync``, node/state_sync.py): over a short inner phase it moves little, so its
+swarm-wide mean is a long-horizon direction every peer then follows, while the fast moment
+tracks this peer's own recent gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+from .config import STATE_NAMES  # the states [sync] state_sync may name, per [train] optimizer
+
+# States that must stay non-negative after a lossy average (a square's running mean).
+NON_NEGATIVE = frozenset({"exp_avg_sq"})
+
+
+class MTDAO(torch.optim.Optimizer):
+    """Adam with a fast and a slow first moment mixed quasi-hyperbolically (module docstring)."""
+
+    def __init__(self, params: Iterable[torch.Tensor], lr: float = 1e-3, beta_fast: float = 0.9,
+                 beta_slow: float = 0.99, beta2: float = 0.95, slow_weight: float = 0.5, eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        for name, value in (("beta_fast", beta_fast), ("beta_slow", beta_slow), ("beta2", beta2)):
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"MTDAO: {name} must be in [0, 1), got {value}")
+        if not 0.0 <= slow_weight <= 1.0:
+            raise ValueError(f"MTDAO: slow_weight must be in [0, 1], got {slow_weight}")
+        if lr <= 0.0 or eps <= 0.0 or weight_decay < 0.0:
+            raise ValueError("MTDAO: lr and eps must be positive, weight_decay non-negative")
+        defaults = dict(lr=lr, beta_fast=beta_fast, beta_slow=beta_slow, beta2=beta2, slow_weight=slow_weight,
+                        eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, eps, wd, omega = group["lr"], group["eps"], group["weight_decay"], group["slow_weight"]
+            b_f, b_s, b2 = group["beta_fast"], group["beta_slow"], group["beta2"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    for name in STATE_NAMES["mtdao"]:
+                        state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                t = state["step"]
+                m_f, m_s, v = state["exp_avg_fast"], state["exp_avg_slow"], state["exp_avg_sq"]
+                m_f.mul_(b_f).add_(grad, alpha=1 - b_f)
+                m_s.mul_(b_s).add_(grad, alpha=1 - b_s)
+                v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                direction = m_f.mul((1 - omega) / (1 - b_f ** t)).add_(m_s, alpha=omega / (1 - b_s ** t))
+                denom = (v / (1 - b2 ** t)).sqrt_().add_(eps)
+                if wd:
+                    p.mul_(1 - lr * wd)
+                p.addcdiv_(direction, denom, value=-lr)
+        return loss

@@ -1,0 +1,138 @@
+"""Averaging the inner optimizer's state across the group, each state on its own period.
+
+DES-LOC and MT-DAO (``[sync] state_sync``, node/config.py) average not only the parameters but
+also moments of the inner optimizer. ``StateSync.run`` does it right after a round's commit, in
+the same group: one more all-reduce per due state (protocol/member.py's ``run_allreduce``, the
+group's codec and shard layout, the members' token weights), under a group id derived from the
+round's, so that its streams and shard reports never mix with the Δ round's. Every member
+decodes the same bytes, so every member loads the same averaged state: bit-identical.
+
+The state is averaged as a value, not as a change: the contribution is the state itself plus
+this state's own sender residual (error feedback), and every member overwrites its state with the
+average. A shard skipped in the state round keeps the local state there, and its residual its
+value from before the round (a state is not consumed as a Δ is: carrying all of it into the
+residual would add it twice next time). A split step's state round stays inside each group.
+
+The residuals live in memory only (a restart begins them at zero), and joiners do not download
+the synced state: they start with a fresh optimizer, as in plain DiLoCo.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Protocol, runtime_checkable
+
+import torch
+
+from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
+from lowcomm.protocol.allreduce import ReduceRegistry, run_allreduce
+
+from .optimizers import NON_NEGATIVE
+
+log = logging.getLogger("lowcomm.node")
+# Runs a function in the training thread (node/train_thread.py ``TrainThread.run``).
+InTrainThread = Callable[..., Awaitable[Any]]
+
+
+@runtime_checkable
+class OptimizerStateHolding(Protocol):
+    """What a trainer offers for the state sync (the daemon's ``Trainer`` does; an API user's
+    optimizer is their own, so ``[sync] state_sync`` is daemon-only)."""
+
+    def optimizer_state(self, name: str) -> torch.Tensor:
+        """The state ``name`` as a flat float32 CPU vector (training thread)."""
+
+    def load_optimizer_state(self, name: str, flat: torch.Tensor) -> None:
+        """Overwrite the state ``name`` with ``flat`` (training thread)."""
+
+
+def due(periods: dict[str, int], produced_step: int) -> list[str]:
+    """The states synced by the round that produces ``produced_step``, in a fixed order."""
+    return sorted(name for name, period in periods.items() if produced_step % period == 0)
+
+
+def derived_group(group: averaging_pb2.Group, name: str) -> averaging_pb2.Group:
+    """``group`` with its own id for the round of state ``name`` and without the split step's
+    plan (the state round stays in the group). Every member derives the same one."""
+    derived = averaging_pb2.Group()
+    derived.CopyFrom(group)
+    derived.group_id = hashlib.sha256(b"lowcomm-state-sync\0" + name.encode() + b"\0" + group.group_id).digest()[:16]
+    del derived.step_groups[:]
+    derived.group_index = 0
+    return derived
+
+
+@dataclass
+class StateSyncReport:
+    synced: list[str]
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    skipped_shards: int = 0
+
+
+class StateSync:
+    """One peer's optimizer-state rounds (see the module docstring)."""
+
+    def __init__(self, periods: dict[str, int], peer_id: str, numel: int, trainer: OptimizerStateHolding, *,
+                 registry: ReduceRegistry, channels: Callable[[str], Any] | None, executor: Executor,
+                 in_train_thread: InTrainThread, quorum: float = 1.0, transport: Any = None) -> None:
+        if periods and not isinstance(trainer, OptimizerStateHolding):
+            raise TypeError("[sync] state_sync needs a trainer that exposes its optimizer state (the daemon's)")
+        self.periods = dict(periods)
+        self.peer_id = peer_id
+        self.trainer = trainer
+        self.registry = registry
+        self.channels = channels
+        self.executor = executor
+        self.in_train_thread = in_train_thread
+        self.quorum = quorum
+        self.transport = transport  # tests: a fake ReduceTransport instead of gRPC
+        self.residuals = {name: torch.zeros(numel) for name in self.periods}
+        self.owner_residuals = {name: torch.zeros(numel) for name in self.periods}
+        # While a state round runs: (name, residual, owner residual before it), for ``rollback``.
+        self.undo: tuple[str, torch.Tensor, torch.Tensor] | None = None
+
+    def due(self, group: averaging_pb2.Group) -> list[str]:
+        return due(self.periods, group.step + 1) if len(group.members) > 1 else []
+
+    async def run(self, group: averaging_pb2.Group) -> StateSyncReport:
+        """Average the states due at the round of ``group`` (already committed) and load them."""
+        report = StateSyncReport(self.due(group))
+        for name in report.synced:
+            await self._sync_one(group, name, report)
+        return report
+
+    async def _sync_one(self, group: averaging_pb2.Group, name: str, report: StateSyncReport) -> None:
+        local = await self.in_train_thread(self.trainer.optimizer_state, name)
+        residual, owner_residual = self.residuals[name], self.owner_residuals[name]
+        self.undo = (name, residual.clone(), owner_residual.clone())
+        result = await run_allreduce(derived_group(group, name), self.peer_id, local, residual, owner_residual,
+                                     self.registry, self.channels, self.executor, quorum=self.quorum,
+                                     transport=self.transport)
+        residual_before = self.undo[1]
+        self.undo = None
+        report.bytes_sent += result.bytes_sent
+        report.bytes_received += result.bytes_received
+        averaged = local.clone()
+        for sl, average in zip(result.slices, result.averages):
+            if average is None:
+                residual[sl].copy_(residual_before[sl])  # the local state stays there, it is not carried
+                report.skipped_shards += 1
+            else:
+                averaged[sl] = average
+        if name in NON_NEGATIVE:
+            averaged.clamp_(min=0.0)  # a lossy mean of squares may dip below zero; the same on every member
+        await self.in_train_thread(self.trainer.load_optimizer_state, name, averaged)
+        log.debug("optimizer state %s averaged with the group of step %d", name, group.step,
+                  extra={"event": "state_synced", "state": name, "outer_step": group.step + 1})
+
+    def rollback(self) -> None:
+        """After an abandoned state round (its codec jobs done): the residuals as before it."""
+        undo, self.undo = self.undo, None
+        if undo is not None:
+            name, residual, owner_residual = undo
+            self.residuals[name].copy_(residual)
+            self.owner_residuals[name].copy_(owner_residual)
