@@ -97,7 +97,9 @@ class Swarm:
         self._dht: Any = None
         self._lock: Any = None
         self._error: BaseException | None = None
-        self._stop_sent = False
+        self._stop_sent = False  # the user's side asked the node to stop
+        self._stop_delivered = False  # the node got that request (exactly once)
+        self._stop_lock = threading.Lock()
         self._exited = False
         self._restore_logging: Callable[[], None] = lambda: None
 
@@ -155,6 +157,8 @@ class Swarm:
         async def main() -> int:
             self._loop = asyncio.get_running_loop()
             self._node = Node(self.config, self._dht, False, secret, tls, trainer=self._trainer)
+            if self._stop_sent:  # the block was left (or interrupted) before the loop could take the request
+                self._deliver_stop()
             return await self._node.run()
 
         try:
@@ -198,16 +202,23 @@ class Swarm:
     def _request_stop(self) -> None:
         if self._stop_sent or self._thread is None or not self._thread.is_alive():
             return
-        self._stop_sent = True
+        self._stop_sent = True  # a node built after this point is stopped by main() itself
         done = threading.Event()
 
         def stop() -> None:
-            if self._node is not None:
-                self._node.request_stop()
+            self._deliver_stop()
             done.set()
 
         if self._call_in_loop(stop):
             done.wait(STOP_WAIT)
+
+    def _deliver_stop(self) -> None:
+        """The one graceful stop request (a second one would force the stop); in the node's loop."""
+        with self._stop_lock:
+            if self._stop_delivered or self._node is None:
+                return
+            self._stop_delivered = True
+        self._node.request_stop()
 
     def _call_in_loop(self, fn: Callable[[], None]) -> bool:
         loop = self._loop
