@@ -50,7 +50,17 @@ def restore(config: Config, trainer: TrainerPort) -> Restored:
     if found is not None:
         (state, payload), path = found
         trainer.set_params(state.params)
-        trainer.load_local_state(payload["trainer"])
+        try:
+            trainer.load_local_state(payload["trainer"])
+        except (KeyError, ValueError, TypeError) as err:
+            # Same run config, but the local part was written by another kind of trainer (e.g. by
+            # lowcomm.Swarm from a Python loop: no data position) or does not fit this optimizer.
+            # Stop with the reason and leave the file as it is; never start over silently.
+            raise FatalError(
+                f"checkpoint {path} holds a trainer state this node cannot load ({type(err).__name__}: {err}); "
+                f"it was written by another trainer (lowcomm.Swarm checkpoints are for lowcomm.Swarm), "
+                f"use another --checkpoint-dir"
+            ) from None
         log.info("resumed from checkpoint %s (outer step %d)", path, state.step,
                  extra={"event": "resumed", "outer_step": state.step, "params_sha256": state.params_hash,
                         "checkpoint": path.name})

@@ -141,3 +141,26 @@ def test_overwrite_same_step_is_atomic(tmp_path):
     checkpoint.save(tmp_path, 3, payload(30))
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-000000003.ckpt"]
     assert_payload_equal(checkpoint.load_latest(tmp_path)[0], payload(30))
+
+
+def test_a_checkpoint_of_another_trainer_kind_stops_the_node_with_the_reason(tmp_path):
+    """Same run config, but the trainer state was written by lowcomm.Swarm (an optimizer and a step
+    count, no data position): the daemon's trainer cannot resume from it. One clear FatalError,
+    and the file is left as it was."""
+    from lowcomm.node import restore
+    from lowcomm.node.config import load_config
+    from lowcomm.node.errors import FatalError
+    from lowcomm.node.globalstate import GlobalState
+    from lowcomm.node.trainer import Trainer
+
+    config = load_config(overrides=["model.preset=tiny", f"node.checkpoint_dir={tmp_path}"], environ={})
+    trainer = Trainer(config, "peer-test")
+    state = GlobalState.fresh(trainer.get_params(), config.sync.outer_lr, config.sync.outer_momentum)
+    api_state = {"optimizer": trainer.optimizer.state_dict(), "inner_steps_done": 40}
+    restore.save(config, state.to_checkpoint(), api_state, tokens_total=1)
+    [written] = checkpoint.list_checkpoints(tmp_path)
+    before = written.read_bytes()
+    with pytest.raises(FatalError, match=r"holds a trainer state this node cannot load \(KeyError: 'sampler_shard'\)"
+                                         r".*use another --checkpoint-dir"):
+        restore.restore(config, Trainer(config, "peer-test"))
+    assert written.read_bytes() == before
