@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from lowcomm.protocol.accumulator import MIN_STRAGGLER_GRACE, bounded_weights
@@ -176,7 +176,6 @@ class GroupReduce:
             for q in arrived:
                 if q != p:
                     rpcs[q] += 1
-            total = sum(weights[q] for q in contributors[0]) if contributors else 0.0
             averages = []
             for j in range(len(slices)):
                 total = sum(weights[q] for q in contributors[j]) or 1.0

@@ -21,7 +21,7 @@ import numpy as np
 
 from lowcomm.node import decisions  # noqa: F401  (re-exported for the test: the very module)
 from lowcomm.node.gossip_mode import STEP_WINDOW, GossipMode  # noqa: F401
-from lowcomm.node.swarm import PeerRecord, SwarmView, peers_key  # noqa: F401
+from lowcomm.node.swarm import PeerRecord, SwarmView, peers_key  # noqa: F401  (SwarmView: re-exported)
 from lowcomm.protocol import codecs
 from lowcomm.protocol.gossip import Inbox  # noqa: F401
 from lowcomm.protocol.layout import shard_layout, split_into_groups  # noqa: F401

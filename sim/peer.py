@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import math
 import random
 from collections import Counter
 from typing import TYPE_CHECKING
