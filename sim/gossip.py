@@ -80,6 +80,8 @@ class SimGossip:
         world.metrics.formed(step, peer.peer_id, loop.time() - started, None, False, world.live_count(),
                              size=1 + len(partners))
         world.metrics.gossiped(step, peer.peer_id, distance, len(partners), len(inbox))
+        if not partners:  # every candidate refused, was unreachable or too slow (counted as the node does)
+            world.metrics.failed(step, peer.peer_id, "no_partner")
         world.metrics.averaged(step, peer.peer_id, 1 + len(partners), sent, received, alone=not partners)
         peer.commit(theta)
 
