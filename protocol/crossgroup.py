@@ -47,6 +47,22 @@ TEAM_ANSWER·T and the team agreement ends by TEAM_AGREE_END·T; a member waits 
 answer until TEAM_AGREE_END·T plus the usual transfer margin (``answer_delay``), fetches from
 the team until FETCH_END·T, and its group's exchange ends at 1.5 T + stretch. So a split step
 takes at most one reduce timeout longer than a single group's, in the worst case.
+
+**Traffic.** Per round, on top of a single group's 2·(n−1)/n·S per member (S = the encoded Δ):
+a non-reducer owner uploads 4·numel/K bytes and downloads its shard's encoded result once; a
+reducer downloads (G−1)·4·numel/K and uploads (G−1) encoded results. Measured with six
+peers, two groups of three, int8, 445,952 values (tests/test_crossgroup_cli.py; K = 3, every
+member owns a shard): a team reducer sent 746 KB and received 1.19 MB per round, an owner that
+only sends to its team the reverse; one group of six would move about 746 KB each way. An encoded stage 2 would cut
+the 4 bytes per value to the codec's size, but its error feedback lives at the scale of a
+group's partial average, which enters the step's average with weight W_g / ΣW: kept unscaled
+in the owner's residual (which the same peer also uses when it reduces) it would be counted
+ΣW / W_g times. Not done yet; many groups per step need a tree-shaped stage 2 anyway.
+
+**Simulating it (sim/).** ``StepPlan.of(group)`` says whether a group is one of a split step's;
+then every group of the step commits the same hash, and a round's transfers are the group's
+own (shard_bounds, shard_owners) plus, per shard k, the team's parts into the owner in group
+(k mod G) and its answer back.
 """
 
 from __future__ import annotations
