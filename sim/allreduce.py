@@ -83,7 +83,10 @@ class GroupReduce:
                for m in self.group.members):
             self._decide()
         await self._decided.wait()
-        result = self.timeline.results[peer_id]
+        result = self.timeline.results.get(peer_id)
+        if result is None:  # arrived after the owners' deadline: every owner refuses it, it applies nothing
+            shards = len(self.group.shard_owners)
+            return MemberResult([False] * shards, [False] * shards, [{} for _ in range(shards)], loop.time(), 0, 0)
         await asyncio.sleep(max(0.0, result.done_at - loop.time()))
         return result
 
