@@ -108,12 +108,12 @@ class Swarm:
     def __enter__(self) -> "Swarm":
         if self._thread is not None:
             raise RuntimeError("a Swarm can be entered once; make a new one to join again")
-        from lowcomm.node.cli import _read_credentials, _start_dht, lock_checkpoint_dir
+        from lowcomm.node.cli import read_credentials, start_dht, lock_checkpoint_dir
         from lowcomm.node.memory import limit_malloc_arenas, share_tensors_by_descriptor
 
         cfg = self.config
         try:
-            secret, tls = _read_credentials(cfg.node)
+            secret, tls = read_credentials(cfg.node)
             self._lock = lock_checkpoint_dir(cfg.node.checkpoint_dir)
         except RuntimeError as err:
             raise SwarmError(str(err)) from None
@@ -126,7 +126,7 @@ class Swarm:
 
             share_tensors_by_descriptor()  # before hivemind's first future: no torch_shm_manager process
             try:
-                self._dht = _start_dht(cfg)  # forks the DHT process: before any gRPC object exists
+                self._dht = start_dht(cfg)  # forks the DHT process: before any gRPC object exists
             except RuntimeError as err:
                 raise SwarmError(str(err)) from None
             kind = EvaluatingExternalTrainer if self._eval_fn is not None else ExternalTrainer
@@ -313,12 +313,12 @@ class Swarm:
 
     def status(self) -> dict[str, Any]:
         """What ``lowcomm-node status --json`` prints: step, params hash, swarm peers, losses, ..."""
-        from lowcomm.node.cli import _status_dict
+        from lowcomm.node.cli import status_dict
 
         node, loop = self._node, self._loop
         if node is None or loop is None or loop.is_closed():
             raise SwarmStopped("the node is not running")
-        return _status_dict(asyncio.run_coroutine_threadsafe(node.status(), loop).result(10))
+        return status_dict(asyncio.run_coroutine_threadsafe(node.status(), loop).result(10))
 
     def wait_for_peers(self, count: int, timeout: float | None = None) -> int:
         """Wait until the swarm has at least ``count`` live peers of this run (this one included)

@@ -88,7 +88,7 @@ def _validation_message(err: Exception) -> str:
     return f"a bootstrap peer was refused: {text.splitlines()[0] if text else type(err).__name__}"
 
 
-def _start_dht(config: Config):
+def start_dht(config: Config):
     """Create the hivemind DHT before any event loop or gRPC object exists (it forks).
 
     On the way the DHT process measures this machine's clock offset from the bootstrap peers and
@@ -154,7 +154,7 @@ def _read_tls(cert: Path | None, key: Path | None):
         raise RuntimeError(f"{err} ({cert}{f', {key}' if key else ''})") from None
 
 
-def _read_credentials(node: NodeSection):
+def read_credentials(node: NodeSection):
     """(run secret or None, TLSConfig or None) from the files the config names; RuntimeError with one line."""
     from lowcomm.protocol.auth import parse_secret
 
@@ -183,7 +183,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     except ConfigError as err:
         return _fail(str(err), EXIT_USAGE)
     try:
-        run_secret, tls = _read_credentials(config.node)
+        run_secret, tls = read_credentials(config.node)
     except RuntimeError as err:
         return _fail(str(err), EXIT_USAGE)
 
@@ -202,7 +202,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     share_tensors_by_descriptor()  # before hivemind's first future: no torch_shm_manager process
     freeze_before_fork()
     try:
-        dht = _start_dht(config)
+        dht = start_dht(config)
     except RuntimeError as err:
         lock.close()
         return _fail(str(err))
@@ -249,7 +249,8 @@ def lock_checkpoint_dir(directory: Path):
 # -- status and healthcheck ------------------------------------------------------------------------
 
 
-def _status_dict(status) -> dict[str, Any]:
+def status_dict(status) -> dict[str, Any]:
+    """A NodeStatus message as the JSON dict `lowcomm-node status` prints (and lowcomm.Swarm.status returns)."""
     def number(value: float) -> float | None:
         return None if math.isnan(value) else value
 
@@ -306,7 +307,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         return _fail(str(err), EXIT_USAGE)
     except grpc.aio.AioRpcError as err:
         return _fail(f"no node answered at {args.target}: {err.code().name} {err.details() or ''}".rstrip())
-    info = _status_dict(status)
+    info = status_dict(status)
     if args.json:
         print(json.dumps(info, indent=2))
     else:
