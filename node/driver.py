@@ -100,7 +100,7 @@ class RoundDriver:
             self.state_sync = StateSync(config.sync.state_sync, averager.peer_id, trainer.numel, trainer,
                                         registry=averager.registry, channels=averager.channels,
                                         executor=codec_executor, in_train_thread=train_thread.run,
-                                        quorum=config.sync.quorum)
+                                        codec=config.sync.state_codec, quorum=config.sync.quorum)
         self.overlap = None
         if config.sync.overlap != "none":
             from .overlap import OverlappedLoop  # it uses this class's public methods
@@ -213,7 +213,8 @@ class RoundDriver:
             outcome.report.bytes_received += synced.bytes_received
             log.info("optimizer state %s averaged with the group (%d shard(s) skipped)", ", ".join(synced.synced),
                      synced.skipped_shards, extra={"event": "state_synced", "outer_step": self.state.step,
-                                                   "states": synced.synced, "skipped_shards": synced.skipped_shards})
+                                                   "states": synced.synced, "state_sha256": synced.hashes,
+                                                   "skipped_shards": synced.skipped_shards})
 
     async def shielded_commit(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run the local part of a round (outer step, commit) so that it always finishes: a

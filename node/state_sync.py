@@ -4,8 +4,9 @@ DES-LOC and MT-DAO (``[sync] state_sync``, node/config.py) average not only the 
 also moments of the inner optimizer. ``StateSync.run`` does it right after a round's commit, in
 the same group: one more all-reduce per due state (protocol/member.py's ``run_allreduce``, the
 group's codec and shard layout, the members' token weights), under a group id derived from the
-round's, so that its streams and shard reports never mix with the Δ round's. Every member
-decodes the same bytes, so every member loads the same averaged state: bit-identical.
+round's, so that its streams and shard reports never mix with the Δ round's, and encoded with
+``[sync] state_codec`` (bf16 by default: an int8 second moment loses its small entries). Every
+member decodes the same bytes, so every member loads the same averaged state: bit-identical.
 
 The state is averaged as a value, not as a change: the contribution is the state itself plus
 this state's own sender residual (error feedback), and every member overwrites its state with the
@@ -19,16 +20,19 @@ the synced state: they start with a fresh optimizer, as in plain DiLoCo.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol, runtime_checkable
 
 import torch
 
+from lowcomm.protocol import codecs
 from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
 from lowcomm.protocol.allreduce import ReduceRegistry, run_allreduce
+from lowcomm.protocol.state import params_sha256
 
 from .optimizers import NON_NEGATIVE
 
@@ -54,11 +58,12 @@ def due(periods: dict[str, int], produced_step: int) -> list[str]:
     return sorted(name for name, period in periods.items() if produced_step % period == 0)
 
 
-def derived_group(group: averaging_pb2.Group, name: str) -> averaging_pb2.Group:
-    """``group`` with its own id for the round of state ``name`` and without the split step's
-    plan (the state round stays in the group). Every member derives the same one."""
+def derived_group(group: averaging_pb2.Group, name: str, codec: str) -> averaging_pb2.Group:
+    """``group`` with its own id for the round of state ``name``, the state codec, and without
+    the split step's plan (the state round stays in the group). Every member derives the same one."""
     derived = averaging_pb2.Group()
     derived.CopyFrom(group)
+    derived.codec = int(codecs.get_codec(codec).id)
     derived.group_id = hashlib.sha256(b"lowcomm-state-sync\0" + name.encode() + b"\0" + group.group_id).digest()[:16]
     del derived.step_groups[:]
     derived.group_index = 0
@@ -71,6 +76,8 @@ class StateSyncReport:
     bytes_sent: int = 0
     bytes_received: int = 0
     skipped_shards: int = 0
+    # sha256 of each averaged state as loaded: equal on every member of the group (the logs show it).
+    hashes: dict[str, str] = field(default_factory=dict)
 
 
 class StateSync:
@@ -78,7 +85,8 @@ class StateSync:
 
     def __init__(self, periods: dict[str, int], peer_id: str, numel: int, trainer: OptimizerStateHolding, *,
                  registry: ReduceRegistry, channels: Callable[[str], Any] | None, executor: Executor,
-                 in_train_thread: InTrainThread, quorum: float = 1.0, transport: Any = None) -> None:
+                 in_train_thread: InTrainThread, codec: str = "bf16", quorum: float = 1.0,
+                 transport: Any = None) -> None:
         if periods and not isinstance(trainer, OptimizerStateHolding):
             raise TypeError("[sync] state_sync needs a trainer that exposes its optimizer state (the daemon's)")
         self.periods = dict(periods)
@@ -88,6 +96,7 @@ class StateSync:
         self.channels = channels
         self.executor = executor
         self.in_train_thread = in_train_thread
+        self.codec = codec
         self.quorum = quorum
         self.transport = transport  # tests: a fake ReduceTransport instead of gRPC
         self.residuals = {name: torch.zeros(numel) for name in self.periods}
@@ -109,7 +118,7 @@ class StateSync:
         local = await self.in_train_thread(self.trainer.optimizer_state, name)
         residual, owner_residual = self.residuals[name], self.owner_residuals[name]
         self.undo = (name, residual.clone(), owner_residual.clone())
-        result = await run_allreduce(derived_group(group, name), self.peer_id, local, residual, owner_residual,
+        result = await run_allreduce(derived_group(group, name, self.codec), self.peer_id, local, residual, owner_residual,
                                      self.registry, self.channels, self.executor, quorum=self.quorum,
                                      transport=self.transport)
         residual_before = self.undo[1]
@@ -126,6 +135,7 @@ class StateSync:
         if name in NON_NEGATIVE:
             averaged.clamp_(min=0.0)  # a lossy mean of squares may dip below zero; the same on every member
         await self.in_train_thread(self.trainer.load_optimizer_state, name, averaged)
+        report.hashes[name] = await asyncio.get_running_loop().run_in_executor(self.executor, params_sha256, averaged)
         log.debug("optimizer state %s averaged with the group of step %d", name, group.step,
                   extra={"event": "state_synced", "state": name, "outer_step": group.step + 1})
 
