@@ -10,9 +10,9 @@ member decodes the same bytes, so every member loads the same averaged state: bi
 
 The state is averaged as a value, not as a change: the contribution is the state itself plus
 this state's own sender residual (error feedback), and every member overwrites its state with the
-average. A shard skipped in the state round keeps the local state there, and its residual its
-value from before the round (a state is not consumed as a Δ is: carrying all of it into the
-residual would add it twice next time). A split step's state round stays inside each group.
+average. A shard skipped in the state round keeps the local state there; there, and where our
+part was refused, the residual keeps its value from before the round (a state is not consumed as
+a Δ is: carrying all of it into the residual would add it twice next time). A split step's state round stays inside each group.
 
 The residuals live in memory only (a restart begins them at zero), and joiners do not download
 the synced state: they start with a fresh optimizer, as in plain DiLoCo.
@@ -127,9 +127,14 @@ class StateSync:
         report.bytes_received += result.bytes_received
         averaged = local.clone()
         for sl, average in zip(result.slices, result.averages):
+            # run_allreduce leaves all of x = state + residual in the residual where our part was
+            # not delivered (a skipped shard, or our contribution refused by the norm bound): right
+            # for a Δ, which is consumed, but a state is sent whole again next time, so there the
+            # residual keeps its value from before. The copy is exact, so equality detects it.
+            if average is None or torch.equal(residual[sl], local[sl].add(residual_before[sl])):
+                residual[sl].copy_(residual_before[sl])
             if average is None:
-                residual[sl].copy_(residual_before[sl])  # the local state stays there, it is not carried
-                report.skipped_shards += 1
+                report.skipped_shards += 1  # the local state stays there
             else:
                 averaged[sl] = average
         if name in NON_NEGATIVE:

@@ -182,3 +182,22 @@ def test_the_reported_hashes_of_the_synced_state_agree():
 
     reports = run_virtual(scenario)
     assert reports[0].hashes == reports[1].hashes and set(reports[0].hashes) == {"exp_avg_sq"}
+
+
+def test_a_refused_contribution_takes_the_groups_average_and_carries_nothing():
+    """The norm bound (20× the median) refuses a far larger state: that member loads the others'
+    average like everyone, and its residual is not left holding its whole state."""
+    states = random_states(3, ("exp_avg",), seed=9)
+    states[2]["exp_avg"] *= 1000.0
+
+    async def scenario(loop: VirtualTimeLoop):
+        net = FakeNet()
+        syncs = peers(loop, net, states, {"exp_avg": 1}, codec="fp32")
+        await asyncio.gather(*(s.run(group_of(syncs, 0, [1.0, 1.0, 1.0])) for s in syncs))
+        return syncs
+
+    syncs = run_virtual(scenario)
+    loaded = [s.trainer.states["exp_avg"] for s in syncs]
+    assert all(torch.equal(x, loaded[0]) for x in loaded)
+    assert torch.allclose(loaded[0], (states[0]["exp_avg"] + states[1]["exp_avg"]) / 2)
+    assert torch.count_nonzero(syncs[2].residuals["exp_avg"]) == 0
