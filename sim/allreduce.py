@@ -28,6 +28,7 @@ from typing import Callable
 
 from lowcomm.protocol.accumulator import MIN_STRAGGLER_GRACE, bounded_weights
 from lowcomm.protocol.allreduce import RESULT_MARGIN, shard_slices
+from lowcomm.protocol.crossgroup import StepPlan
 from lowcomm.protocol.schedule import result_budget, result_order, stage_budget, upload_order
 
 from .links import Link, one_way, transfer_seconds
@@ -105,6 +106,7 @@ class GroupReduce:
         owners = [members[i] for i in group.shard_owners]
         nbytes = [self.shard_bytes(s.stop - s.start) for s in slices]
         weights = bounded_weights(group.members)
+        plan = StepPlan.of(group)
         sent = dict.fromkeys(members, 0)
         received = dict.fromkeys(members, 0)
         rpcs = dict.fromkeys(members, 0)
@@ -147,6 +149,9 @@ class GroupReduce:
             waiting_for = [p for p in members if p not in counted and facts[p].dies_at > limit]
             finalized = limit if waiting_for else max(upload[j][p] for p in counted)
             contributors.append(counted)
+            if plan is not None:  # a split step: the team of shard j reduces the groups' partial averages
+                finalized += self._team_stage(plan, j, owner, slices[j].stop - slices[j].start, nbytes[j],
+                                              facts, sent, received, rpcs)
             if facts[owner].dies_at <= finalized:
                 applied_by_all[j] = False
                 continue
@@ -187,3 +192,23 @@ class GroupReduce:
                 applied=list(applied_by_all), contributed=[p in contributors[j] for j in range(len(slices))],
                 averages=averages, done_at=reduce_done + report, bytes_sent=sent[p], bytes_received=received[p])
         return Timeline(results, sum(not a for a in applied_by_all), rpcs)
+
+    def _team_stage(self, plan: StepPlan, k: int, owner: str, numel: int, encoded: int, facts: dict[str, PeerFacts],
+                    sent: dict[str, int], received: dict[str, int], rpcs: dict[str, int]) -> float:
+        """Stage 2 of a split step (protocol/crossgroup.py) for shard k, seen from this group's
+        owner: its partial average goes to the team's reducer in float32 (4 bytes per value) and
+        the encoded result comes back. The reducer's downlink carries all G−1 parts and its uplink
+        all G−1 answers, so that bounds the stage: returns its seconds. Failures of other groups'
+        owners are not modelled (their groups are simulated on their own)."""
+        others = len(plan.groups) - 1
+        reducer = plan.owner(plan.reducer_group(k), k).peer_id
+        link = self.facts(reducer).link
+        seconds = 2 * link.latency + others * 4 * numel / link.down + others * encoded / link.up
+        if reducer == owner:
+            received[owner] += others * 4 * numel
+            sent[owner] += others * encoded
+            rpcs[owner] += others
+        else:
+            sent[owner] += 4 * numel
+            received[owner] += encoded
+        return seconds

@@ -26,6 +26,7 @@ import numpy as np
 from lowcomm.node import decisions
 from lowcomm.node.swarm import PeerRecord, SwarmView, peers_key
 from lowcomm.protocol import PROTOCOL_VERSION
+from lowcomm.protocol.crossgroup import StepPlan
 from lowcomm.protocol.handshake import Identity
 from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError
 from lowcomm.protocol.transport import LoopClock
@@ -253,7 +254,10 @@ class SimPeer:
                     self.residual[lo:hi] = x[lo:hi]
             else:
                 self.residual[lo:hi] = x[lo:hi]  # skipped: the whole contribution waits for the next round
-        if cfg.ideal_global:  # what-if: one global average per step (item 3), at no cost
+        plan = StepPlan.of(group)
+        if plan is not None:  # a split step (protocol/crossgroup.py): every group commits the step's one average
+            theta = world.global_theta.setdefault((step, self.hash, plan.team_key(0)), theta)
+        elif cfg.ideal_global:  # what-if: one global average per step, at no cost
             theta = world.global_theta.setdefault((step, self.hash), theta)
         self.commit(theta)
         world.metrics.averaged(step, self.peer_id, len(group.members), result.bytes_sent, result.bytes_received)
