@@ -201,3 +201,44 @@ def test_a_refused_contribution_takes_the_groups_average_and_carries_nothing():
     assert all(torch.equal(x, loaded[0]) for x in loaded)
     assert torch.allclose(loaded[0], (states[0]["exp_avg"] + states[1]["exp_avg"]) / 2)
     assert torch.count_nonzero(syncs[2].residuals["exp_avg"]) == 0
+
+
+def test_the_driver_abandons_a_state_round_on_a_stop_and_rolls_its_residual_back():
+    """A state round whose partner never comes: a stop request gives it the grace period, then it
+    is cancelled, its codec jobs are waited for, and the residual it already wrote is put back."""
+    from lowcomm.node.averaging import RoundOutcome, RoundReport
+
+    from .test_driver import Harness
+
+    h = Harness(grace_period=0.1)
+    try:
+        async def scenario() -> tuple[StateSync, float]:
+            net = FakeNet()
+            states = random_states(2, ("exp_avg",), seed=11)
+            registry = ReduceRegistry("peer-00", lambda *_: None, EXECUTOR)
+            net.registries["fake://peer-00"] = registry
+            sync = StateSync({"exp_avg": 1}, "peer-00", NUMEL, FakeTrainer(states[0]), registry=registry,
+                             channels=None, executor=h.codec_executor, in_train_thread=inline, codec="int8",
+                             transport=net)
+            sync.residuals["exp_avg"].fill_(0.25)
+            h.driver.state_sync = sync
+            other = StateSync({"exp_avg": 1}, "peer-01", NUMEL, FakeTrainer(states[1]), registry=registry,
+                              channels=None, executor=EXECUTOR, in_train_thread=inline)
+            group = group_of([sync, other], 0, [1.0, 1.0])  # peer-01 never runs its side
+            group.reduce_timeout_s = 300.0
+            outcome = RoundOutcome(RoundReport(2, 0.0, 100, 100, 0), group=group)
+            task = asyncio.create_task(h.driver.sync_optimizer_state(outcome))
+            while sync.undo is None:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)  # the upload to peer-01 is encoded: the residual was written
+            h.stops.requested.set()
+            await asyncio.wait_for(task, 30)
+            return sync, outcome.report.bytes_sent
+
+        sync, sent = asyncio.run(scenario())
+    finally:
+        h.close()
+    assert torch.equal(sync.residuals["exp_avg"], torch.full((NUMEL,), 0.25))  # as before the round
+    assert sync.undo is None
+    assert sync.trainer.states["exp_avg"].equal(random_states(2, ("exp_avg",), seed=11)[0]["exp_avg"])  # not loaded
+    assert sent == 100  # nothing of the abandoned round counted
