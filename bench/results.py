@@ -213,14 +213,29 @@ def convergence_section(records: list[dict], plot_dir: Path, goals: list[str]) -
     return lines
 
 
-def seed_summary(records: list[dict]) -> tuple[float | None, dict[str, dict]]:
+SHORT_RUN = 0.95  # a run whose model holds less than this share of the tokens it was given lost rounds
+
+
+def _nominal_tokens(record: dict) -> float | None:
+    w = record.get("workload") or {}
+    if not all(w.get(k) for k in ("steps", "global_batch", "seq_len")):
+        return None
+    return w["steps"] * w["global_batch"] * w["seq_len"]
+
+
+def seed_summary(records: list[dict]) -> tuple[float | None, dict[str, dict], list[dict]]:
     """Per method over its seeds: the eval loss at equal tokens (mean, min, max) and mean bytes.
 
-    Equal tokens: the most tokens every successful record reached, each curve linearly
-    interpolated there (DiLoCo evaluates once per outer step, the baselines every few steps)."""
+    Equal tokens: the most tokens every complete record reached, each curve linearly
+    interpolated there (DiLoCo evaluates once per outer step, the baselines every few steps).
+    A run whose model ended with fewer than SHORT_RUN of the tokens its peers trained on (rounds
+    that failed, e.g. under load) would drag every method back to its last point; it is left out
+    of the means and returned as the third value, to be listed."""
     ok = [r for r in records if r.get("ok", True) and r.get("curve")]
+    short = [r for r in ok if _nominal_tokens(r) and max(p["tokens"] for p in r["curve"]) < SHORT_RUN * _nominal_tokens(r)]
+    ok = [r for r in ok if r not in short]
     if not ok:
-        return None, {}
+        return None, {}, short
     tokens = min(max(p["tokens"] for p in r["curve"]) for r in ok)
     methods: dict[str, dict] = {}
     for r in ok:
@@ -238,12 +253,12 @@ def seed_summary(records: list[dict]) -> tuple[float | None, dict[str, dict]]:
         m["min"], m["max"] = (min(losses), max(losses)) if losses else (None, None)
         m["app_mean"] = statistics.fmean(m["app"]) if m["app"] else None
         m["wire_mean"] = statistics.fmean(m["wire"]) if m["wire"] else None
-    return tokens, methods
+    return tokens, methods, short
 
 
 def long_convergence_section(records: list[dict], goals: list[str]) -> list[str]:
     lines = ["## 1b. Long convergence, mean and range over seeds (`python bench/convergence.py --long`)", ""]
-    tokens, methods = seed_summary(records)
+    tokens, methods, short = seed_summary(records)
     if not methods:
         goals.append(f"- {LONG_DEFAULT_METHOD} within +2 % of ddp, sparseloco within +3 % at ≥1,000× fewer "
                      "bytes (long benchmark, 3 seeds): **not measured** (no run in bench/out/convergence_long.jsonl).")
@@ -265,6 +280,12 @@ def long_convergence_section(records: list[dict], goals: list[str]) -> list[str]
                      "–" if fewer is None else f"{fewer:,.0f}×"])
     lines += table(["method", "seeds", "eval loss (mean)", "range", "vs ddp (mean)", "sent/peer (payload)",
                     "(wire)", "fewer payload bytes than ddp"], rows)
+    for r in short:
+        last = max(r["curve"], key=lambda p: p["tokens"])
+        lines.append(f"- Left out of the means: **{r['method']} seed {r.get('seed')}**, whose model ended with "
+                     f"{last['tokens']:,.0f} of the {_nominal_tokens(r):,.0f} tokens its peers trained on (rounds "
+                     f"that failed or were skipped); eval loss {f(last.get('eval_loss'), 4)} at that point.")
+    lines += [""] if short else []
     lines += failures(records)
 
     def gap(name: str) -> float | None:

@@ -34,7 +34,8 @@ def test_seed_summary_compares_at_equal_tokens_with_mean_and_range():
         {"bench": "convergence", "run_id": "r1", "method": "diloco-int8-H50", "seed": 0, "ok": False,
          "curve": [], "error": "peer-2: boom"},
     ]
-    tokens, methods = results.seed_summary(records)
+    tokens, methods, short = results.seed_summary(records)
+    assert short == []  # the workload here has no global_batch: nothing counts as short
     assert tokens == 1000
     ddp = methods["ddp"]
     assert ddp["losses"] == [pytest.approx(2.5), 2.0] and ddp["mean"] == pytest.approx(2.25)
