@@ -17,9 +17,9 @@ one ``kind: "summary"`` line to ``--json-out`` (default bench/out/real_swarm.jso
 - ``state_downloaded`` events after a node's first committed round (must be 0), per step and total;
 - ``matchmaking_seconds`` (time to form the group) p50/p95, ``bytes_sent``/``bytes_received``
   per peer, skipped shards;
-- per peer from the metrics endpoint: gRPC calls handled (the busiest peer's too), round failures
-  by reason, state downloads. The node exposes no DHT read/write counters, so DHT operations per
-  peer are not measured here (sim/ counts them in its simulated DHT).
+- per peer from the metrics endpoint: gRPC calls handled (the busiest peer's too, per round),
+  round failures by reason, and the node's own DHT gets and stores per round
+  (``lowcomm_dht_requests``; the whole run, start-up included, over the rounds in a group).
 
 The process itself runs at nice 10 (its nodes inherit it) so that it yields to other work.
 """
@@ -109,6 +109,7 @@ def step_records(nodes: list[NodeProcess], peers: int) -> list[dict[str, Any]]:
             "round_p50_s": percentile([e["round_seconds"] for e in events], 0.5),
             "bytes_sent_median": statistics.median(e["bytes_sent"] for e in events),
             "bytes_received_median": statistics.median(e["bytes_received"] for e in events),
+            "bytes_total_median": statistics.median(e["bytes_sent"] + e["bytes_received"] for e in events),
             "skipped_shards": sum(e["skipped_shards"] for e in events),
         })
     return records
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"train.batch_size={args.batch_size}", f"data.seq_len={args.seq_len}", *args.sets]
     extra = [arg for item in settings for arg in ("--set", item)]
     run_id = now_iso()
+    host = machine()  # its load average is the one at the start
     workdir = Path(tempfile.mkdtemp(prefix="lowcomm-real-swarm-"))
     args.logs.mkdir(parents=True, exist_ok=True)
     nodes: list[NodeProcess] = []
@@ -179,12 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     steps = step_records(nodes, args.peers)
     for record in steps:
         append_jsonl(args.json_out, {"run": run_id, **record})
-    # Figures over the steps from the first one that every node committed: before it, the first
-    # node steps alone while the others start and catch up.
+    # Figures over the steps from the first to the last one that every node committed: before,
+    # the first node steps alone while the others start and catch up; after, the nodes were
+    # stopped before all of them committed.
     full = [s["outer_step"] for s in steps if s["committed"] == args.peers]
-    first_full = min(full) if full else math.inf
-    steps_measured = [s for s in steps if s["outer_step"] >= first_full]
-    rounds = [e for node in nodes for e in node.rounds() if e["outer_step"] >= first_full]
+    first_full, last_full = (min(full), max(full)) if full else (math.inf, -math.inf)
+    steps_measured = [s for s in steps if first_full <= s["outer_step"] <= last_full]
+    rounds = [e for node in nodes for e in node.rounds() if first_full <= e["outer_step"] <= last_full]
     grouped = [e for e in rounds if e["group_size"] > 1]
     mm = [e["matchmaking_seconds"] for e in grouped]
     split = [s for s in steps if s["groups_total"] > 1]
@@ -204,12 +207,12 @@ def main(argv: list[str] | None = None) -> int:
             if found:
                 failures[found.group(1)] += int(value)
     summary = {
-        "run": run_id, "kind": "summary", "bench": "real_swarm", "machine": machine(),
+        "run": run_id, "kind": "summary", "bench": "real_swarm", "machine": host,
         "command": "python bench/real_swarm.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "peers": args.peers, "group_size": args.group_size, "settings": settings,
         "reached_rounds": reached, "wall_seconds": round(wall, 1),
         "group_rounds_per_node": sorted(group_rounds(node) for node in nodes),
-        "steps": len(steps), "first_step_all_committed": full[0] if full else None,
+        "steps": len(steps), "steps_all_committed": [first_full, last_full] if full else None,
         "steps_measured": len(steps_measured), "split_steps": len(split),
         "steps_with_more_than_one_hash": [s["outer_step"] for s in steps if s["hashes"] > 1],
         "downloads_after_first_round": sum(len(later_downloads(node)) for node in nodes),
@@ -221,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         "matchmaking_p50_s": percentile(mm, 0.5), "matchmaking_p95_s": percentile(mm, 0.95),
         "bytes_sent_per_round_median": statistics.median(e["bytes_sent"] for e in grouped) if grouped else None,
         "bytes_received_per_round_median": statistics.median(e["bytes_received"] for e in grouped) if grouped else None,
+        "bytes_total_per_round_median": statistics.median(e["bytes_sent"] + e["bytes_received"] for e in grouped)
+        if grouped else None,
         "payload_bytes": grouped[0]["payload_bytes"] if grouped else None,
         "numel": grouped[0]["numel"] if grouped else None,
         "skipped_shards": sum(e["skipped_shards"] for e in rounds),
@@ -236,7 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         "grpc_handled_by_method_busiest": {
             method: max(m.get(method, 0) for m in by_method) for method in sorted(set().union(*by_method))},
         "round_failures": dict(failures),
-        "dht_ops_per_peer": None,  # the node has no DHT read/write counters (see the docstring)
+        # lowcomm_dht_requests: the node's own DHT calls (its peers-table heartbeat and reads,
+        # matchmaking registrations and polls), per round it spent in a group; not the requests
+        # hivemind's DHT process serves for others.
+        **{f"dht_{op}s_per_peer_round_median": statistics.median(
+            m.get(f'lowcomm_dht_requests{{op="{op}"}}', math.nan) / max(1, group_rounds(node))
+            for m, node in zip(metrics, nodes)) if metrics else None for op in ("get", "store")},
     }
     append_jsonl(args.json_out, summary)
     for record in steps:

@@ -100,7 +100,7 @@ class Node:
         wall_clock = swarm_clock(dht)
         self.auth = RunAuth(run_secret, clock=wall_clock) if run_secret else None
         self.tls = tls
-        self.dht_client = signed(HivemindDHT(dht, wall_clock), self.auth)
+        self.dht_client = signed(HivemindDHT(dht, wall_clock, self.metrics.dht_requests), self.auth)
         # Tokens name our outer step (0 until the state is restored).
         tokens = client_interceptors(self.auth, self.peer_id, lambda: getattr(getattr(self, "state", None), "step", 0)
                                      ) if self.auth else []

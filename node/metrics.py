@@ -111,10 +111,16 @@ class NodeMetrics:
             "grpc_server_handled", "RPCs completed on the server, by method and status code.",
             ["grpc_service", "grpc_method", "grpc_code"], registry=r,
         )
+        self.dht_requests = Counter(
+            "lowcomm_dht_requests", "DHT calls this node made (peers table, matchmaking), by operation.", ["op"],
+            registry=r,
+        )
         # Label values known in advance are created up front so that rates start at zero, not absent.
         # Unknown until measured: NaN renders as a gap in Grafana instead of a misleading 0.
         for gauge in (self.train_loss, self.eval_loss, self.compression_ratio, self.consensus_distance):
             gauge.set(float("nan"))
+        for op in ("store", "get"):
+            self.dht_requests.labels(op=op)
         for reason in FAILURE_REASONS:
             self.round_failures.labels(reason=reason)
         for reason in REJECTION_REASONS:

@@ -12,11 +12,14 @@ import math
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import hivemind
 
 from lowcomm.protocol.auth import RunAuth
+
+if TYPE_CHECKING:
+    import prometheus_client
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +33,15 @@ class HivemindDHT:
     (node/clock.py), so that expirations mean the same on every peer.
     """
 
-    def __init__(self, dht: hivemind.DHT, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, dht: hivemind.DHT, clock: Callable[[], float] = time.time,
+                 requests: prometheus_client.Counter | None = None) -> None:
         self.dht = dht
         self.clock = clock
+        self.requests = requests  # lowcomm_dht_requests: DHT operations per peer (issue 15's scale figures)
 
     async def store(self, key: str, subkey: str, value: dict, ttl: float) -> bool:
+        if self.requests is not None:
+            self.requests.labels(op="store").inc()
         future = self.dht.store(key, value, expiration_time=self.clock() + ttl, subkey=subkey, return_future=True)
         try:
             async with asyncio.timeout(DHT_TIMEOUT):  # not wait_for: it can lose a cancel (node/cancel.py)
@@ -44,6 +51,8 @@ class HivemindDHT:
             return False
 
     async def get(self, key: str) -> dict[str, dict]:
+        if self.requests is not None:
+            self.requests.labels(op="get").inc()
         future = self.dht.get(key, latest=True, return_future=True)
         try:
             async with asyncio.timeout(DHT_TIMEOUT):
