@@ -313,6 +313,62 @@ def long_convergence_section(records: list[dict], goals: list[str]) -> list[str]
     return lines + [""]
 
 
+def scale_section(sweep: Path, goals: list[str]) -> list[str]:
+    """Section "Scale": the simulator's sweep (sim/, `python -m sim sweep`) and the issue 15 goals."""
+    import math
+
+    lines = ["## 8. Scale (simulated: `python -m sim sweep --jobs 2`)", ""]
+    if not sweep.exists():
+        goals.append("- Scale goals at N=1024 (issue 15): **not measured** (no bench/out/scale/sweep.jsonl).")
+        return lines + ["Not run.", ""]
+    sys.path.insert(0, str(BENCH.parent))
+    from sim.sweep import table as sweep_table  # the simulator's own table: one definition of the columns
+
+    rows: dict[tuple[str, int], dict] = {}
+    for r in read_jsonl(sweep):
+        rows[(r["variant"], r["peers"])] = r
+    lines += ["The real Matchmaker, layout, split-step plan, decisions and gossip partner choice on a "
+              "virtual-time loop with simulated DHT, links (80 % residential 10–100 Mbit/s up, 20 % "
+              "datacenter) and 5 %/hour churn; tensors replaced by sizes (25 M parameters, int8, H=50). "
+              "Means over the rounds after the first; what each column means, the profiles of the misses "
+              "and the bucket prototype: sim/README.md.", "", sweep_table(sweep), ""]
+    if (sweep.parent / "scale.png").exists():
+        lines += [f"![scale]({(sweep.parent / 'scale.png').relative_to(BENCH)})", ""]
+    small, ns = rows.get(("allreduce-g16", 16)), [n for v, n in rows if v == "allreduce-g16"]
+    big = rows.get(("allreduce-g16", max(ns))) if ns else None
+    if not (small and big) or big["peers"] == 16:
+        goals.append("- Scale goals (issue 15): **not measured** (the sweep lacks allreduce-g16 at N=16 and a larger N).")
+        return lines
+    n = big["peers"]
+
+    def ratio(key: str) -> float:
+        return big[key] / small[key] if small[key] else math.inf
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    dht = (big["mean_dht_reads_per_peer"] + big["mean_dht_writes_per_peer"]) / (
+        small["mean_dht_reads_per_peer"] + small["mean_dht_writes_per_peer"])
+    goals += [
+        f"- Scale (simulated, allreduce-g16, N=16 → N={n}): **formation p95 within 2×: "
+        f"{verdict(ratio('mean_form_p95_s') <= 2)}** ({small['mean_form_p95_s']:.1f} → {big['mean_form_p95_s']:.1f} s; "
+        f"near the 30 s matchmaking timeout at every N). **≥95 % of live peers average: "
+        f"{verdict(big['mean_share_averaged'] >= 0.95)}** ({big['mean_share_averaged']:.2f}, min "
+        f"{big['min_share_averaged']:.2f}). **DHT operations per peer within 2×: {verdict(dht <= 2)}** in count "
+        f"({dht:.2f}×), but records read per peer {ratio('mean_dht_subkeys_read_per_peer'):.0f}× and the busiest "
+        f"DHT holder's requests {ratio('mean_dht_busiest_holder_requests'):.0f}×. **Busiest peer's RPCs within 2×: "
+        f"{verdict(ratio('mean_busiest_peer_rpcs') <= 2)}** ({small['mean_busiest_peer_rpcs']:.0f} → "
+        f"{big['mean_busiest_peer_rpcs']:.0f}). **Bytes per peer flat (≤1.25×): "
+        f"{verdict(ratio('mean_bytes_per_peer_mb') <= 1.25)}** ({ratio('mean_bytes_per_peer_mb'):.2f}×). "
+        "Profiles: sim/README.md."]
+    gossip = rows.get(("gossip-k2", n))
+    if gossip and gossip.get("rounds_to_halve_consensus") is not None:
+        halve = gossip["rounds_to_halve_consensus"]
+        goals.append(f"- Scale (simulated gossip, N={n}): **consensus distance halves within log₂N = "
+                     f"{math.log2(n):.0f} rounds: {verdict(halve <= math.log2(n))}** ({halve} round(s)).")
+    return lines
+
+
 def slow_links_section(records: list[dict], plot_dir: Path, goals: list[str]) -> list[str]:
     lines = ["## 2. Slow links: wall-clock to the target loss", ""]
     if (skipped := skip_note(records, goals, "20 Mbit/s time to target")) is not None:
@@ -632,7 +688,8 @@ def main(argv: list[str] | None = None) -> int:
             + slow_links_section(slow, plot_dir, goals)
             + transport_section(trans, slow, plot_dir, goals) + codecs_section(cod)
             + overlap_section(over, plot_dir, goals, other_overlap) + soak_section(soak_run)
-            + data_memory_section(read_jsonl(args.in_dir / "data_memory.jsonl")))
+            + data_memory_section(read_jsonl(args.in_dir / "data_memory.jsonl"))
+            + scale_section(args.in_dir / "scale" / "sweep.jsonl", goals))
     lines = ["# Benchmark results", "",
              "Generated from the JSON lines in bench/out/ by `python bench/results.py`; how each number is "
              "measured is in bench/README.md. Goals are reported, not asserted.", ""]
