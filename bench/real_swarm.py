@@ -226,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         "bytes_received_per_round_median": statistics.median(e["bytes_received"] for e in grouped) if grouped else None,
         "bytes_total_per_round_median": statistics.median(e["bytes_sent"] + e["bytes_received"] for e in grouped)
         if grouped else None,
+        # The mean too: a split step's team reducers receive (G-1) float32 parts more than the
+        # median peer (protocol/crossgroup.py), and sim/ reports the mean.
+        "bytes_total_per_round_mean": statistics.mean(e["bytes_sent"] + e["bytes_received"] for e in grouped)
+        if grouped else None,
         "payload_bytes": grouped[0]["payload_bytes"] if grouped else None,
         "numel": grouped[0]["numel"] if grouped else None,
         "skipped_shards": sum(e["skipped_shards"] for e in rounds),
