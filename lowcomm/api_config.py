@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from pydantic import PrivateAttr, ValidationError
 
-from lowcomm.node.config import Config, ConfigError, _describe, _Layers, _read_toml
+from lowcomm.node.config import Config, ConfigError, describe_validation_error, ConfigLayers, read_toml
 from lowcomm.node.external_trainer import external_definition, named_shapes
 
 ConfigLike = Union[Config, Mapping[str, Any], str, os.PathLike, None]
@@ -54,9 +54,9 @@ class SwarmConfig(Config):
         return run
 
 
-def _raw(config: ConfigLike) -> tuple[_Layers, str]:
+def _raw(config: ConfigLike) -> tuple[ConfigLayers, str]:
     """The config's sections as raw layers (values and where each came from)."""
-    layers = _Layers()
+    layers = ConfigLayers()
     if config is None:
         return layers, "defaults"
     if isinstance(config, Config):
@@ -72,7 +72,7 @@ def _raw(config: ConfigLike) -> tuple[_Layers, str]:
     if isinstance(config, (str, os.PathLike)):
         path = Path(config)
         try:
-            layers.merge_file(_read_toml(path), str(path))
+            layers.merge_file(read_toml(path), str(path))
         except ConfigError as err:
             raise SwarmError(str(err)) from None
         return layers, str(path)
@@ -93,7 +93,7 @@ def resolve_config(config: ConfigLike, peers: list[str] | None, model: nn.Module
     try:
         resolved = SwarmConfig.model_validate(layers.values)
     except ValidationError as err:
-        raise SwarmError(_describe(err, layers)) from None
+        raise SwarmError(describe_validation_error(err, layers)) from None
     if resolved.model.model_fields_set:
         check_model_matches(model, resolved)
     else:

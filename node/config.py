@@ -443,7 +443,7 @@ ENV_PREFIX = "LOWCOMM_"
 
 
 @dataclass
-class _Layers:
+class ConfigLayers:
     """The merged raw config plus, for every key, where its value came from."""
 
     values: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -463,7 +463,8 @@ class _Layers:
                 self.set(section, key, value, source)
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def read_toml(path: Path) -> dict[str, Any]:
+    """A TOML config file as a dict; ConfigError with one line (and how to fix it) otherwise."""
     try:
         with path.open("rb") as fh:
             return tomllib.load(fh)
@@ -500,11 +501,11 @@ def load_config(
     keys whose value is ``None`` were not given and do not override anything.
     """
     environ = os.environ if environ is None else environ
-    layers = _Layers()
+    layers = ConfigLayers()
     if config_file is None and environ.get(ENV_PREFIX + "CONFIG"):
         config_file = Path(environ[ENV_PREFIX + "CONFIG"])
     if config_file is not None:
-        layers.merge_file(_read_toml(config_file), str(config_file))
+        layers.merge_file(read_toml(config_file), str(config_file))
 
     env_keys = {key: (("node", key)) for key in NODE_KEYS} | ALIASES | {"initial_peers": ("node", "peers")}
     for key, (section, target) in env_keys.items():
@@ -525,10 +526,11 @@ def load_config(
     try:
         return Config.model_validate(layers.values)
     except ValidationError as err:
-        raise ConfigError(_describe(err, layers)) from None
+        raise ConfigError(describe_validation_error(err, layers)) from None
 
 
-def _describe(err: ValidationError, layers: _Layers) -> str:
+def describe_validation_error(err: ValidationError, layers: ConfigLayers) -> str:
+    """One line per problem, each naming where the bad value came from (file, variable, flag, --set)."""
     lines = []
     for problem in err.errors():
         loc = [str(part) for part in problem["loc"]]
@@ -553,7 +555,7 @@ def _describe(err: ValidationError, layers: _Layers) -> str:
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
-def _source_of_section(layers: _Layers, section: str) -> str:
+def _source_of_section(layers: ConfigLayers, section: str) -> str:
     for (sec, _), source in layers.sources.items():
         if sec == section:
             return source
