@@ -10,6 +10,7 @@ Run it again with the same --checkpoint-dir to resume where it stopped.
 
 import argparse
 import json
+import zlib
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -40,7 +41,8 @@ def held_out_loss(replica: torch.nn.Module) -> float:  # run on a copy of the mo
 with lowcomm.Swarm(model, optimizer, config=config, peers=args.peers, eval_fn=held_out_loss) as swarm:
     print(json.dumps({"event": "example_ready", "multiaddrs": swarm.multiaddrs}), flush=True)
     swarm.wait_for_peers(args.min_peers)
-    sampler = torch.Generator().manual_seed(hash(swarm.peer_id) % 2**31)  # each peer its own batches
+    # Each peer its own batches; a resumed run goes on with new ones (seeded by where it resumed).
+    sampler = torch.Generator().manual_seed(zlib.crc32(f"{swarm.peer_id}:{swarm.inner_steps}".encode()))
     while swarm.inner_steps < args.steps:
         starts = torch.randint(len(data) - 65, (8,), generator=sampler)
         batch = torch.stack([data[s:s + 65] for s in starts])
