@@ -313,6 +313,38 @@ def long_convergence_section(records: list[dict], goals: list[str]) -> list[str]
     return lines + [""]
 
 
+def _count(value) -> int:
+    """A figure recorded either as a number or as the list of its cases."""
+    return len(value) if isinstance(value, (list, dict)) else int(value)
+
+
+def real_swarm_lines(path: Path) -> list[str]:
+    """The newest real-swarm summary per N (bench/real_swarm.py): real processes next to sim/."""
+    newest_by_n: dict[int, dict] = {}
+    for r in read_jsonl(path):
+        if r.get("kind") == "summary":
+            newest_by_n[r["peers"]] = r
+    if not newest_by_n:
+        return []
+    rows = []
+    for n, r in sorted(newest_by_n.items()):
+        rows.append([str(n), str(r["group_size"]), str(r["steps_measured"]), f(r["share_averaged_mean"], 2),
+                     str(_count(r["steps_with_more_than_one_hash"])), str(_count(r["downloads_after_first_round"])),
+                     f"{f(r['matchmaking_p50_s'], 2)} / {f(r['matchmaking_p95_s'], 2)}",
+                     mb(r.get("bytes_total_per_round_median") or (r["bytes_sent_per_round_median"]
+                                                                  + r["bytes_received_per_round_median"])),
+                     f(r.get("dht_gets_per_peer_round_median"), 1), f(r.get("dht_stores_per_peer_round_median"), 1),
+                     f(r.get("grpc_handled_per_round_busiest"), 1), f(r.get("join_group_per_round_busiest"), 0)])
+    first = newest_by_n[min(newest_by_n)]
+    return ["Real processes (`python bench/real_swarm.py --peers N --group-size 8 --rounds 10 --inner-steps 10`, "
+            "tiny model, one torch thread each, loopback; every step split into groups of 8): figures over the "
+            f"steps every node committed. Settings of the newest run: {' '.join(first.get('settings') or [])}. "
+            "The simulator at the same N and settings: bench/analysis.md (\"Scale\").", "",
+            *table(["N", "group size", "steps", "share averaged", "steps with >1 hash", "downloads after first round",
+                    "formation p50 / p95 s", "bytes/peer/round", "DHT gets/peer/round", "DHT stores/peer/round",
+                    "busiest peer's calls/round", "busiest JoinGroup/round"], rows)]
+
+
 def scale_section(sweep: Path, goals: list[str]) -> list[str]:
     """Section "Scale": the simulator's sweep (sim/, `python -m sim sweep`) and the issue 15 goals."""
     import math
@@ -334,6 +366,7 @@ def scale_section(sweep: Path, goals: list[str]) -> list[str]:
               "and the bucket prototype: sim/README.md.", "", sweep_table(sweep), ""]
     if (sweep.parent / "scale.png").exists():
         lines += [f"![scale]({(sweep.parent / 'scale.png').relative_to(BENCH)})", ""]
+    lines += real_swarm_lines(sweep.parent.parent / "real_swarm.jsonl")
     small, ns = rows.get(("allreduce-g16", 16)), [n for v, n in rows if v == "allreduce-g16"]
     big = rows.get(("allreduce-g16", max(ns))) if ns else None
     if not (small and big) or big["peers"] == 16:
