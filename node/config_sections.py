@@ -1,0 +1,333 @@
+"""The sections of a config and their keys: what each ``[section] key`` means, its default and its
+checks (pydantic models). node/config.py assembles them into one ``Config`` and loads it from
+defaults, the TOML file, the environment and flags.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+CODEC_CHOICES = ("fp32", "fp16", "bf16", "int8", "int4", "topk", "sparseloco")
+
+
+class ConfigSection(BaseModel):
+    # Unknown keys are errors: a typo in a run config must not silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True,
+                              coerce_numbers_to_str=True)  # --set run.name=123 means the string
+
+
+class RunSection(ConfigSection):
+    name: str = Field("lowcomm", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """Name of the run; prefixes every DHT key, so two runs can share one DHT."""
+
+
+class ModelSection(ConfigSection):
+    preset: Literal["tiny", "small", "medium", "gpt2"] = "tiny"
+    """lowcomm's byte-level GPT by size: tiny (CPU, ~0.5M params) up to gpt2 (124M, for GPUs). Used
+    when none of factory, hf_config and hf_pretrained is set."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout probability inside the preset's transformer blocks."""
+    factory: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$")
+    """Your own model, as "package.module:function": the function returns a torch.nn.Module whose
+    forward(inputs, targets) returns the loss, or a (module, loss_fn) pair (README, "Train your own model")."""
+    factory_kwargs: dict[str, str | int | float | bool] | None = None
+    """Keyword arguments of the factory call, e.g. { width = 256 } (part of the run fingerprint)."""
+    hf_config: str | None = None
+    """A Hugging Face transformers causal LM with random initial weights (drawn from [train] seed):
+    path of a local config.json, or of a directory holding one."""
+    hf_pretrained: str | None = None
+    """A Hugging Face causal LM loaded with from_pretrained from a local directory (config.json and
+    weights); lowcomm never downloads a model at run time."""
+
+    @field_validator("hf_config")
+    @classmethod
+    def _config_exists(cls, value: str | None) -> str | None:
+        if value is not None:
+            path = Path(value).expanduser()
+            if not (path.is_file() or (path / "config.json").is_file()):
+                raise ValueError(f"{value!r} is neither a config.json file nor a directory holding one")
+        return value
+
+    @field_validator("hf_pretrained")
+    @classmethod
+    def _local_directory(cls, value: str | None) -> str | None:
+        if value is not None and not (Path(value).expanduser() / "config.json").is_file():
+            if Path(value).expanduser().exists():
+                raise ValueError(f"{value!r} holds no config.json; give the directory that save_pretrained wrote")
+            raise ValueError(
+                f"{value!r} is not a local directory: lowcomm loads models from local files only (no hub "
+                f"access at run time). Download it first, e.g. `huggingface-cli download {value} --local-dir DIR`, "
+                "and set hf_pretrained = \"DIR\"")
+        return value
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "ModelSection":
+        chosen = [key for key in ("factory", "hf_config", "hf_pretrained") if getattr(self, key) is not None]
+        if "preset" in self.model_fields_set and self.preset != "tiny":
+            chosen.insert(0, "preset")
+        if len(chosen) > 1:
+            raise ValueError(f"set one of preset, factory, hf_config and hf_pretrained, not {' and '.join(chosen)}")
+        if self.factory_kwargs is not None and self.factory is None:
+            raise ValueError("factory_kwargs needs factory")
+        return self
+
+    @property
+    def kind(self) -> Literal["preset", "factory", "hf_config", "hf_pretrained"]:
+        """Which of the four ways of defining the model this section uses."""
+        for key in ("factory", "hf_config", "hf_pretrained"):
+            if getattr(self, key) is not None:
+                return key  # type: ignore[return-value]
+        return "preset"
+
+
+class DataSection(ConfigSection):
+    format: Literal["text", "jsonl", "tokens", "hf"] = "text"
+    """text: UTF-8 files (path is a glob); jsonl: one JSON object per line, text under `field`;
+    tokens: flat binary token ids (nanoGPT's train.bin), memory-mapped; hf: a Hugging Face
+    `datasets` directory written by save_to_disk (path is that directory)."""
+    path: str | None = None
+    """Glob of the files to train on (or the save_to_disk directory for hf); unset with format =
+    "text": the Python standard library's own .py files."""
+    field: str | None = None
+    """jsonl: key of the text in each record (default "text"); hf: column of text or of token ids
+    (default "input_ids" when the dataset has one, else "text")."""
+    tokenizer: str = "bytes"
+    """bytes: every byte is a token (vocabulary 256); or the path of a local Hugging Face
+    tokenizer.json (the `tokenizers` library). With format = "tokens" it only states the vocabulary."""
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    """tokens: the integer type of the ids in the file (nanoGPT writes uint16)."""
+    seq_len: int = Field(128, ge=8, le=4096)
+    """Tokens per training sequence."""
+    eval_fraction: float = Field(0.05, gt=0.0, lt=0.5)
+    """Share of the files held out for evaluation (chosen by a hash of the file name); with one file,
+    the tail of its tokens."""
+    eval_batches: int = Field(4, ge=1)
+    """Batches of the fixed held-out set averaged into one eval loss."""
+    shards: int = Field(64, ge=1)
+    """Shards of the training split (each one interleaved blocks spread over the whole corpus); each peer
+    starts on a shard chosen by its id."""
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_exists(cls, value: str) -> str:
+        if value != "bytes" and not Path(value).expanduser().is_file():
+            raise ValueError(f"{value!r} is not a file; give \"bytes\" or the path of a local tokenizer.json")
+        return value
+
+    @model_validator(mode="after")
+    def _path_for_format(self) -> "DataSection":
+        if self.format != "text" and self.path is None:
+            raise ValueError(f"format = \"{self.format}\" needs path (only text has a default corpus)")
+        return self
+
+
+class TrainSection(ConfigSection):
+    inner_steps: int = Field(50, ge=1)
+    """H: inner optimizer steps between two outer rounds."""
+    batch_size: int = Field(16, ge=1)
+    """Sequences per forward pass; an inner step sees batch_size × micro_batches of them."""
+    lr: float = Field(1e-3, gt=0.0)
+    """Peak learning rate of the inner AdamW optimizer."""
+    weight_decay: float = Field(0.1, ge=0.0)
+    """AdamW weight decay."""
+    warmup_steps: int = Field(20, ge=0)
+    """Linear warm-up of the inner learning rate, in inner steps of this process."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Global gradient-norm clip of the inner steps."""
+    micro_batches: int = Field(1, ge=1)
+    """Gradient accumulation: each inner step adds the gradients of this many batches of batch_size
+    sequences (an effective batch of batch_size × micro_batches at the memory of one)."""
+    seed: int = 0
+    """Seed of the initial weights (identical on every peer) and of the data order."""
+    optimizer: Literal["adamw", "mtdao"] = "adamw"
+    """The inner optimizer. adamw: AdamW (β = 0.9, 0.95). mtdao: MT-DAO, Adam with a fast (β 0.9)
+    and a slow first moment mixed quasi-hyperbolically (node/optimizers.py); meant with [sync]
+    state_sync averaging its slow moment (method = "mtdao" sets both)."""
+    mtdao_beta_slow: float = Field(0.99, gt=0.0, lt=1.0)
+    """mtdao: decay of the slow first moment (0.99..0.999: a horizon longer than an inner phase)."""
+    mtdao_slow_weight: float = Field(0.5, ge=0.0, le=1.0)
+    """mtdao: weight of the slow moment in the step (1 − it is the fast moment's)."""
+
+
+# ``[sync] method``: a named sync algorithm sets several keys together (README, "Sync options").
+# FIXED keys are the method's definition: setting one to another value is an error. DEFAULTS are
+# its tuned starting points: an explicit value of the key wins over them.
+METHOD_FIXED: dict[str, dict[str, Any]] = {
+    "diloco": {},
+    # The decayed error feedback of the sparseloco codec stands in for the outer momentum.
+    "sparseloco": {"codec": "sparseloco", "outer_momentum": 0.0},
+    "desloc": {},
+    "mtdao": {},
+}
+METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "diloco": {},
+    # θ ← θ − α·mean(decoded), every contribution's norm clipped to the shard's median norm. The
+    # paper's α is 1; 1.5 measured better on the short benchmark (bench/analysis.md, "SparseLoCo").
+    "sparseloco": {"outer_lr": 1.5, "aggregation": "clipped_mean", "clip_factor": 1.0},
+    # DES-LOC: parameters every round, AdamW's first moment every 3 rounds, its second every 6.
+    "desloc": {"state_sync": {"exp_avg": 3, "exp_avg_sq": 6}},
+    # MT-DAO: the slow moment every round (the swarm's long-horizon direction), the fast one never
+    # (it is this peer's own recent gradients), the second moment with DES-LOC's period.
+    "mtdao": {"state_sync": {"exp_avg_slow": 1, "exp_avg_sq": 6}},
+}
+# Which inner optimizer a method needs ([train] optimizer; set by the method when not given).
+METHOD_OPTIMIZER: dict[str, str] = {"desloc": "adamw", "mtdao": "mtdao"}
+# The optimizer states ``state_sync`` may name, per [train] optimizer (node/optimizers.py).
+STATE_NAMES: dict[str, tuple[str, ...]] = {
+    "adamw": ("exp_avg", "exp_avg_sq"),
+    "mtdao": ("exp_avg_fast", "exp_avg_slow", "exp_avg_sq"),
+}
+
+
+class SyncSection(ConfigSection):
+    method: Literal["diloco", "sparseloco", "desloc", "mtdao"] = "diloco"
+    """diloco: the codec below under outer Nesterov SGD. sparseloco: top-k 2-bit sparse
+    pseudo-gradients with decayed error feedback and no outer momentum; sets codec = "sparseloco"
+    and outer_momentum = 0 (other values are an error) and defaults outer_lr = 1.5, aggregation =
+    "clipped_mean", clip_factor = 1.0 (explicit values win). desloc: DES-LOC, AdamW's moments
+    synced on their own periods; defaults state_sync = {exp_avg = 3, exp_avg_sq = 6}. mtdao:
+    sets [train] optimizer = "mtdao" and defaults state_sync = {exp_avg_slow = 1, exp_avg_sq = 6}."""
+    state_sync: dict[str, int] = {}
+    """Inner-optimizer states averaged across the group, each every N rounds (on the rounds that
+    produce an outer step divisible by N), through the same all-reduce and codec as the
+    pseudo-gradients, with their own error feedback; every member then loads the same average.
+    Names: adamw exp_avg, exp_avg_sq; mtdao exp_avg_fast, exp_avg_slow, exp_avg_sq. Empty: the
+    optimizer state stays local (DiLoCo)."""
+    state_codec: Literal["bf16", "fp32"] = "bf16"
+    """Encoding of the optimizer states on the wire, whatever the codec of the pseudo-gradients:
+    a second moment spans many orders of magnitude, and a block-scaled integer codec (int8, int4)
+    rounds its small entries to zero, which blows up those coordinates' steps; bf16 keeps 8 bits
+    of every entry at fp32's range (2 bytes per value, error feedback carries the rest)."""
+    mode: Literal["allreduce", "gossip"] = "allreduce"
+    """How peers average: butterfly all-reduce inside groups (identical state), or gossip with a few
+    random partners per round (states differ by design; the consensus distance is measured)."""
+    overlap: Literal["none", "delayed", "eager"] = "none"
+    """none: training waits for each round. delayed: the round of step r runs while the inner phase
+    of step r+1 trains, and its result is applied at the next boundary (the local model is shifted
+    by the difference, so no local progress is lost). eager: as delayed, but the local model
+    continues from an outer step taken with its own pseudo-gradient as a stand-in for the average."""
+    overlap_apply: Literal["arrival", "boundary"] = "arrival"
+    """delayed/eager: when the averaged update reaches the local model. arrival: between two inner
+    steps as soon as the background round is done (Streaming DiLoCo's overlap: the local model
+    trains on a stale θ_global only while the round is on the wire). boundary: at the end of the
+    inner phase (DiLoCoX's one-step delay: the whole phase trains on the stale θ_global)."""
+    fragments: int = Field(1, ge=1)
+    """K: the model is cut into K contiguous fragments synced in turn (Streaming DiLoCo); a round
+    then comes every inner_steps/K steps and carries about 1/K of the bytes."""
+    gossip_partners: int = Field(2, ge=1)
+    """Gossip mode: partners a peer averages with in each round (k)."""
+    aggregation: Literal["mean", "clipped_mean", "trimmed_mean"] = "mean"
+    """How a shard owner combines contributions: plain weighted mean, mean after clipping every
+    contribution's norm to clip_factor × the median norm, or coordinate-wise trimmed mean."""
+    clip_factor: float = Field(2.0, gt=0.0)
+    """clipped_mean: contributions are scaled down to at most this multiple of the median norm."""
+    trim_fraction: float = Field(0.2, ge=0.0, lt=0.5)
+    """trimmed_mean: share of the largest and of the smallest values dropped per coordinate."""
+    norm_bound_factor: float = Field(20.0, gt=1.0)
+    """A contribution whose norm exceeds this multiple of the median norm of its shard is rejected."""
+    codec: Literal["fp32", "fp16", "bf16", "int8", "int4", "topk", "sparseloco"] = "int8"
+    """Encoding of pseudo-gradients on the wire (lossy codecs use error feedback)."""
+    group_size: int = Field(16, ge=2)
+    """Largest group a leader closes."""
+    outer_lr: float = Field(0.7, gt=0.0)
+    """Learning rate of the outer Nesterov SGD step (DiLoCo: 0.7)."""
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """Momentum of the outer step (DiLoCo: 0.9)."""
+    matchmaking_timeout: float = Field(30.0, gt=0.0)
+    """Longest a leader waits for the expected peers before it closes the group with who came."""
+    quorum: float = Field(2 / 3, gt=0.0, le=1.0)
+    """Share of the expected peers after which a leader stops waiting for everyone and gives the
+    rest an adaptive grace (twice the recent straggler delay, at least straggler_wait). Rounded
+    up: with 2/3, two of three peers are a quorum; with 0.67 all three are needed."""
+    straggler_wait: float = Field(2.0, ge=0.0)
+    """Floor of the adaptive grace for stragglers, in seconds."""
+    reduce_timeout: float = Field(60.0, gt=0.0)
+    """Seconds a member waits for one shard's average before it skips that shard."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_method(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or data.get("method", "diloco") not in METHOD_FIXED:
+            return data  # not a mapping, or an unknown method: the field's own check reports it
+        method = data.get("method", "diloco")
+        for key, value in METHOD_FIXED[method].items():
+            if key in data and data[key] != value:
+                raise ValueError(f"method = \"{method}\" sets {key} = {value!r}; remove {key} = {data[key]!r} "
+                                 f"or choose method = \"diloco\"")
+        return {**METHOD_DEFAULTS[method], **METHOD_FIXED[method], **data}
+
+    @field_validator("state_sync")
+    @classmethod
+    def _periods_positive(cls, value: dict[str, int]) -> dict[str, int]:
+        bad = {name: period for name, period in value.items() if period < 1}
+        if bad:
+            raise ValueError(f"periods are rounds, at least 1; got {bad}")
+        return value
+
+    @model_validator(mode="after")
+    def _sparse_needs_allreduce(self) -> "SyncSection":
+        # Gossip averages parameters, not pseudo-gradients: a sparse top-k of θ would zero most of it.
+        if self.mode == "gossip" and self.codec == "sparseloco":
+            raise ValueError("codec = \"sparseloco\" (and method = \"sparseloco\") work with mode = \"allreduce\" only")
+        return self
+
+
+class NodeSection(ConfigSection):
+    peers: list[str] = []
+    """Multiaddrs of peers already in the swarm; empty: start a new swarm."""
+    host: str = "0.0.0.0"
+    """Interface the DHT and gRPC servers listen on."""
+    announce_host: str | None = None
+    """Host other peers use to reach this node's gRPC server (default: the listen host, or the
+    first non-loopback address the DHT sees when listening on 0.0.0.0)."""
+    grpc_port: int = Field(7701, ge=0, le=65535)
+    """gRPC port (averaging, state download, status, health); 0 picks a free port."""
+    dht_port: int = Field(7700, ge=0, le=65535)
+    """libp2p port of the DHT; 0 picks a free port."""
+    metrics_port: int = Field(7702, ge=0, le=65535)
+    """Prometheus /metrics port; 0 picks a free port."""
+    identity: Path | None = None
+    """libp2p private key file (created if missing); default: <checkpoint_dir>/identity.key."""
+    checkpoint_dir: Path = Path("lowcomm-checkpoints")
+    """Directory of the atomic checkpoints (the last two are kept)."""
+    run_secret_file: Path | None = None
+    """File holding the run secret: with it every RPC and DHT record is authenticated (HMAC)."""
+    tls_cert: Path | None = None
+    """PEM certificate of this node's gRPC server (with tls_key): peers then connect over TLS."""
+    tls_key: Path | None = None
+    """PEM private key matching tls_cert."""
+    client_mode: bool = False
+    """No inbound connections: own no shard, serve no state (for peers behind NAT)."""
+    max_rounds: int | None = Field(None, ge=1)
+    """Exit 0 after this many outer rounds of this process."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where inner steps run; auto: CUDA (with bf16 autocast) when available."""
+    torch_threads: int | None = Field(None, ge=1)
+    """Torch intra-op threads of the training thread; unset: torch's default."""
+    compute_niceness: int = Field(10, ge=0, le=19)
+    """Linux: the training and eval threads run this much nicer than the rest of the node, so
+    that RPCs, the DHT and the all-reduce (latency-bound) never queue behind compute
+    (throughput-bound) on a busy CPU. 0: same priority."""
+    log_format: Literal["auto", "text", "json"] = "auto"
+    """auto: human lines on a terminal, JSON lines otherwise."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest level printed."""
+    heartbeat_interval: float = Field(5.0, gt=0.0)
+    """Seconds between refreshes of this peer's DHT record (records live 3 intervals)."""
+    grace_period: float = Field(20.0, gt=0.0)
+    """Seconds SIGTERM/SIGINT leaves a round in flight before abandoning it."""
+    max_clock_offset: float = Field(86_400.0, ge=0.0)
+    """Largest offset of this machine's clock from its bootstrap peers' that the node corrects
+    (it then runs on swarm time); beyond it the node stops and asks to synchronise the clock.
+    0: never correct (then a clock more than 0.5 s off stops the node)."""
+
+    @field_validator("peers", mode="before")
+    @classmethod
+    def _split_peers(cls, value: Any) -> Any:
+        # From the environment, peers arrive as one string: accept commas and whitespace.
+        if isinstance(value, str):
+            return [part for part in value.replace(",", " ").split() if part]
+        return value
