@@ -470,7 +470,6 @@ def full_group_rounds(peers: int, rounds: int, extra: list[str], skip: int = 0,
     bootstrap), waits until every node has ``skip + rounds`` such rounds, stops them all and
     returns each node's rounds ``skip .. skip + rounds`` (``skip`` leaves out warm-up rounds).
     """
-    import shutil
     import tempfile
 
     from lowcomm.node.localswarm import NodeProcess, peer_args
@@ -492,14 +491,21 @@ def full_group_rounds(peers: int, rounds: int, extra: list[str], skip: int = 0,
                           timeout=120 + seconds_per_round * wanted)
         return [e for node in nodes for e in full_rounds(node)[skip:wanted]]
     finally:
-        for node in nodes:
-            node.signal(signal.SIGTERM)
-        for node in nodes:
-            try:
-                node.wait_exit(60)
-            except Exception:
-                node.kill_all()
-        shutil.rmtree(workdir, ignore_errors=True)
+        stop_nodes(nodes, workdir)
+
+
+def stop_nodes(nodes: list, workdir: Path) -> None:
+    """SIGTERM every node (a graceful leave), kill what did not exit within 60 s, remove workdir."""
+    import shutil
+
+    for node in nodes:
+        node.signal(signal.SIGTERM)
+    for node in nodes:
+        try:
+            node.wait_exit(60)
+        except Exception:
+            node.kill_all()
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def write_result(result: dict[str, Any], json_out: Path | None) -> None:

@@ -30,7 +30,6 @@ import argparse
 import math
 import os
 import re
-import shutil
 import signal
 import statistics
 import sys
@@ -41,7 +40,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from common import OUT, append_jsonl, machine, now_iso, say
+from common import OUT, append_jsonl, machine, now_iso, say, stop_nodes
 
 from lowcomm.node.localswarm import NodeProcess, peer_args
 
@@ -168,14 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"real_swarm: no metrics from {node.name}: {err}")
                 metrics.append({})
     finally:
-        for node in nodes:
-            node.signal(signal.SIGTERM)
-        for node in nodes:
-            try:
-                node.wait_exit(60)
-            except Exception:
-                node.kill_all()
-        shutil.rmtree(workdir, ignore_errors=True)
+        stop_nodes(nodes, workdir)
     wall = time.monotonic() - started
 
     steps = step_records(nodes, args.peers)

@@ -24,11 +24,10 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch.nn.utils import parameters_to_vector
 
 from .models import ModelError, check_float32, shapes_digest
 from .ports import PhaseStats
-from .trainer import copy_flat_into
+from .trainer import FlatParams, copy_flat_into
 
 WAIT_SLICE = 0.5  # seconds; waits are cut into slices so that Ctrl-C reaches a waiting main thread
 
@@ -141,7 +140,7 @@ def external_definition(model: nn.Module) -> dict:
     return {"model": {"kind": "external", "parameters": parameters, "shapes_sha256": digest}}
 
 
-class ExternalTrainer:
+class ExternalTrainer(FlatParams):
     """The user's model and inner optimizer as a ``TrainerPort``; the inner steps come from the
     user's loop through ``handoff`` (see the module docstring)."""
 
@@ -155,28 +154,6 @@ class ExternalTrainer:
         self.numel = sum(p.numel() for p in self.params)
         self.handoff = Handoff()
         self.inner_steps_done = 0
-
-    # -- global parameters in and out (the node's training thread, in its turn) -------------
-
-    def get_params(self) -> torch.Tensor:
-        return parameters_to_vector(self.params).detach().to("cpu", torch.float32).clone()
-
-    def set_params(self, flat: torch.Tensor) -> None:
-        copy_flat_into(self.params, flat)
-
-    def set_params_slice(self, fragment: slice, values: torch.Tensor) -> None:
-        flat = self.get_params()
-        flat[fragment] = values
-        self.set_params(flat)
-
-    def add_to_slice(self, fragment: slice, shift: torch.Tensor) -> None:
-        flat = self.get_params()
-        flat[fragment] += shift
-        self.set_params(flat)
-
-    def reset_to(self, flat: torch.Tensor) -> None:
-        self.set_params(flat)
-        self.optimizer.state.clear()  # its moments may hold NaN after a divergence
 
     # -- the inner phase: the user's loop takes the steps -------------------------------------
 

@@ -89,7 +89,39 @@ def load_optimizer_state_flat(optimizer: torch.optim.Optimizer, params: list[tor
             offset += count
 
 
-class Trainer:
+class FlatParams:
+    """TrainerPort's parameter half over ``self.params`` (a model's parameters in order) and
+    ``self.optimizer``: one flat float32 CPU vector in and out. Both the daemon's Trainer and
+    lowcomm.Swarm's ExternalTrainer use it."""
+
+    params: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer
+
+    def get_params(self) -> torch.Tensor:
+        return parameters_to_vector(self.params).detach().to("cpu", torch.float32).clone()
+
+    def set_params(self, flat: torch.Tensor) -> None:
+        copy_flat_into(self.params, flat)
+
+    def set_params_slice(self, fragment: slice, values: torch.Tensor) -> None:
+        """Overwrite ``fragment`` of the flat parameters (the rest keeps training)."""
+        flat = self.get_params()
+        flat[fragment] = values
+        self.set_params(flat)
+
+    def add_to_slice(self, fragment: slice, shift: torch.Tensor) -> None:
+        """Shift ``fragment`` of the flat parameters by ``shift`` (overlap mode's correction)."""
+        flat = self.get_params()
+        flat[fragment] += shift
+        self.set_params(flat)
+
+    def reset_to(self, flat: torch.Tensor) -> None:
+        """Start over from ``flat`` after a divergence: the optimizer's moments may hold NaN too."""
+        self.set_params(flat)
+        self.optimizer.state.clear()
+
+
+class Trainer(FlatParams):
     """The daemon's trainer: a ``TrainerPort`` (node/ports.py) that is also ``ReplicaEvaluating``."""
 
     def __init__(self, config: Config, peer_key: str, corpus: Corpus | None = None) -> None:
@@ -119,30 +151,6 @@ class Trainer:
             torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
         )
 
-    # -- global parameters in and out -------------------------------------------------------
-
-    def get_params(self) -> torch.Tensor:
-        return parameters_to_vector(self.params).detach().to("cpu", torch.float32).clone()
-
-    def set_params(self, flat: torch.Tensor) -> None:
-        copy_flat_into(self.params, flat)
-
-    def set_params_slice(self, fragment: slice, values: torch.Tensor) -> None:
-        """Overwrite ``fragment`` of the flat parameters (the rest keeps training)."""
-        flat = self.get_params()
-        flat[fragment] = values
-        self.set_params(flat)
-
-    def add_to_slice(self, fragment: slice, shift: torch.Tensor) -> None:
-        """Shift ``fragment`` of the flat parameters by ``shift`` (overlap mode's correction)."""
-        flat = self.get_params()
-        flat[fragment] += shift
-        self.set_params(flat)
-
-    def reset_to(self, flat: torch.Tensor) -> None:
-        """Start over from ``flat`` after a divergence: the optimizer's moments may hold NaN too."""
-        self.set_params(flat)
-        self.optimizer.state.clear()
 
     def optimizer_state(self, name: str) -> torch.Tensor:
         """Training thread: the inner optimizer's state ``name`` as a flat float32 CPU vector."""
