@@ -109,3 +109,24 @@ def test_a_factory_that_cannot_be_imported_ends_the_node_with_one_line(tmp_path)
     errors = [line for line in result.stderr.splitlines() if line.startswith("lowcomm-node: error:")]
     assert result.returncode != 0 and "Traceback" not in result.stderr + result.stdout
     assert len(errors) == 1 and "cannot import no_such_package.models" in errors[0], result.stderr
+
+
+def test_a_node_trains_on_a_hugging_face_dataset_saved_to_disk(tmp_path):
+    """`[data] format = "hf"` through the CLI: one node (solo steps) on a `save_to_disk` directory,
+    one round, eval and tokens reported, exit 0."""
+    datasets = pytest.importorskip("datasets", reason="the hf extra (datasets) is not installed")
+    path = tmp_path / "dataset"
+    text = stdlib_text(200_000).decode("utf-8", errors="replace")
+    documents = [text[i:i + 2000] for i in range(0, len(text), 2000)]
+    datasets.Dataset.from_dict({"text": documents}).save_to_disk(str(path))
+    cmd = [*node_command(), "join", "--host", "127.0.0.1", "--dht-port", "0", "--grpc-port", "0",
+           "--metrics-port", "0", "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-format", "json",
+           "--torch-threads", "1", "--max-rounds", "1", *LIGHT, "--set", "model.preset=tiny",
+           "--set", "train.inner_steps=5", "--set", "train.batch_size=4",
+           "--set", "data.format=hf", "--set", f"data.path={path}"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    rounds = [e for e in events if e.get("event") == "round_done"]
+    assert rounds and rounds[0]["tokens_total"] == 5 * 4 * 64, rounds
+    assert rounds[0]["eval_loss"] == rounds[0]["eval_loss"]  # a number, not NaN
