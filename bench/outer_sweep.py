@@ -1,0 +1,341 @@
+#!/usr/bin/env python
+"""Outer-optimizer sweep on an in-process DiLoCo emulator (issue 16 item 5).
+
+    nice -n 19 python bench/outer_sweep.py [--lr 0.4,0.7,1.0] [--momentum 0,0.5,0.9] [--H 50]
+                                           [--seeds 0] [--steps 1000] [--json-out bench/out/outer_sweep.jsonl]
+                                           [--eval-every 1] [--validate]
+
+The long benchmark (bench/convergence.py --long) runs 4 real ``lowcomm-node`` processes for
+3–6 minutes per run on a shared 2-core machine; a grid of outer lr × momentum × H × seeds is
+out of reach that way. This emulator does the same arithmetic in one process, without sockets:
+
+* P replicas of the node's own ``Trainer`` (node/trainer.py) built from the long benchmark's
+  Config (bench/common.Workload: tiny preset, 8 × 128 tokens per step, the same seed), each with
+  the peer id of bench identity i as its data-shard key, so peer i draws exactly the batches
+  that peer i of the real run draws, with the same AdamW, warm-up and gradient clip.
+* Every round: H inner steps per replica, Δ_i = θ_global − θ_i, then the node's butterfly
+  all-reduce done by hand with the same functions (protocol/member.py's arithmetic): the members
+  sorted by peer id own one shard each (``shard_layout`` without bandwidth figures: equal
+  shards), a member's part of its own shard enters exactly (its residual there is cleared), its
+  parts of the others' shards go through ``encode_with_feedback`` with its sender residual and
+  are decoded from the payload; the owner aggregates them with ``aggregate`` (the node's
+  Aggregation from [sync], token weights bounded by ``bounded_weights``) and encodes the average
+  once with its owner residual; every member applies the decoded average with
+  ``apply_averages`` (node/apply.py: the real ``NesterovOuter`` step on ``GlobalState``), and the
+  replicas restart from θ_global (blocking rounds).
+* Eval: the node's replica evaluator (``Trainer.replica_evaluator``: its fixed held-out batches)
+  on θ_global after every ``--eval-every``-th outer step and after the last one.
+
+What it leaves out, on purpose: time. A real round can cut a slow peer's inner phase short, fail
+under load, or size shards by measured bandwidth (which moves int8's block boundaries); the
+emulator's rounds always have all P members and H steps each. ``--validate`` compares it with
+the real long benchmark's records of the same seeds (bench/out/convergence_long.jsonl).
+
+One JSON line per run goes to ``--json-out`` (bench/out/outer_sweep.jsonl); a run whose
+configuration is already there is skipped, so an interrupted sweep resumes where it stopped.
+Runs are sequential, one torch thread each (run it with ``nice -n 19`` on a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+
+from common import OUT, Workload, append_jsonl, read_jsonl, record_base, say
+
+DEFAULT_JSON = OUT / "outer_sweep.jsonl"
+LONG_JSON = OUT / "convergence_long.jsonl"
+CODEC_CHOICES = ("fp32", "fp16", "bf16", "int8", "int4")  # the plain DiLoCo codecs (Nesterov outer rule)
+
+
+class UsageError(Exception):
+    """A bad flag value: main() prints one ``outer_sweep: error:`` line for it."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One emulated run: what makes two records the same run (the resume key)."""
+
+    lr: float
+    momentum: float
+    inner_steps: int
+    seed: int
+    steps: int = 1000
+    peers: int = 4
+    batch_size: int = 8
+    seq_len: int = 128
+    preset: str = "tiny"
+    codec: str = "int8"
+
+    def key(self) -> tuple:
+        return (round(self.lr, 6), round(self.momentum, 6), self.inner_steps, self.seed, self.steps, self.peers,
+                self.batch_size, self.seq_len, self.preset, self.codec)
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> "RunConfig":
+        return cls(**{name: record["config"][name] for name in cls.__dataclass_fields__})
+
+    def workload(self) -> Workload:
+        return Workload(peers=self.peers, steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len,
+                        preset=self.preset, seed=self.seed)
+
+    def node_sets(self) -> list[str]:
+        """The node settings of this run on top of the workload's (``--set`` syntax)."""
+        return [f"train.inner_steps={self.inner_steps}", f"sync.codec={self.codec}", f"sync.outer_lr={self.lr}",
+                f"sync.outer_momentum={self.momentum}", "node.torch_threads=1"]
+
+
+def default_peer_ids(peers: int) -> list[str]:
+    """The peer ids of bench identities 0..peers-1: the data-shard keys of the real runs' peers."""
+    from common import peer_key
+
+    return [peer_key(i) for i in range(peers)]
+
+
+class Emulator:
+    """P trainers and one θ_global doing the node's rounds in one process (module docstring)."""
+
+    def __init__(self, run: RunConfig, peer_ids: list[str], corpus=None) -> None:
+        from lowcomm.node.data import load_data
+        from lowcomm.node.globalstate import GlobalState
+        from lowcomm.node.trainer import Trainer
+        from lowcomm.protocol import codecs
+        from lowcomm.protocol.aggregation import Aggregation
+
+        if len(peer_ids) != run.peers:
+            raise ValueError(f"{run.peers} peers need {run.peers} peer ids, got {len(peer_ids)}")
+        self.run = run
+        self.config = run.workload().config(extra=run.node_sets())
+        corpus = corpus if corpus is not None else load_data(self.config.data)
+        # Members in the leader's order (layout.split_into_groups sorts a group by peer id).
+        self.peer_ids = sorted(peer_ids)
+        self.trainers = [Trainer(self.config, peer, corpus) for peer in self.peer_ids]
+        self.numel = self.trainers[0].numel
+        self.codec = codecs.get_codec(self.config.sync.codec)
+        self.aggregation = Aggregation.from_config(self.config.sync)
+        # θ_global and the outer momentum, shared (identical on every real member); residuals per peer.
+        self.state = GlobalState.fresh(self.trainers[0].get_params(), self.config.sync.outer_lr,
+                                       self.config.sync.outer_momentum)
+        self.residuals = [torch.zeros(self.numel) for _ in self.peer_ids]
+        self.owner_residuals = [torch.zeros(self.numel) for _ in self.peer_ids]
+        self.evaluate = self.trainers[0].replica_evaluator()
+        self.tokens = 0
+
+    def slices(self) -> list[slice]:
+        from lowcomm.protocol.layout import shard_layout
+
+        bounds = shard_layout(self.numel, [0.0] * len(self.peer_ids))  # no bandwidth figures: equal shards
+        return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+    def inner_phases(self) -> tuple[list[torch.Tensor], list[float]]:
+        """H inner steps on every replica; (Δ_i = θ_global − θ_i, tokens_i)."""
+        deltas, weights = [], []
+        for trainer in self.trainers:
+            stats = trainer.train_phase(self.run.inner_steps, lambda: False)
+            deltas.append(self.state.params - trainer.get_params())
+            weights.append(float(stats.tokens))
+            self.tokens += stats.tokens
+        return deltas, weights
+
+    def allreduce(self, deltas: list[torch.Tensor], tokens: list[float]) -> list[torch.Tensor | None]:
+        """The decoded average of every shard, as protocol/member.py and accumulator.py make it."""
+        from lowcomm.protocol import codecs
+        from lowcomm.protocol.accumulator import bounded_weights
+        from lowcomm.protocol.aggregation import aggregate
+
+        weights = bounded_weights([SimpleNamespace(peer_id=p, weight=w) for p, w in zip(self.peer_ids, tokens)])
+        averages: list[torch.Tensor | None] = []
+        for owner, sl in enumerate(self.slices()):
+            numel = sl.stop - sl.start
+            contributions, exact = [], {}
+            for i, peer in enumerate(self.peer_ids):
+                x = deltas[i][sl].add(self.residuals[i][sl])  # what a skipped shard would carry
+                exact[peer] = x
+                if i == owner:  # the owner's own part enters exactly: nothing left to carry
+                    self.residuals[i][sl].zero_()
+                    contributions.append((peer, weights[peer], x))
+                else:
+                    payload, _ = codecs.encode_with_feedback(self.codec, deltas[i][sl], self.residuals[i][sl])
+                    contributions.append((peer, weights[peer], self.codec.decode(payload, numel)))
+            outcome = aggregate(contributions, self.aggregation)
+            if outcome.average is None or not bool(torch.isfinite(outcome.average).all()):
+                # The owner cannot publish: every member skips the shard and carries all of x.
+                for i, peer in enumerate(self.peer_ids):
+                    self.residuals[i][sl].copy_(exact[peer])
+                averages.append(None)
+                continue
+            _, decoded = codecs.encode_with_feedback(self.codec, outcome.average, self.owner_residuals[owner][sl])
+            for i, peer in enumerate(self.peer_ids):
+                if peer not in outcome.used:  # rejected (norm bound): the average came without it
+                    self.residuals[i][sl].copy_(exact[peer])
+            averages.append(decoded)
+        return averages
+
+    def round(self) -> None:
+        """One outer step: inner phases, all-reduce, outer step, replicas restart from θ_global."""
+        from lowcomm.node.apply import apply_averages
+        from lowcomm.protocol.allreduce import AllReduceResult
+
+        deltas, tokens = self.inner_phases()
+        averages = self.allreduce(deltas, tokens)
+        apply_averages(self.state, slice(0, self.numel),
+                       AllReduceResult(averages=averages, slices=self.slices(), bytes_sent=0, bytes_received=0,
+                                       payload_bytes=0))
+        self.state.commit()
+        for trainer in self.trainers:
+            trainer.set_params(self.state.params)
+
+    def train(self, eval_every: int = 1, on_point: Callable[[dict], None] | None = None) -> list[dict]:
+        """All rounds of the run; the curve (outer step, tokens, eval loss) at the evaluated steps."""
+        rounds = self.run.steps // self.run.inner_steps
+        curve = []
+        for step in range(1, rounds + 1):
+            self.round()
+            if step % eval_every == 0 or step == rounds:
+                point = {"outer_step": step, "step": step * self.run.inner_steps, "tokens": self.tokens,
+                         "eval_loss": self.evaluate(self.state.params)}
+                curve.append(point)
+                if on_point is not None:
+                    on_point(point)
+        return curve
+
+
+def run_one(run: RunConfig, eval_every: int, peer_ids: list[str], corpus=None) -> dict[str, Any]:
+    """One emulated run as a bench record (without the common record_base fields)."""
+    started = time.monotonic()
+    emulator = Emulator(run, peer_ids, corpus)
+    curve = emulator.train(eval_every, lambda p: say(f"  outer step {p['outer_step']}: eval {p['eval_loss']:.4f}"))
+    final = curve[-1]
+    return {"config": {name: getattr(run, name) for name in RunConfig.__dataclass_fields__},
+            "method": f"emu-{run.codec}-H{run.inner_steps}-lr{run.lr:g}-m{run.momentum:g}", "seed": run.seed,
+            "curve": curve, "final_eval_loss": final["eval_loss"], "tokens": final["tokens"],
+            "numel": emulator.numel, "eval_every": eval_every, "ok": bool(torch.isfinite(torch.tensor(
+                final["eval_loss"]))), "wall_seconds": time.monotonic() - started}
+
+
+def done_keys(path: Path) -> set[tuple]:
+    """Resume: the configurations that already have a record in ``path``."""
+    keys = set()
+    for record in read_jsonl(path):
+        if record.get("bench") == "outer_sweep" and isinstance(record.get("config"), dict):
+            try:
+                keys.add(RunConfig.from_record(record).key())
+            except (KeyError, TypeError):
+                continue  # a record of another layout: not one of ours to skip
+    return keys
+
+
+def plan(args: argparse.Namespace) -> list[RunConfig]:
+    """The grid of the flags, in the order it runs (seed outermost: a stage's first seed completes first)."""
+    return [RunConfig(lr=lr, momentum=m, inner_steps=h, seed=seed, steps=args.steps, peers=args.peers,
+                      batch_size=args.batch_size, seq_len=args.seq_len, preset=args.preset, codec=args.codec)
+            for seed in args.seeds for h in args.H for lr in args.lr for m in args.momentum]
+
+
+def validation_lines(records: list[dict], long_records: list[dict]) -> list[str]:
+    """The emulator next to the real long benchmark (diloco-<codec>-H<h>, node defaults) per seed."""
+    lines = []
+    for record in records:
+        c = record["config"]
+        real = [r for r in long_records if r.get("method") == f"diloco-{c['codec']}-H{c['inner_steps']}"
+                and r.get("seed") == c["seed"] and r.get("ok", True) and not r.get("node_sets")
+                and (r.get("workload") or {}).get("steps") == c["steps"]]
+        for r in real:
+            lines.append(f"seed {c['seed']}: emulator {record['final_eval_loss']:.4f}, real node "
+                         f"{r['final_eval_loss']:.4f} (run {r.get('run_id')}), difference "
+                         f"{record['final_eval_loss'] - r['final_eval_loss']:+.4f}")
+    return lines
+
+
+def _floats(text: str, name: str, low: float, high: float, high_open: bool = False) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--{name} {text!r}: expected comma-separated numbers such as 0.4,0.7,1.0") from None
+    bad = [v for v in values if not (low <= v < high if high_open else low < v <= high)]
+    if not values or bad:
+        bounds = f"[{low}, {high})" if high_open else f"({low}, {high}]"
+        raise UsageError(f"--{name} {text!r}: every value must lie in {bounds}")
+    return values
+
+
+def _ints(text: str, name: str, low: int) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--{name} {text!r}: expected comma-separated integers such as 20,50,100") from None
+    if not values or any(v < low for v in values):
+        raise UsageError(f"--{name} {text!r}: every value must be an integer >= {low}")
+    return values
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lr", default="0.7", help="comma-separated outer learning rates (default 0.7)")
+    parser.add_argument("--momentum", default="0.9", help="comma-separated outer momenta in [0, 1) (default 0.9)")
+    parser.add_argument("--H", default="50", help="comma-separated inner steps per round (default 50)")
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    parser.add_argument("--codec", default="int8", choices=CODEC_CHOICES)
+    parser.add_argument("--steps", type=int, default=1000, help="inner steps per peer (default 1000: the long benchmark)")
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=Workload.batch_size)
+    parser.add_argument("--seq-len", type=int, default=Workload.seq_len)
+    parser.add_argument("--preset", default=Workload.preset, choices=["tiny", "small", "medium", "gpt2"])
+    parser.add_argument("--eval-every", type=int, default=1, help="outer steps between evaluations (the last is always)")
+    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--validate", action="store_true",
+                        help=f"after the runs, print the emulator next to the real runs of the same seeds in {LONG_JSON}")
+    args = parser.parse_args(argv)
+    args.lr = _floats(args.lr, "lr", 0.0, 10.0)
+    args.momentum = _floats(args.momentum, "momentum", 0.0, 1.0, high_open=True)
+    args.H = _ints(args.H, "H", 1)
+    args.seeds = _ints(args.seeds, "seeds", 0)
+    if args.peers < 2:
+        raise UsageError(f"--peers {args.peers}: an all-reduce needs at least 2 peers")
+    if args.steps < 1 or args.eval_every < 1:
+        raise UsageError("--steps and --eval-every must be >= 1")
+    bad = [h for h in args.H if args.steps % h]
+    if bad:
+        raise UsageError(f"--steps {args.steps} is not a multiple of H={bad[0]} (the tokens would differ)")
+    return args
+
+
+def main(argv: list[str] | None = None, peer_ids: Callable[[int], list[str]] = default_peer_ids,
+         corpus=None) -> int:
+    """``peer_ids`` and ``corpus``: the tests' stand-ins for the bench identities and the default corpus."""
+    try:
+        args = parse_args(argv)
+    except UsageError as err:
+        print(f"outer_sweep: error: {err}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)  # one thread per run, as each real node runs (--torch-threads 1)
+    done = done_keys(args.json_out)
+    todo = [run for run in plan(args) if run.key() not in done]
+    say(f"outer_sweep: {len(todo)} run(s) to do, {len(plan(args)) - len(todo)} already in {args.json_out}")
+    ids = peer_ids(args.peers) if todo else []
+    for index, run in enumerate(todo, 1):
+        say(f"[{index}/{len(todo)}] {run}")
+        if corpus is None:  # read once: every run trains on the same corpus
+            from lowcomm.node.data import load_data
+
+            corpus = load_data(run.workload().config().data)
+        record = record_base("outer_sweep", **run_one(run, args.eval_every, ids, corpus))
+        append_jsonl(args.json_out, record)
+        say(f"[{index}/{len(todo)}] final eval {record['final_eval_loss']:.4f} in {record['wall_seconds']:.0f} s")
+    if args.validate:
+        mine = [r for r in read_jsonl(args.json_out) if r.get("bench") == "outer_sweep"
+                and RunConfig.from_record(r).key() in {run.key() for run in plan(args)}]
+        for line in validation_lines(mine, read_jsonl(LONG_JSON)) or ["no real run of these seeds to compare with"]:
+            say(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

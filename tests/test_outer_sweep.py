@@ -1,0 +1,138 @@
+"""bench/outer_sweep.py: the in-process DiLoCo emulator does the node's round arithmetic, resumes,
+and refuses bad flags with one line. Socket-free: fake peer ids, a small synthetic corpus."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import outer_sweep  # noqa: E402
+from lowcomm.node.data import Corpus  # noqa: E402
+from lowcomm.node.trainer import Trainer  # noqa: E402
+from lowcomm.protocol import codecs  # noqa: E402
+
+PEERS = ["peer-b", "peer-a"]  # unsorted on purpose: the emulator orders members by id, as the leader does
+
+
+def fake_ids(count: int) -> list[str]:
+    return [f"peer-{i}" for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def corpus() -> Corpus:
+    rng = np.random.default_rng(0)
+    # Skewed byte frequencies, so that a few steps lower the loss (an all-uniform text would not).
+    text = rng.choice(64, size=60_000, p=np.arange(64, 0, -1) / np.arange(64, 0, -1).sum()).astype(np.uint8)
+    return Corpus(train=text[:50_000], eval=text[50_000:], files=1)
+
+
+def small(lr: float = 0.7, momentum: float = 0.9, seed: int = 0) -> outer_sweep.RunConfig:
+    return outer_sweep.RunConfig(lr=lr, momentum=momentum, inner_steps=2, seed=seed, steps=4, peers=2,
+                                 batch_size=2, seq_len=16)
+
+
+def test_emulator_matches_codec_and_nesterov_by_hand(corpus: Corpus) -> None:
+    """Two rounds of P=2, H=2: θ_global equals int8 with both error feedbacks, the token-weighted
+    mean and Nesterov SGD written out op by op, on trainers that see the same batches."""
+    torch.set_num_threads(1)
+    run = small(lr=0.7, momentum=0.9)
+    emulator = outer_sweep.Emulator(run, PEERS, corpus)
+    emulator.train()
+
+    config = run.workload().config(extra=run.node_sets())
+    ids = sorted(PEERS)
+    trainers = [Trainer(config, peer, corpus) for peer in ids]
+    codec = codecs.get_codec("int8")
+    theta = trainers[0].get_params()
+    numel = theta.numel()
+    half = round(numel / 2)
+    shards = [slice(0, half), slice(half, numel)]
+    sender = [torch.zeros(numel) for _ in ids]  # member i's residual of its parts of others' shards
+    owner = [torch.zeros(numel) for _ in ids]  # member j's residual of the average of shard j
+    buf = torch.zeros(numel)
+    lr, m = torch.tensor(0.7, dtype=torch.float32), torch.tensor(0.9, dtype=torch.float32)
+    for _ in range(2):
+        deltas = []
+        for trainer in trainers:
+            trainer.train_phase(2, lambda: False)
+            deltas.append(theta - trainer.get_params())
+        for j, sl in enumerate(shards):
+            parts = []
+            for i in range(len(ids)):
+                x = deltas[i][sl] + sender[i][sl]
+                if i == j:
+                    parts.append(x.double())  # the owner's own part, exact
+                    sender[i][sl] = 0
+                else:
+                    sent = codec.decode(codec.encode(x), x.numel())
+                    sender[i][sl] = x - sent
+                    parts.append(sent.double())
+            weight = float(2 * 2 * 16)  # tokens of one inner phase: equal weights
+            mean = ((parts[0] * weight + parts[1] * weight) / (2 * weight)).float()
+            s = mean + owner[j][sl]
+            average = codec.decode(codec.encode(s), s.numel())
+            owner[j][sl] = s - average
+            b = buf[sl]
+            b.copy_(b * m + average)
+            theta[sl] -= (b * m + average) * lr
+        for trainer in trainers:
+            trainer.set_params(theta)
+
+    assert torch.equal(emulator.state.params, theta)
+    assert torch.equal(emulator.state.outer.buffer, buf)
+    assert all(torch.equal(a, b) for a, b in zip(emulator.residuals, sender))
+    assert all(torch.equal(a, b) for a, b in zip(emulator.owner_residuals, owner))
+    assert emulator.tokens == 2 * 2 * (2 * 2 * 16)  # rounds × peers × one phase's tokens
+    assert not torch.equal(theta, Trainer(config, ids[0], corpus).get_params())  # it did train
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_resume_skips_done_configs(tmp_path: Path, corpus: Corpus, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "sweep.jsonl"
+    base = ["--steps", "2", "--H", "1", "--peers", "2", "--batch-size", "2", "--seq-len", "16",
+            "--json-out", str(out), "--eval-every", "2"]
+    assert outer_sweep.main([*base, "--lr", "0.7", "--momentum", "0.9"], fake_ids, corpus) == 0
+    first = records(out)
+    assert len(first) == 1
+    assert first[0]["bench"] == "outer_sweep" and first[0]["config"]["lr"] == 0.7
+    assert [p["outer_step"] for p in first[0]["curve"]] == [2]  # --eval-every 2 over 2 outer steps
+    assert {"date", "command", "machine"} <= set(first[0])
+    # The same grid plus one new point: only the new point runs.
+    assert outer_sweep.main([*base, "--lr", "0.7,1.0", "--momentum", "0.9"], fake_ids, corpus) == 0
+    second = records(out)
+    assert [r["config"]["lr"] for r in second] == [0.7, 1.0]
+    assert second[0] == first[0]
+    assert "1 run(s) to do, 1 already" in capsys.readouterr().err
+    # Nothing left: no run, and the peer ids (the bench identities) are not even asked for.
+    def no_ids(count: int) -> list[str]:
+        raise AssertionError("nothing to run")
+
+    assert outer_sweep.main([*base, "--lr", "1.0,0.7", "--momentum", "0.9"], no_ids, corpus) == 0
+    assert len(records(out)) == 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "0.7,abc"], "--lr '0.7,abc': expected comma-separated numbers"),
+    (["--momentum", "1.0"], "--momentum '1.0': every value must lie in [0.0, 1.0)"),
+    (["--H", "30"], "--steps 1000 is not a multiple of H=30"),
+    (["--seeds", "0,x"], "--seeds '0,x': expected comma-separated integers"),
+    (["--peers", "1"], "--peers 1: an all-reduce needs at least 2 peers"),
+])
+def test_bad_flags_one_error_line(flags: list[str], message: str, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "sweep.jsonl"
+    assert outer_sweep.main([*flags, "--json-out", str(out)], fake_ids) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("outer_sweep: error: ") and message in err[0], err
+    assert not out.exists()
