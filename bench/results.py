@@ -3,7 +3,7 @@
 
     python bench/results.py [--in-dir bench/out] [--out bench/RESULTS.md] [--plots bench/plots]
 
-Takes the newest run (``run_id``) of each benchmark in ``--in-dir`` (convergence.jsonl, convergence_long.jsonl,
+Takes the newest run (``run_id``) of each benchmark in ``--in-dir`` (convergence.jsonl, convergence_long.jsonl, outer_sweep.jsonl (all of it),
 slow_links.jsonl, transport.jsonl, codecs.jsonl, overlap.jsonl, soak.jsonl, standard.jsonl), writes the tables, checks
 the issue's goals against the numbers (met / missed, never asserted), draws the plots, and
 appends bench/analysis.md (the hand-written reading of the profile of the committed run).
@@ -19,6 +19,7 @@ from pathlib import Path
 import plots
 from common import BENCH, OUT, now_iso, read_jsonl
 from data_memory import results_section as data_memory_section
+from outer_sweep_results import results_section as outer_sweep_section
 from soak import soak_section
 
 GOAL_LOSS = 0.04
@@ -718,6 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     goals: list[str] = []
     long_run = newest(read_jsonl(args.in_dir / "convergence_long.jsonl"))
     body = (convergence_section(conv, plot_dir, goals) + long_convergence_section(long_run, goals)
+            + outer_sweep_section(read_jsonl(args.in_dir / "outer_sweep.jsonl"), long_run, seed_summary(long_run)[1])
             + slow_links_section(slow, plot_dir, goals)
             + transport_section(trans, slow, plot_dir, goals) + codecs_section(cod)
             + overlap_section(over, plot_dir, goals, other_overlap) + soak_section(soak_run)

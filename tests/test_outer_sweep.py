@@ -136,3 +136,30 @@ def test_bad_flags_one_error_line(flags: list[str], message: str, tmp_path: Path
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("outer_sweep: error: ") and message in err[0], err
     assert not out.exists()
+
+
+def fake_record(lr: float, momentum: float, seed: int, loss: float, h: int = 50) -> dict:
+    config = {"lr": lr, "momentum": momentum, "inner_steps": h, "seed": seed, "steps": 1000, "peers": 4,
+              "batch_size": 8, "seq_len": 128, "preset": "tiny", "codec": "int8"}
+    return {"bench": "outer_sweep", "ok": True, "config": config, "final_eval_loss": loss, "tokens": 4_096_000,
+            "command": "python bench/outer_sweep.py", "wall_seconds": 150.0, "machine": {"loadavg_at_start": [3.0]}}
+
+
+def test_section_changes_the_default_only_when_the_ranges_do_not_overlap() -> None:
+    import outer_sweep_results as section
+
+    lr, momentum = section.node_defaults()
+    default = [fake_record(lr, momentum, s, loss) for s, loss in enumerate([1.83, 1.87, 1.85])]
+    overlapping = [fake_record(0.45, 0.55, s, loss) for s, loss in enumerate([1.80, 1.84, 1.82])]
+    separate = [fake_record(0.65, 0.25, s, loss) for s, loss in enumerate([1.78, 1.80, 1.79])]
+    one_seed = [fake_record(0.35, 0.15, 0, 1.50)]  # lowest of all, but one seed: never chosen
+    decision, key = section.choose(section.group_runs(default + overlapping + one_seed), ("int8", 50, lr, momentum))
+    assert key is None and decision.startswith("**kept**") and "ranges overlap" in decision
+    decision, key = section.choose(section.group_runs(default + overlapping + separate + one_seed),
+                                   ("int8", 50, lr, momentum))
+    assert key == ("int8", 50, 0.65, 0.25) and decision.startswith("**changed**")
+    real = [{"method": "diloco-int8-H50", "seed": 0, "final_eval_loss": 1.832, "run_id": "R", "ok": True}]
+    lines = section.results_section(default + separate, real, {"ddp": {"mean": 1.69}})
+    text = "\n".join(lines)
+    assert "| 0 | 1.8300 | 1.8320 | -0.0020 |" in text  # emulator vs real node, seed 0
+    assert "| int8-H50 | 0.65 | 0.25 | 0, 1, 2 | 1.7900 | 1.7800 – 1.8000 | -3.2 % | +5.9 % |" in text
