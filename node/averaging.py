@@ -27,7 +27,7 @@ import torch
 from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
 from lowcomm.protocol.allreduce import ReduceRegistry, run_allreduce
 from lowcomm.protocol.handshake import IncompatiblePeer
-from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError
+from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError, RoundPeers
 from lowcomm.protocol.rpc import ChannelPool
 from lowcomm.protocol.state import params_sha256
 
@@ -177,10 +177,15 @@ class Averager:
             seen = unused_view.pop() if unused_view else await self.swarm.refresh_view()
             return decisions.expected_peers(seen, self.swarm.position())
 
+        # A large step matchmakes in buckets (protocol/buckets.py): its leaders wait for the peers
+        # of this view that are still in the heartbeat's latest one, without reading the table again.
+        round_peers = RoundPeers(frozenset(decisions.expected_peers(view, self.swarm.position())),
+                                 alive=lambda: self.swarm.last_view().peers)
         try:
             group = await self.matchmaker.form_group(
                 step, weight, self.stats.bandwidth_bps, expected_peers,
                 self.config.sync.matchmaking_timeout, params_hash=self.state.params_hash, numel=delta.numel(),
+                round_peers=round_peers,
             )
         except MatchmakingError as err:
             log.warning("round for step %d failed: %s; training on", step, err)

@@ -109,3 +109,23 @@ def close_groups(parts: list[list[averaging_pb2.Member]], bandwidth: dict[str, f
         group.step_groups.extend(plan)
         groups.append(group)
     return groups
+
+
+def groups_of_step(group: averaging_pb2.Group) -> dict[str, averaging_pb2.Group]:
+    """Every member's Group message of the step ``group`` belongs to, rebuilt from its step plan
+    (exactly the messages ``close_groups`` made); a single group's members all get ``group``.
+
+    A bucket leader answers its bucket's members with these (buckets.py): the step coordinator
+    sends it only its own group, whose ``step_groups`` list every group of the step."""
+    if not group.step_groups:
+        return {m.peer_id: group for m in group.members}
+    out: dict[str, averaging_pb2.Group] = {}
+    for index, planned in enumerate(group.step_groups):
+        rebuilt = averaging_pb2.Group(step=group.step, codec=group.codec, reduce_timeout_s=group.reduce_timeout_s)
+        rebuilt.group_id, rebuilt.group_index = planned.group_id, index
+        rebuilt.members.extend(planned.members)
+        rebuilt.shard_bounds.extend(group.shard_bounds)
+        rebuilt.shard_owners.extend(planned.shard_owners)
+        rebuilt.step_groups.extend(group.step_groups)
+        out.update((m.peer_id, rebuilt) for m in planned.members)
+    return out

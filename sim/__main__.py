@@ -35,10 +35,10 @@ def config_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heartbeat", type=float, default=defaults.heartbeat)
     parser.add_argument("--matchmaking-timeout", type=float, default=defaults.matchmaking_timeout)
     parser.add_argument("--reduce-timeout", type=float, default=defaults.reduce_timeout)
-    parser.add_argument("--buckets", action="store_true",
-                        help="prototype of the fix: group buckets per step, many leaders (sim/buckets.py)")
+    parser.add_argument("--single-level", action="store_true",
+                        help="what-if: matchmaking without buckets (one leader per step, as before protocol/buckets.py)")
     parser.add_argument("--lag-tolerant", action="store_true",
-                        help="prototype: a peer one step behind averages at its step instead of downloading")
+                        help="what-if (sim/whatif.py): a peer one step behind averages at its step instead of downloading")
     parser.add_argument("--ideal-global", action="store_true",
                         help="what-if: every group of a step ends with the same parameters (item 3), at no cost")
     parser.add_argument("--summary", type=Path, default=DEFAULT_SUMMARY, help="where the summary JSON goes")

@@ -58,8 +58,8 @@ class SimConfig:
     reduce_timeout: float = 60.0  # [sync] reduce_timeout
     quorum: float = 2 / 3
     straggler_wait: float = 2.0
-    buckets: bool = False  # prototype of the fix: group buckets per step (sim/buckets.py)
-    lag_tolerant: bool = False  # prototype: one step behind averages instead of downloading (sim/buckets.py)
+    single_level: bool = False  # what-if: matchmaking without buckets (the protocol before protocol/buckets.py)
+    lag_tolerant: bool = False  # what-if: one step behind averages instead of downloading (sim/whatif.py)
     ideal_global: bool = False  # what-if: every group of a step ends with the same θ (item 3), free
     dim: int = 16  # floats of simulated parameters per peer
     run: str = "sim"

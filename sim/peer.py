@@ -28,10 +28,10 @@ from lowcomm.node.swarm import PeerRecord, SwarmView, peers_key
 from lowcomm.protocol import PROTOCOL_VERSION
 from lowcomm.protocol.crossgroup import StepPlan
 from lowcomm.protocol.handshake import Identity
-from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError
+from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError, RoundPeers
 from lowcomm.protocol.transport import LoopClock
 
-from .buckets import bucketed, lagging
+from .whatif import lagging
 from .links import Link
 from .transport import JOIN, Server
 
@@ -137,7 +137,7 @@ class SimPeer:
         cfg = self.world.config
         view = await self.refresh_view()
         window = self.world.gossip_window if self.gossip is not None else None
-        if cfg.lag_tolerant:  # prototype (sim/buckets.py): one step behind is caught up by averaging
+        if cfg.lag_tolerant:  # what-if (sim/whatif.py): one step behind is caught up by averaging
             window = 1
         plan = decisions.catch_up_target(view, self.position(), gossip_window=window)
         if plan is None:
@@ -219,13 +219,14 @@ class SimPeer:
                 return decisions.expected_peers(unused_view.pop(), self.position())
             return decisions.expected_peers(await self.refresh_view(), self.position())
 
-        if cfg.buckets:  # the prototype of the fix (sim/buckets.py)
-            self.matchmaker.run, expected_peers = bucketed(cfg.run, view, self.position(), cfg.group_size,
-                                                           lambda: self.view)
-
+        # As node/averaging.py: a large step matchmakes in buckets (protocol/buckets.py) on the
+        # round-start view, with the heartbeat's latest view for liveness.
+        round_peers = None if cfg.single_level else RoundPeers(
+            frozenset(decisions.expected_peers(view, self.position())), alive=lambda: self.view.peers)
         try:
             group = await self.matchmaker.form_group(step, self.tokens_since_round, self.link.up, expected_peers,
-                                                     cfg.matchmaking_timeout, params_hash=self.hash, numel=cfg.numel)
+                                                     cfg.matchmaking_timeout, params_hash=self.hash, numel=cfg.numel,
+                                                     round_peers=round_peers)
         except MatchmakingError:
             world.metrics.failed(step, self.peer_id, "matchmaking")
             return

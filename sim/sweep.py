@@ -1,7 +1,8 @@
 """``python -m sim sweep``: the scale sweep of issue 15 item 4 (simulated part).
 
-For every N and every variant (all-reduce with group_size 16 and 64, gossip, and the bucket
-prototype of sim/buckets.py) one run with heterogeneous links (``mixed``), compute-speed spread
+For every N and every variant (all-reduce with group_size 16 and 64 — the current protocol,
+whose large steps matchmake in buckets —, gossip, and labelled what-ifs: one leader per step as
+before protocol/buckets.py, the lag-tolerant ``behind`` of sim/whatif.py) one run with heterogeneous links (``mixed``), compute-speed spread
 and 5 %/hour churn. Each run's round lines go to ``<out>/<variant>-N<n>.jsonl`` and its summary
 is appended to ``<out>/sweep.jsonl``; ``--table`` prints the Markdown table of sim/README.md from
 what ``<out>/sweep.jsonl`` holds.
@@ -21,9 +22,8 @@ VARIANTS: dict[str, dict] = {
     "allreduce-g16": dict(mode="allreduce", group_size=16),
     "allreduce-g64": dict(mode="allreduce", group_size=64),
     "gossip-k2": dict(mode="gossip", gossip_partners=2),
-    "buckets-g16": dict(mode="allreduce", group_size=16, buckets=True),
-    "buckets-g16-ideal": dict(mode="allreduce", group_size=16, buckets=True, ideal_global=True),
-    "buckets-g16-ideal-lag": dict(mode="allreduce", group_size=16, buckets=True, ideal_global=True, lag_tolerant=True),
+    "single-level-g16": dict(mode="allreduce", group_size=16, single_level=True),
+    "allreduce-g16-lag": dict(mode="allreduce", group_size=16, lag_tolerant=True),
 }
 
 

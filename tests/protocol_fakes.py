@@ -86,6 +86,7 @@ class FakeDHT:
         self.loop = loop
         self.data: dict[str, dict[str, tuple[dict, float]]] = {}
         self.reads = 0
+        self.keys_read: list[str] = []
 
     async def store(self, key: str, subkey: str, value: dict, ttl: float) -> bool:
         self.data.setdefault(key, {})[subkey] = (dict(value), self.loop.time() + ttl)
@@ -93,6 +94,7 @@ class FakeDHT:
 
     async def get(self, key: str) -> dict[str, dict]:
         self.reads += 1
+        self.keys_read.append(key)
         now = self.loop.time()
         return {k: dict(v) for k, (v, expires) in self.data.get(key, {}).items() if expires > now}
 
@@ -118,6 +120,7 @@ class FakeNet:
         self.down: set[str] = set()
         self.silent: set[str] = set()
         self.calls: list[tuple[str, str]] = []  # (method, callee address), in call order
+        self.joins: list[tuple[str, averaging_pb2.JoinRequest]] = []  # (callee address, request) of every JoinGroup
 
     async def _unary(self, method: str, address: str, request, timeout: float,
                      handler: Callable[[object], Awaitable[object]] | None):
@@ -140,6 +143,7 @@ class FakeNet:
     async def join(self, address: str, request: averaging_pb2.JoinRequest,
                    timeout: float) -> averaging_pb2.JoinResponse:
         matchmaker = self.matchmakers.get(address)
+        self.joins.append((address, _copy(request)))
         return await self._unary("JoinGroup", address, request, timeout,
                                  matchmaker.handle_join if matchmaker is not None else None)
 

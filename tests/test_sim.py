@@ -12,6 +12,8 @@ import pytest
 
 import lowcomm.node.decisions
 import lowcomm.node.gossip_mode
+import lowcomm.protocol.buckets
+import lowcomm.protocol.election
 import lowcomm.protocol.gossip
 import lowcomm.protocol.layout
 import lowcomm.protocol.matchmaking
@@ -136,7 +138,8 @@ def test_no_protocol_logic_is_copied_into_sim() -> None:
     protected = {"Matchmaker", "DirectPath", "split_into_groups", "shard_layout", "majority_elsewhere", "behind",
                  "outpaced", "expected_peers_of", "catch_up_target", "solo_step_allowed", "direct_round_allowed",
                  "SwarmView", "PeerRecord", "Inbox", "GossipMode", "_candidates", "upload_order", "result_order",
-                 "stage_budget", "result_budget", "bounded_weights", "ShardAccumulator"}
+                 "stage_budget", "result_budget", "bounded_weights", "ShardAccumulator", "Election", "BucketLevel",
+                 "bucket_count", "bucket_label", "groups_of_step", "RoundPeers"}
     defined = {}
     for path in sorted(SIM_DIR.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -164,8 +167,8 @@ def test_a_run_goes_through_the_real_matchmaker_and_decisions(monkeypatch: pytes
 
     monkeypatch.setattr(matchmaker, "form_group", counting("form_group", matchmaker.form_group))
     monkeypatch.setattr(matchmaker, "handle_join", counting("handle_join", matchmaker.handle_join))
-    monkeypatch.setattr(lowcomm.protocol.matchmaking, "split_into_groups",
-                        counting("split", lowcomm.protocol.matchmaking.split_into_groups))
+    monkeypatch.setattr(lowcomm.protocol.election, "split_into_groups",
+                        counting("split", lowcomm.protocol.election.split_into_groups))
     monkeypatch.setattr(lowcomm.node.decisions, "majority_elsewhere",
                         counting("majority", lowcomm.node.decisions.majority_elsewhere))
     monkeypatch.setattr(lowcomm.node.decisions, "catch_up_target",
@@ -202,11 +205,20 @@ def test_gossip_run_mixes_parameters() -> None:
     assert all(line["share_averaged"] > 0.5 for line in lines)
 
 
-def test_bucket_prototype_splits_a_step_into_powers_of_two() -> None:
-    from sim.buckets import bucket_count, bucket_of
+def test_a_large_simulated_step_matchmakes_in_the_real_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 peers, group size 8: B = 8 in the peers' views, so the run goes through the real
+    two-level path (protocol/buckets.py), and each step still commits one average."""
+    counts = {"bucketed": 0, "through_top": 0}
+    matchmaker = lowcomm.protocol.matchmaking.Matchmaker
+    for name, attr in (("bucketed", "_form_bucketed"), ("through_top", "_through_top")):
+        original = getattr(matchmaker, attr)
 
-    assert [bucket_count(n, 16) for n in (1, 31, 32, 63, 64, 1024, 1500)] == [1, 1, 2, 2, 4, 64, 64]
-    peers = [f"p{i}" for i in range(1024)]
-    sizes = [sum(bucket_of(7, p, 64) == b for p in peers) for b in range(64)]
-    assert sum(sizes) == 1024 and min(sizes) >= 5 and max(sizes) <= 32  # about 16 each, re-mixed per step
-    assert [bucket_of(7, p, 64) for p in peers[:20]] != [bucket_of(8, p, 64) for p in peers[:20]]
+        def wrapper(*args, _original=original, _name=name, **kwargs):
+            counts[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(matchmaker, attr, wrapper)
+    lines, summary = simulate(small(peers=64, rounds=2, group_size=8, churn=0.0))
+    assert counts["bucketed"] > 0 and 0 < counts["through_top"] < counts["bucketed"], counts
+    assert max(line["groups"] for line in lines) >= 4
+    assert peer.RoundPeers is lowcomm.protocol.buckets.RoundPeers

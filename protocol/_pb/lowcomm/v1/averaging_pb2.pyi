@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("hello", "step", "address", "weight", "bandwidth_bps", "params_sha256", "wait_s", "direct")
+    __slots__ = ("hello", "step", "address", "weight", "bandwidth_bps", "params_sha256", "wait_s", "direct", "bucket", "closed_bucket", "bucket_members")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,9 @@ class JoinRequest(_message.Message):
     PARAMS_SHA256_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     DIRECT_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     hello: _handshake_pb2.Hello
     step: int
     address: str
@@ -26,7 +29,18 @@ class JoinRequest(_message.Message):
     params_sha256: str
     wait_s: float
     direct: bool
-    def __init__(self, hello: _Optional[_Union[_handshake_pb2.Hello, _Mapping]] = ..., step: _Optional[int] = ..., address: _Optional[str] = ..., weight: _Optional[float] = ..., bandwidth_bps: _Optional[float] = ..., params_sha256: _Optional[str] = ..., wait_s: _Optional[float] = ..., direct: _Optional[bool] = ...) -> None: ...
+    bucket: str
+    closed_bucket: str
+    bucket_members: _containers.RepeatedCompositeFieldContainer[BucketMember]
+    def __init__(self, hello: _Optional[_Union[_handshake_pb2.Hello, _Mapping]] = ..., step: _Optional[int] = ..., address: _Optional[str] = ..., weight: _Optional[float] = ..., bandwidth_bps: _Optional[float] = ..., params_sha256: _Optional[str] = ..., wait_s: _Optional[float] = ..., direct: _Optional[bool] = ..., bucket: _Optional[str] = ..., closed_bucket: _Optional[str] = ..., bucket_members: _Optional[_Iterable[_Union[BucketMember, _Mapping]]] = ...) -> None: ...
+
+class BucketMember(_message.Message):
+    __slots__ = ("member", "bandwidth_bps")
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    member: Member
+    bandwidth_bps: float
+    def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., bandwidth_bps: _Optional[float] = ...) -> None: ...
 
 class Member(_message.Message):
     __slots__ = ("peer_id", "address", "weight")

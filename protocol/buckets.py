@@ -1,0 +1,160 @@
+"""Two-level matchmaking of a large step: buckets, then the step coordinator (issue 15 item 4).
+
+With one leader per (step, params hash), that leader receives the JoinGroup of the whole swarm.
+When the peers a peer expects at step r number n ≥ 2·group_size, it matchmakes in two levels:
+
+1. **Buckets.** B = 2^⌊log₂(n / group_size)⌋ (a power of two, so peers whose views differ a
+   little still agree on B); a peer's bucket is sha256(r, peer id) mod B, re-mixed every step.
+   It registers under ``<round key>/b<B>.<b>`` and the election of election.py runs there: the
+   lowest registrant leads the bucket, about group_size peers call it. What it expects is the
+   bucket's part of the round-start view (``RoundPeers.expected``) that is still in the
+   heartbeat's latest view (``RoundPeers.alive``): no read of the peers table while it waits.
+   It closes when they are all in, after a quorum and the straggler wait, at ``BUCKET_SHARE`` of
+   the timeout, or ``TOP_RESERVE`` of the timeout before its first member gives up.
+2. **The top level.** A bucket leader whose bucket closed registers under the step's round key
+   (the key of a small step, so a peer whose view gave B = 1 meets it there) and runs the same
+   election with its bucket's members attached (``JoinRequest.bucket_members``, one call): the
+   lowest registrant is the step coordinator. It expects the whole round-start view, and a
+   bucket that reported covers its members that did not come. Closing, it splits everybody into
+   groups with one step plan (layout.py: so all groups of the step end with one θ,
+   crossgroup.py) and answers each bucket leader with the leader's group; the bucket leader
+   rebuilds its members' groups from that group's plan (``layout.groups_of_step``) and answers
+   them, before any of them gives up.
+
+A coordinator therefore receives about B − 1 JoinGroup calls and a bucket leader about
+group_size. A peer whose view gave another B lands in a bucket of its own: nobody else comes
+there, and once the top level runs it closes that bucket alone after the lonely-leader grace
+and still reaches the coordinator through the round key. If the top level does not answer in
+time, the bucket's members are refused (their round fails before their deadline, their Δ waits
+for the next round) rather than closing a second plan for the step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Collection
+
+from ._pb.lowcomm.v1 import averaging_pb2
+from .election import REPLY_MARGIN, MatchmakingError, _Round, round_key
+from .layout import groups_of_step
+
+if TYPE_CHECKING:
+    from .matchmaking import Matchmaker
+
+BUCKET_SHARE = 0.5  # a bucket closes at the latest half-way through the matchmaking timeout
+TOP_RESERVE = 0.25  # share of the timeout a bucket keeps before its members give up: the top level and the answers
+
+
+def bucket_count(expected: int, group_size: int) -> int:
+    """B for ``expected`` peers at a step: 1 below two groups' worth, else a power of two."""
+    if group_size < 1 or expected < 2 * group_size:
+        return 1
+    return 2 ** int(math.floor(math.log2(expected / group_size)))
+
+
+def bucket_label(step: int, peer_id: str, buckets: int) -> str:
+    """``b<B>.<b>``: the bucket of ``peer_id`` at ``step`` among ``buckets`` (JoinRequest.bucket)."""
+    index = int.from_bytes(hashlib.sha256(f"{step}/{peer_id}".encode()).digest()[:8], "big") % buckets
+    return f"b{buckets}.{index}"
+
+
+def bucket_key(run: str, step: int, params_hash: str, label: str) -> str:
+    return f"{round_key(run, step, params_hash)}/{label}"
+
+
+@dataclass(frozen=True)
+class RoundPeers:
+    """What a step's matchmaking knows of the swarm without reading the peers table again:
+    ``expected``, the peers expected at the step in the view read at round start (this peer
+    included), and ``alive()``, the peer ids of the heartbeat's latest view (no DHT call)."""
+
+    expected: frozenset[str]
+    alive: Callable[[], Collection[str]]
+
+    def live(self, ids: Collection[str], me: str) -> set[str]:
+        alive = self.alive()
+        return {p for p in ids if p == me or p in alive}
+
+
+class BucketLevel:
+    """The Matchmaker's two-level path (mixed into Matchmaker; it uses election.py's methods)."""
+
+    async def _form_bucketed(self: "Matchmaker", current: _Round, me: averaging_pb2.Member,
+                             request: averaging_pb2.JoinRequest, registration: dict, ttl: float,
+                             peers: RoundPeers, buckets: int, deadline: float, timeout: float) -> averaging_pb2.Group:
+        step, margin = current.step, min(REPLY_MARGIN, timeout / 10)
+        labels = {p: bucket_label(step, p, buckets) for p in peers.expected | {self.peer_id}}
+        current.bucket = request.bucket = labels[self.peer_id]
+        current.key = bucket_key(self.run, step, current.params_hash, current.bucket)
+        current.reserve = TOP_RESERVE * timeout
+        members = {p for p, label in labels.items() if label == current.bucket}
+        top_key = round_key(self.run, step, current.params_hash)
+
+        unreachable: set[str] = set()  # a registrant of our bucket we could not reach is not waited for
+
+        async def bucket_peers() -> set[str]:
+            return peers.live(members, self.peer_id) - unreachable
+
+        async def all_peers() -> set[str]:
+            return peers.live(peers.expected, self.peer_id)
+
+        async def top_is_running() -> bool:
+            # Nobody came to our bucket (our view's B may differ from the others'): go up alone
+            # once somebody coordinates the step, rather than wait for a bucket nobody uses.
+            return any(pid != self.peer_id for pid in await self.dht.get(top_key))
+
+        async def to_top(bucket: _Round) -> averaging_pb2.Group:
+            return await self._through_top(bucket, me, request, registration, ttl, all_peers, labels,
+                                           deadline - margin, deadline)
+
+        current.lonely_close = top_is_running
+        await self.dht.store(current.key, self.peer_id, registration, ttl=ttl)
+        close_by = min(self.clock.monotonic() + BUCKET_SHARE * timeout, deadline - margin)
+        return await self._elect(current, request, bucket_peers, close_by, deadline, unreachable, to_top)
+
+    async def _through_top(self: "Matchmaker", bucket: _Round, me: averaging_pb2.Member,
+                           request: averaging_pb2.JoinRequest, registration: dict, ttl: float,
+                           all_peers: Callable, labels: dict[str, str], close_by: float,
+                           deadline: float) -> averaging_pb2.Group:
+        """Our bucket closed with us as its leader: bring it to the step coordinator (or be it),
+        then answer the bucket's members with their groups of the one step plan."""
+        bucket.role = "closed"
+        waiting = {p: f for p, f in bucket.followers.items() if not f.reply.done()}
+        carried = [averaging_pb2.BucketMember(member=self._member(f.request, p), bandwidth_bps=f.request.bandwidth_bps)
+                   for p, f in waiting.items()]
+        # Everybody of the bucket must have its answer before it gives up.
+        answer_by = min([close_by, *(t - REPLY_MARGIN for f in waiting.values() if (t := f.gives_up_at) is not None)])
+        top = _Round(bucket.step, bucket.params_hash, bucket.numel, key=round_key(self.run, bucket.step, bucket.params_hash),
+                     carried=carried, own_bucket=bucket.bucket, labels=labels, one_plan=True)
+        self._open.append(top)
+        self._round = top  # JoinGroup calls for the closed bucket are refused from now on
+        up = averaging_pb2.JoinRequest()
+        up.CopyFrom(request)
+        up.bucket, up.closed_bucket = "", bucket.bucket
+        up.bucket_members.extend(carried)
+
+        async def close(level: _Round) -> averaging_pb2.Group:
+            return self._close(level, me, request.bandwidth_bps)
+
+        stop = asyncio.timeout(max(0.0, min(answer_by + REPLY_MARGIN / 4, deadline) - self.clock.monotonic()))
+        group: averaging_pb2.Group | None = None
+        try:
+            async with stop:
+                await self.dht.store(top.key, self.peer_id, registration, ttl=ttl)
+                group = await self._elect(top, up, all_peers, answer_by, answer_by, set(), close)
+        except TimeoutError:
+            if not stop.expired():
+                raise
+        finally:
+            self._release(top)
+        if group is None:
+            raise MatchmakingError(f"the step coordinator of step {bucket.step} did not answer in time "
+                                   f"(this peer led bucket {bucket.bucket} of {len(waiting) + 1})")
+        answers = groups_of_step(group)
+        for peer, follower in waiting.items():
+            if not follower.reply.done():
+                follower.reply.set_result(answers.get(peer))  # None: left out (refused, fails its round)
+        return group

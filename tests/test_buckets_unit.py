@@ -1,0 +1,162 @@
+"""Two-level matchmaking of a large step (protocol/buckets.py) without sockets: buckets, the step
+coordinator and one step plan, over the fakes of tests/protocol_fakes.py on virtual time."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+import pytest
+
+from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
+from lowcomm.protocol.buckets import BUCKET_SHARE, RoundPeers, bucket_count, bucket_key, bucket_label
+from lowcomm.protocol.layout import close_groups, groups_of_step, split_into_groups
+from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError, round_key
+
+from .protocol_fakes import FakeDHT, FakeNet, VirtualTimeLoop, run_virtual
+from .test_matchmaking_unit import NUMEL, expecting, make_peer
+
+GROUP = 4
+TIMEOUT = 20.0
+
+
+def swarm(net: FakeNet, dht: FakeDHT, loop: VirtualTimeLoop, count: int) -> list[Matchmaker]:
+    return [make_peer(net, dht, loop, f"peer-{i:02d}", group_size=GROUP) for i in range(count)]
+
+
+def knowing(ids: set[str]) -> RoundPeers:
+    """The round-start view expects ``ids``, and all of them stay alive."""
+    return RoundPeers(frozenset(ids), alive=lambda: ids)
+
+
+async def form(m: Matchmaker, step: int, view: set[str], timeout: float = TIMEOUT):
+    """form_group as the node calls it; the DHT-reading callback is never used on the bucket path."""
+    async def must_not_read() -> set[str]:
+        raise AssertionError("a bucketed round re-read the swarm view")
+
+    expected = must_not_read if bucket_count(len(view), m.group_size) > 1 else expecting(view)
+    try:
+        group = await m.form_group(step, 1.0, 1e6, expected, timeout, params_hash="ab" * 32, round_peers=knowing(view))
+    except MatchmakingError as err:
+        return err, m.clock.monotonic()
+    return group, m.clock.monotonic()
+
+
+def plans(outcomes) -> Counter:
+    """How many peers got each step plan (the tuple of its group ids)."""
+    return Counter(tuple(sg.group_id for sg in g.step_groups) or (g.group_id,)
+                   for g, _ in outcomes if isinstance(g, averaging_pb2.Group))
+
+
+def test_the_bucket_count_is_one_below_two_groups_and_a_power_of_two_above():
+    assert [bucket_count(n, 16) for n in (1, 31, 32, 63, 64, 100, 1024)] == [1, 1, 2, 2, 4, 4, 64]
+    labels = {bucket_label(3, f"p{i}", 4) for i in range(64)}
+    assert labels == {"b4.0", "b4.1", "b4.2", "b4.3"}
+    assert [bucket_label(s, "p1", 4) for s in range(8)] != [bucket_label(0, "p1", 4)] * 8  # re-mixed every step
+
+
+def test_a_bucket_leader_rebuilds_exactly_the_groups_the_coordinator_made():
+    members = [averaging_pb2.Member(peer_id=f"p{i}", address=f"a{i}", weight=1.0 + i) for i in range(11)]
+    template = averaging_pb2.Group(step=4, codec=1, reduce_timeout_s=5.0)
+    made = close_groups(split_into_groups(members, 4, 4), {m.peer_id: 1e6 for m in members}, NUMEL, template,
+                        random.Random(0).randbytes)
+    for group in made:
+        rebuilt = groups_of_step(group)
+        for other in made:
+            for m in other.members:
+                assert rebuilt[m.peer_id].SerializeToString() == other.SerializeToString()
+
+
+def test_a_large_step_forms_one_step_plan_and_nobody_receives_every_join():
+    async def scenario(loop: VirtualTimeLoop):
+        net, dht = FakeNet(), FakeDHT(loop)
+        group = swarm(net, dht, loop, 32)  # n = 32, group size 4: B = 8 buckets
+        view = {m.peer_id for m in group}
+        return await asyncio.gather(*(form(m, 7, view) for m in group)), net.joins, dht.keys_read
+
+    outcomes, joins, keys = run_virtual(scenario)
+    groups = [g for g, _ in outcomes]
+    assert all(isinstance(g, averaging_pb2.Group) for g in groups)
+    assert len(plans(outcomes)) == 1 and len(groups[0].step_groups) == 8  # one plan: one θ for the whole step
+    placed = Counter(m.peer_id for sg in groups[0].step_groups for m in sg.members)
+    assert set(placed) == {f"peer-{i:02d}" for i in range(32)} and set(placed.values()) == {1}
+    for peer, g in zip(range(32), groups):  # each got its own group of that plan
+        assert f"peer-{peer:02d}" in [m.peer_id for m in g.members]
+    per_callee = Counter(address for address, _ in joins)
+    bucket_calls = Counter(address for address, request in joins if request.closed_bucket)
+    assert max(bucket_calls.values()) <= 8 - 1  # the coordinator: one call per other bucket
+    assert max(per_callee.values()) <= GROUP + 8  # nobody receives the swarm's 31 joins
+    # Each bucket's peers read their bucket's registrations, the leaders the step's top key: no
+    # key holds every registrant, and none of them is read by everybody at every poll.
+    assert not any(key.endswith("/peers") for key in keys)
+    assert Counter(keys)[round_key("unit", 7, "ab" * 32)] < 32
+    assert max(t for _, t in outcomes) < TIMEOUT
+
+
+def test_a_small_step_with_round_peers_is_the_single_level_path_unchanged():
+    async def scenario(loop: VirtualTimeLoop, with_view: bool):
+        net, dht = FakeNet(), FakeDHT(loop)
+        group = swarm(net, dht, loop, 7)  # 7 < 2 x 4: B = 1
+        view = {m.peer_id for m in group}
+        made = await asyncio.gather(*(
+            m.form_group(2, 1.0, 1e6, expecting(view), TIMEOUT, params_hash="ab" * 32,
+                         round_peers=knowing(view) if with_view else None) for m in group))
+        return [g.SerializeToString() for g in made], net.calls, dht.keys_read
+
+    assert run_virtual(lambda loop: scenario(loop, True)) == run_virtual(lambda loop: scenario(loop, False))
+
+
+@pytest.mark.parametrize("fault", ["down", "silent"])
+def test_a_dead_bucket_leader_costs_its_bucket_one_round_not_a_hang(fault):
+    """A registered bucket leader that refuses connections (down) is skipped by its bucket; one
+    that takes calls and never answers (silent) costs its bucket the round, before its deadline,
+    while the rest of the step still forms one plan."""
+    async def scenario(loop: VirtualTimeLoop):
+        net, dht = FakeNet(), FakeDHT(loop)
+        group = swarm(net, dht, loop, 32)
+        view = {m.peer_id for m in group} | {"peer-!!"}  # "!" sorts first: the lowest of its bucket
+        label = bucket_label(7, "peer-!!", 8)
+        await dht.store(bucket_key("unit", 7, "ab" * 32, label), "peer-!!", {"address": "fake://dead"}, ttl=60)
+        (net.down if fault == "down" else net.silent).add("fake://dead")
+        net.matchmakers["fake://dead"] = group[0]  # reached only when silent, never answered
+        its_bucket = {m.peer_id for m in group if bucket_label(7, m.peer_id, 8) == label}
+        return await asyncio.gather(*(form(m, 7, view) for m in group)), its_bucket
+
+    outcomes, its_bucket = run_virtual(scenario)
+    assert its_bucket  # the scenario has members in the dead leader's bucket
+    assert all(t <= TIMEOUT + 1e-6 for _, t in outcomes)  # nobody waits past its own deadline
+    plan, placed = plans(outcomes).most_common(1)[0]
+    others = [g for (g, _), i in zip(outcomes, range(32)) if f"peer-{i:02d}" not in its_bucket]
+    assert all(isinstance(g, averaging_pb2.Group) and len(g.members) > 1 for g in others)
+    assert placed >= 32 - len(its_bucket) and len(plans(outcomes)) == 1 + sum(  # solo groups count as plans
+        isinstance(g, averaging_pb2.Group) and len(g.members) == 1 for g, _ in outcomes)
+    mine = [g for (g, _), i in zip(outcomes, range(32)) if f"peer-{i:02d}" in its_bucket]
+    if fault == "down":  # the next lowest of the bucket leads it: nothing lost
+        assert all(isinstance(g, averaging_pb2.Group) and len(g.members) > 1 for g in mine)
+    else:  # the bucket's calls hang until their deadline: refused or alone, never later
+        assert all(isinstance(g, MatchmakingError) or len(g.members) == 1 for g in mine)
+
+
+def test_peers_whose_views_give_another_bucket_count_still_meet_the_coordinator():
+    """Near a power of two, views differ: a peer that sees too few peers matchmakes on the single
+    level (the step's top key directly), one that sees too many lands in a bucket of its own;
+    both end up in the one plan of the step."""
+    async def scenario(loop: VirtualTimeLoop):
+        net, dht = FakeNet(), FakeDHT(loop)
+        group = swarm(net, dht, loop, 16)  # B = 4 for most
+        few = make_peer(net, dht, loop, "peer-98", group_size=GROUP)  # sees 5 peers: B = 1
+        many = make_peer(net, dht, loop, "peer-99", group_size=GROUP)  # sees 16 ghosts too: B = 8
+        view = {m.peer_id for m in group} | {"peer-98", "peer-99"}
+        ghosts = {f"ghost-{i}" for i in range(16)}
+        return await asyncio.gather(*(form(m, 3, view) for m in group),
+                                    form(few, 3, {"peer-98", "peer-00", "peer-01", "peer-02", "peer-03"}),
+                                    form(many, 3, view | ghosts))
+
+    outcomes = run_virtual(scenario)
+    assert bucket_count(5, GROUP) == 1 and bucket_count(34, GROUP) == 8 and bucket_count(18, GROUP) == 4
+    assert all(isinstance(g, averaging_pb2.Group) for g, _ in outcomes)
+    assert len(plans(outcomes)) == 1  # one plan with everybody, both odd views included
+    placed = {m.peer_id for sg in outcomes[0][0].step_groups for m in sg.members}
+    assert {"peer-98", "peer-99"} <= placed and len(placed) == 18
+    assert max(t for _, t in outcomes) < BUCKET_SHARE * TIMEOUT + TIMEOUT / 2
