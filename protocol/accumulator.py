@@ -18,6 +18,7 @@ from . import codecs
 from ._pb.lowcomm.v1 import averaging_pb2
 from .aggregation import Aggregated, Aggregation, aggregate
 from .schedule import result_order
+from .sender import chunks
 from .transport import Clock, LoopClock
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class ShardAccumulator:
     # None: the average is this group's, encoded here. Set in a split step: the group's partial
     # average goes to the shard's team instead and the team's encoded average is published.
     publish: Publish | None = None
+    _result_chunks: list[bytes] | None = None
 
     def __post_init__(self) -> None:
         self.contributions.setdefault(self.owner_id, self.own)
@@ -189,6 +191,12 @@ class ShardAccumulator:
                 if self.result is None:
                     log.warning("shard %d: %s; every member skips it this round", self.shard_index, self.failure)
         return self.result
+
+    def result_chunks(self) -> list[bytes]:
+        """The encoded average cut into stream messages, once (every sender gets the same)."""
+        if self._result_chunks is None:
+            self._result_chunks = chunks(self.result_payload)
+        return self._result_chunks
 
     async def wait_turn(self, sender: str, budget: float) -> None:
         """Staggered results: return once the sender before ``sender`` has its average, or after

@@ -193,18 +193,40 @@ def trimmed_mean(contributions: Sequence[Contribution], trim_fraction: float) ->
     return out
 
 
+MEAN_BLOCK = 1 << 15  # values per block of _scaled_mean: its float64 buffers stay in the L2 cache
+
+
 def _scaled_mean(terms: Sequence[tuple[float, float, torch.Tensor]]) -> torch.Tensor:
-    """Σ w_i s_i x_i / Σ w_i over (w_i, s_i, x_i)."""
+    """Σ w_i s_i x_i / Σ w_i over (w_i, s_i, x_i).
+
+    Block by block (the float64 sums of a block stay in cache instead of a full-size float64
+    tensor being read and written once per term; ~3x less CPU), with the same operations in
+    the same order per value as one pass over whole tensors: start from +0, add each term
+    (x_i converted to float64 exactly, times w_i s_i unless that is 1, which changes no bit),
+    divide once, round to float32 once."""
     if not terms:
         raise ValueError("mean of nothing")
-    total = torch.zeros(terms[0][2].numel(), dtype=torch.float64)
+    numel = terms[0][2].numel()
     weight_sum = 0.0
-    for weight, scale, x in terms:
-        # A multiply, then an add: ``add_(x, alpha=)`` is one fused multiply-add in the vectorised
-        # kernels and two roundings in the generic one (see protocol/outer.py).
-        total.add_(x.to(torch.float64, copy=True).mul_(weight * scale))
+    for weight, _, _ in terms:
         weight_sum += weight
-    return total.div_(weight_sum).to(torch.float32)
+    factors = [weight * scale for weight, scale, _ in terms]
+    flat = [x.reshape(-1) for _, _, x in terms]
+    out = torch.empty(numel, dtype=torch.float32)
+    total = torch.empty(min(numel, MEAN_BLOCK), dtype=torch.float64)
+    scratch = torch.empty_like(total)
+    for start in range(0, numel, MEAN_BLOCK):
+        end = min(numel, start + MEAN_BLOCK)
+        block, term = total[:end - start].zero_(), scratch[:end - start]
+        for factor, x in zip(factors, flat):
+            if factor == 1.0:
+                block.add_(x[start:end])  # float32 into float64: converted exactly, then one add
+            else:
+                # A multiply, then an add: ``add_(x, alpha=)`` is one fused multiply-add in the
+                # vectorised kernels and two roundings in the generic one (see protocol/outer.py).
+                block.add_(term.copy_(x[start:end]).mul_(factor))
+        out[start:end] = block.div_(weight_sum)
+    return out
 
 
 def aggregate(contributions: Sequence[Contribution], settings: Aggregation = Aggregation()) -> Aggregated:
@@ -217,7 +239,9 @@ def aggregate(contributions: Sequence[Contribution], settings: Aggregation = Agg
     kept, rejected = _checked(contributions)
     if not kept:
         return Aggregated(None, [], rejected)
-    norms = {s: contribution_norm(x) for s, _, x in kept}
+    # Norms only where a rule reads them: a float64 pass per contribution otherwise wasted.
+    needs_norms = settings.norm_bound_factor is not None or settings.rule == "clipped_mean"
+    norms = {s: contribution_norm(x) for s, _, x in kept} if needs_norms else None
     kept, bounded = apply_norm_bound(kept, settings.norm_bound_factor, norms)
     rejected += bounded
     if settings.rule == "clipped_mean":

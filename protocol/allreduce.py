@@ -56,9 +56,9 @@ from .aggregation import Aggregation
 from .crossgroup import TeamBook, stretch
 from .member import EXCHANGE_END, EXCHANGE_MIN_SECONDS, RESULT_MARGIN, AllReduceResult, run_allreduce, shard_slices
 from .schedule import result_budget
-from .sender import CHUNK_BYTES, chunks
+from .sender import CHUNK_BYTES, Inbox
 from .transport import Clock, Code, LoopClock, Refused
-from .validate import ContributionRejected, check_contribution
+from .validate import ContributionRejected
 
 __all__ = ["AllReduceResult", "CHUNK_BYTES", "EXCHANGE_END", "EXCHANGE_MIN_SECONDS", "MAX_WEIGHT_RATIO", "RESULT_MARGIN",
            "ReduceRegistry", "ShardAccumulator", "bounded_weights", "run_allreduce", "shard_slices"]
@@ -165,7 +165,7 @@ class ReduceRegistry:
             yield averaging_pb2.ReduceMessage(result=averaging_pb2.ReduceResult(
                 codec=acc.codec.id, numel=acc.numel, payload_bytes=len(acc.result_payload),
                 contributors=acc.contributors))
-            for chunk in chunks(acc.result_payload):
+            for chunk in acc.result_chunks():  # cut once per shard, not once per sender
                 acc.bytes_out += len(chunk)
                 yield averaging_pb2.ReduceMessage(chunk=chunk)
         finally:
@@ -175,32 +175,32 @@ class ReduceRegistry:
                        requests: AsyncIterator[averaging_pb2.ReduceMessage],
                        context: object = None) -> torch.Tensor:
         """The declared payload, decoded and checked (length, codec, finite values), or Refused."""
-        payload = bytearray(header.payload_bytes)  # bounded: equals the codec's size for this shard
-        filled = 0
+        payload = Inbox(header.payload_bytes)  # bounded: equals the codec's size for this shard
         # A sender that declared its size and then stalls must not hold this buffer (nor the
         # stream) past the round: the same margin as for the owner's average below.
         limit = acc.group.reduce_timeout_s * 1.5
         try:
             async with asyncio.timeout(limit):
                 async for message in requests:
-                    if not message.HasField("chunk") or filled + len(message.chunk) > len(payload):
+                    if not message.HasField("chunk") or not payload.add(message.chunk):
+                        payload.release()
                         self.on_reject("length", sender, "unexpected message or more bytes than declared")
                         raise Refused(Code.INVALID_ARGUMENT, "unexpected message or more bytes than declared")
-                    payload[filled:filled + len(message.chunk)] = message.chunk
-                    filled += len(message.chunk)
         except TimeoutError:
-            payload = bytearray()  # released now: the refusal's exception chain keeps this frame alive
+            filled = payload.filled
+            payload.release()  # released now: the refusal's exception chain keeps this frame alive
             raise Refused(Code.DEADLINE_EXCEEDED,
                           f"{filled} of {header.payload_bytes} declared bytes arrived within {limit:.1f}s") from None
-        if filled != len(payload):
-            self.on_reject("length", sender, f"{filled} of {len(payload)} declared bytes arrived")
-            raise Refused(Code.INVALID_ARGUMENT, f"{filled} of {len(payload)} declared bytes arrived")
-        acc.bytes_in += filled
+        if not payload.complete:
+            filled = payload.filled
+            payload.release()
+            self.on_reject("length", sender, f"{filled} of {header.payload_bytes} declared bytes arrived")
+            raise Refused(Code.INVALID_ARGUMENT, f"{filled} of {header.payload_bytes} declared bytes arrived")
+        acc.bytes_in += payload.filled
 
         loop = asyncio.get_running_loop()
-        try:
-            decoded = await loop.run_in_executor(self.executor, acc.codec.decode, payload, acc.numel)
-            check_contribution(decoded)
+        try:  # decoded in place and checked for finite values off the event loop
+            decoded = await loop.run_in_executor(self.executor, payload.decode, acc.codec, acc.numel)
         except codecs.CodecError as err:
             self.on_reject("codec", sender, str(err))
             raise Refused(Code.INVALID_ARGUMENT, f"undecodable payload: {err}") from None

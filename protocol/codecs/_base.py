@@ -215,6 +215,11 @@ class Codec(abc.ABC):
     def decode(self, payload: Payload, numel: int) -> torch.Tensor:
         """A new 1-D float32 tensor of ``numel`` values; CodecError for a payload that does not fit."""
 
+    def decode_owned(self, payload: bytearray | memoryview, numel: int) -> torch.Tensor:
+        """``decode`` for a writable payload the caller hands over: the result may share its
+        memory (fp32 then decodes without a copy), so the caller must not reuse the buffer."""
+        return self.decode(payload, numel)
+
     @abc.abstractmethod
     def encoded_size(self, numel: int) -> int:
         """The exact byte length ``encode`` produces for ``numel`` values."""

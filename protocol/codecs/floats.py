@@ -40,6 +40,13 @@ class Fp32Codec(Codec):
         out.numpy()[...] = _read(mv, "<f4", numel, 0)
         return out
 
+    def decode_owned(self, payload: bytearray | memoryview, numel: int) -> torch.Tensor:
+        numel = _check_numel(numel)
+        mv = _payload_bytes(payload, self.encoded_size(numel), self.name)
+        if not _LITTLE_ENDIAN or mv.readonly or numel == 0:  # pragma: no cover - big-endian hosts
+            return self.decode(mv, numel)
+        return torch.frombuffer(mv, dtype=torch.float32, count=numel)  # the payload's memory is the tensor
+
     def encoded_size(self, numel: int) -> int:
         return 4 * _check_numel(numel)
 
