@@ -5,7 +5,10 @@ Before its first phase and between rounds a node checks the swarm view (node/dec
 majority at ours, it downloads the swarm's state from donors at that step and hash
 (protocol/state.py). Its own local progress since θ_global is not lost: it goes into the
 residual, to be sent with its next contribution. In gossip mode a swarm a few steps ahead is
-caught up with by mixing instead (``GOSSIP_STEP_WINDOW``).
+caught up with by mixing instead (``GOSSIP_STEP_WINDOW``). In runs that sync the inner
+optimizer's state (``[sync] state_sync``) the snapshot carries that state too, and the node
+loads it into its optimizer: it then holds its donor's optimizer state bit for bit, whose synced
+states are the group's averages (node/optimizers.py says why all of it).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import grpc
 from lowcomm.protocol._pb.lowcomm.v1 import state_pb2, state_pb2_grpc
 from lowcomm.protocol.handshake import Identity, IncompatiblePeer
 from lowcomm.protocol.rpc import ChannelPool
-from lowcomm.protocol.state import Donor, StateDonor, StateError, download_state
+from lowcomm.protocol.state import Donor, Snapshot, StateDonor, StateError, download_state
 
 from . import decisions
 from .averaging import Averager
@@ -29,6 +32,7 @@ from .errors import FatalError
 from .globalstate import GlobalState
 from .gossip_mode import STEP_WINDOW as GOSSIP_STEP_WINDOW
 from .metrics import NodeMetrics
+from .optimizers import OptimizerOwning, capture_states, install_states, served_state_names
 from .ports import SwarmPort, TrainerPort
 from .runstats import RunStats
 from .swarm import SwarmView
@@ -104,7 +108,8 @@ class CatchUp:
         try:
             got = await download_state(donors, step, digest, self.identity, self.channels,
                                        timeout=max(60.0, self.config.sync.reduce_timeout),
-                                       expected_numel=self.trainer.numel)  # the run config's size, not a donor's
+                                       expected_numel=self.trainer.numel,  # the run config's size, not a donor's
+                                       expected_states=served_state_names(self.config))
         except StateError as err:
             log.warning("state download of step %d failed: %s; training on from step %d", step, err, self.state.step)
             return
@@ -122,16 +127,30 @@ class CatchUp:
                 state.residual.copy_(last[1])
             state.residual.add_(state.params - self.trainer.get_params())
             averager.last_contribution = None
-            state.adopt(got.step, got.params, got.momentum)
+            loaded = None
+            if got.optimizer is not None and isinstance(self.trainer, OptimizerOwning):
+                install_states(self.trainer.optimizer, self.trainer.params, got.optimizer)
+                # What the optimizer holds now (read back), served to the next joiner as we got it.
+                loaded = capture_states(self.trainer.optimizer, self.trainer.params, got.optimizer.names)
+            state.adopt(got.step, got.params, got.momentum, loaded)
             self.trainer.set_params(state.params)
 
+        def snapshot_and_hashes() -> tuple[Snapshot, dict[str, str]]:
+            loaded = state.optimizer_states if got.optimizer is not None else None
+            return state.snapshot(), loaded.hashes() if loaded is not None else {}
+
         await self.train_thread.run(adopt)
-        self.donor.publish(await asyncio.get_running_loop().run_in_executor(self.codec_executor, state.snapshot))
+        snapshot, state_hashes = await asyncio.get_running_loop().run_in_executor(self.codec_executor,
+                                                                                 snapshot_and_hashes)
+        self.donor.publish(snapshot)
         self.must_download = False
         self.metrics.state_downloads.inc()
         self.metrics.state_download_bytes.inc(got.bytes_downloaded)
         self.metrics.outer_step.set(state.step)
-        log.info("caught up: downloaded step %d (%d bytes from %d donor(s) in %.1fs)", got.step, got.bytes_downloaded,
+        log.info("caught up: downloaded step %d (%d bytes from %d donor(s) in %.1fs)%s", got.step, got.bytes_downloaded,
                  got.donors_used, time.monotonic() - started,
-                 extra={"event": "state_downloaded", "outer_step": got.step, "params_sha256": state.params_hash})
+                 f", with the inner optimizer's {', '.join(state_hashes)}" if state_hashes else "",
+                 extra={"event": "state_downloaded", "outer_step": got.step, "params_sha256": state.params_hash,
+                        "bytes_downloaded": got.bytes_downloaded, "state_sha256": state_hashes,
+                        "optimizer_step": got.optimizer.step if got.optimizer is not None else None})
         await self.swarm.publish_record()

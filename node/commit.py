@@ -6,6 +6,10 @@ commits (new step and hash, served to joiners, published in the DHT); the round 
 (node/driver.py) runs it shielded, because θ_global changed without its commit would be saved
 with the old step and hash. ``finish`` then counts the round and hands its eval and checkpoint
 to the report thread (node/reports.py), so that training goes on meanwhile.
+
+In runs that sync the inner optimizer's state the snapshot of a step carries that state as it is
+after the step's state round (node/state_sync.py), which runs between the two: ``finish`` takes
+it, with the state-sync residuals the checkpoint needs, and only then serves the snapshot.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ from typing import Any, Callable
 import torch
 
 from lowcomm.protocol import codecs
-from lowcomm.protocol.state import Snapshot, StateDonor, params_sha256
+from lowcomm.protocol.state import OptimizerStates, Snapshot, StateDonor, params_sha256
 
 from .averaging import RoundOutcome, RoundReport
-from .globalstate import GlobalState
+from .globalstate import GlobalState, freeze
 from .metrics import NodeMetrics
+from .optimizers import capture_served
 from .ports import SwarmPort, TrainerPort
 from .reports import Report, ReportQueue, cpu_copy
 from .runstats import RunStats
@@ -84,27 +89,52 @@ class Committer:
             frozen = self.state.frozen_checkpoint()
             digest = params_sha256(frozen["params"])
             frozen.update(step=step, params_sha256=digest)
+            if self.state.optimizer_states is not None:
+                return frozen, None  # served by ``finish``, once the state round is done
             return frozen, Snapshot.build(step, frozen["params"], frozen["momentum"], params_hash=digest)
 
         frozen, snapshot = await asyncio.get_running_loop().run_in_executor(self.codec_executor, freeze)
         self.state.commit(frozen["params_sha256"])
-        self.donor.publish(snapshot)
+        if snapshot is not None:
+            self.donor.publish(snapshot)
         self.stats.phase = "training"
         await self.swarm.publish_record()
         return frozen
+
+    async def serve_with_optimizer_states(self, frozen: dict, optimizer_states: OptimizerStates) -> None:
+        """State sync: serve the committed step with the optimizer state taken after its state
+        round, and checkpoint the state-sync residuals as that round left them (``frozen`` was
+        taken at the commit, before it)."""
+        def build() -> Snapshot:
+            self.state.optimizer_states = optimizer_states
+            frozen.update(freeze(self.state.state_residuals_checkpoint()))
+            return Snapshot.build(frozen["step"], frozen["params"], frozen["momentum"],
+                                  params_hash=frozen["params_sha256"], optimizer=optimizer_states)
+
+        self.donor.publish(await asyncio.get_running_loop().run_in_executor(self.codec_executor, build))
 
     async def finish(self, report: RoundReport, fragment: slice, frozen: dict, reset_local: bool) -> None:
         """After ``commit_global``: count the round, then evaluate, checkpoint and report it in
         the report thread (training goes on meanwhile). Blocking rounds restart the local model
         of the fragment from θ_global first; overlapped rounds shift it instead (node/overlap.py)."""
-        if reset_local:
-            def reset_and_freeze() -> dict:
-                self.trainer.set_params_slice(fragment, self.state.params[fragment])
-                return self.frozen_trainer_state()
+        serves = self.state.optimizer_states
+        names = serves.names if serves is not None else ()
 
-            trainer_state = await self.train_thread.run(reset_and_freeze)
+        def freeze_trainer() -> tuple[dict, OptimizerStates | None]:
+            # The optimizer state served to joiners is taken with the checkpoint's, at the same
+            # point: after the round (and its state round), before the next inner step.
+            return self.frozen_trainer_state(), capture_served(self.trainer, names)
+
+        if reset_local:
+            def reset_and_freeze() -> tuple[dict, OptimizerStates | None]:
+                self.trainer.set_params_slice(fragment, self.state.params[fragment])
+                return freeze_trainer()
+
+            trainer_state, optimizer_states = await self.train_thread.run(reset_and_freeze)
         else:
-            trainer_state = await self.train_thread.run_soon(self.frozen_trainer_state)
+            trainer_state, optimizer_states = await self.train_thread.run_soon(freeze_trainer)
+        if optimizer_states is not None:
+            await self.serve_with_optimizer_states(frozen, optimizer_states)
         stats = self.stats
         stats.rounds_completed += 1
         m = self.metrics

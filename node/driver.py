@@ -100,7 +100,8 @@ class RoundDriver:
             self.state_sync = StateSync(config.sync.state_sync, averager.peer_id, trainer.numel, trainer,
                                         registry=averager.registry, channels=averager.channels,
                                         executor=codec_executor, in_train_thread=train_thread.run,
-                                        codec=config.sync.state_codec, quorum=config.sync.quorum)
+                                        codec=config.sync.state_codec, quorum=config.sync.quorum,
+                                        residuals=state.state_residuals, owner_residuals=state.state_owner_residuals)
         self.overlap = None
         if config.sync.overlap != "none":
             from .overlap import OverlappedLoop  # it uses this class's public methods

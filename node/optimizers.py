@@ -16,11 +16,16 @@ tracks this peer's own recent gradients.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol, runtime_checkable
 
 import torch
 
+from lowcomm.protocol.snapshot import OptimizerStates
+
 from .config import STATE_NAMES  # the states [sync] state_sync may name, per [train] optimizer
+
+if TYPE_CHECKING:
+    from .config import Config
 
 # States that must stay non-negative after a lossy average (a square's running mean).
 NON_NEGATIVE = frozenset({"exp_avg_sq"})
@@ -73,3 +78,82 @@ class MTDAO(torch.optim.Optimizer):
                     p.mul_(1 - lr * wd)
                 p.addcdiv_(direction, denom, value=-lr)
         return loss
+
+
+# -- the inner optimizer's state as a joiner receives it (protocol/snapshot.py) ----------------------
+#
+# In runs that sync optimizer state, a donor serves its inner optimizer's whole state with every
+# snapshot, taken at the round boundary (after the round's state sync): the synced states are then
+# the group's bit-identical averages, the others this donor's own. All of it, not only the synced
+# states: Adam's moments only make sense together and with their step count. A swarm first moment
+# under a fresh (zero) second moment would step several times too far until the second moment
+# fills up, and a step count of zero would divide the served moments by their early-step bias
+# corrections (10× for β = 0.9).
+
+
+@runtime_checkable
+class OptimizerOwning(Protocol):
+    """A trainer whose inner optimizer lowcomm may read and replace (the daemon's ``Trainer``)."""
+
+    optimizer: torch.optim.Optimizer
+    params: list[torch.Tensor]
+
+
+def served_state_names(config: "Config") -> tuple[str, ...]:
+    """The optimizer states a run's snapshots carry: all of its optimizer's when it syncs
+    optimizer state (``[sync] state_sync``), none otherwise (format 1, as before)."""
+    return STATE_NAMES[config.train.optimizer] if config.sync.state_sync else ()
+
+
+def capture_served(trainer: object, names: tuple[str, ...]) -> OptimizerStates | None:
+    """Training thread: ``capture_states`` of ``trainer``'s optimizer, or None when the run serves
+    no optimizer state (or the trainer is not lowcomm's: the round driver refuses state sync then)."""
+    if not names or not isinstance(trainer, OptimizerOwning):
+        return None
+    return capture_states(trainer.optimizer, trainer.params, names)
+
+
+def capture_states(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+                   names: tuple[str, ...]) -> OptimizerStates:
+    """The optimizer's states ``names`` as flat float32 CPU copies (zeros for a parameter without
+    state yet), and its step count (the largest of its parameters'; they step together)."""
+    step = 0
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    for param in params:
+        state = optimizer.state.get(param, {})
+        if "step" in state:
+            step = max(step, int(state["step"]))
+        for name in names:
+            value = state.get(name)
+            parts[name].append(torch.zeros(param.numel()) if value is None
+                               else value.detach().reshape(-1).to("cpu", torch.float32, copy=True))
+    return OptimizerStates(step, {name: torch.cat(chunks) if chunks else torch.zeros(0)
+                                  for name, chunks in parts.items()})
+
+
+def install_states(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], states: OptimizerStates) -> None:
+    """Make ``states`` the optimizer's state, creating it for parameters that have none yet (a
+    fresh joiner's optimizer has no state before its first step)."""
+    numel = sum(p.numel() for p in params)
+    if any(value.numel() != numel for value in states.tensors.values()):
+        raise ValueError(f"optimizer states of {[v.numel() for v in states.tensors.values()]} values for a "
+                         f"model of {numel} parameters")
+    offset = 0
+    with torch.no_grad():
+        for param in params:
+            count = param.numel()
+            state = optimizer.state[param]
+            state["step"] = _step_like(optimizer, state.get("step"), states.step)
+            for name, flat in states.tensors.items():
+                state[name] = flat[offset:offset + count].view_as(param).to(param.device, param.dtype, copy=True)
+            offset += count
+
+
+def _step_like(optimizer: torch.optim.Optimizer, current: object, step: int) -> object:
+    """``step`` in the type the optimizer keeps its step count in: MT-DAO an int, torch's AdamW a
+    0-d float tensor (as its ``_init_group`` creates it), like the one it already has."""
+    if isinstance(current, torch.Tensor):
+        return torch.tensor(float(step), dtype=current.dtype, device=current.device)
+    if isinstance(current, int) or isinstance(optimizer, MTDAO):
+        return step
+    return torch.tensor(float(step), dtype=torch.float32)

@@ -18,6 +18,7 @@ from . import checkpoint
 from .config import Config
 from .errors import FatalError
 from .globalstate import GlobalState
+from .optimizers import capture_served, served_state_names
 from .ports import TrainerPort
 
 log = logging.getLogger("lowcomm.node")
@@ -33,6 +34,8 @@ class Restored:
 def restore(config: Config, trainer: TrainerPort) -> Restored:
     """Training thread: the state to start from, with the trainer's local state loaded."""
     cfg = config
+    synced = tuple(sorted(cfg.sync.state_sync))  # their residuals are checkpointed
+    served = served_state_names(cfg)  # the optimizer states our snapshots serve to joiners
     for stale in checkpoint.remove_stale_temporaries(cfg.node.checkpoint_dir):
         log.info("removed %s, left by an interrupted checkpoint write", stale.name)
 
@@ -44,7 +47,7 @@ def restore(config: Config, trainer: TrainerPort) -> Restored:
             )
         if not isinstance(payload.get("trainer"), dict):
             raise KeyError("trainer state missing")
-        return GlobalState.from_checkpoint(payload, cfg.sync.outer_lr, cfg.sync.outer_momentum), payload
+        return GlobalState.from_checkpoint(payload, cfg.sync.outer_lr, cfg.sync.outer_momentum, synced), payload
 
     found = checkpoint.load_newest(cfg.node.checkpoint_dir, parse)
     if found is not None:
@@ -61,6 +64,7 @@ def restore(config: Config, trainer: TrainerPort) -> Restored:
                 f"it was written by another trainer (lowcomm.Swarm checkpoints are for lowcomm.Swarm), "
                 f"use another --checkpoint-dir"
             ) from None
+        state.optimizer_states = capture_served(trainer, served)
         log.info("resumed from checkpoint %s (outer step %d)", path, state.step,
                  extra={"event": "resumed", "outer_step": state.step, "params_sha256": state.params_hash,
                         "checkpoint": path.name})
@@ -70,8 +74,9 @@ def restore(config: Config, trainer: TrainerPort) -> Restored:
         log.error("no usable checkpoint in %s (%d damaged file(s) skipped): the node downloads the swarm's "
                   "state instead of starting over", cfg.node.checkpoint_dir, len(damaged),
                   extra={"event": "checkpoints_unusable"})
-    return Restored(GlobalState.fresh(trainer.get_params(), cfg.sync.outer_lr, cfg.sync.outer_momentum), 0,
-                    must_download=bool(damaged))
+    state = GlobalState.fresh(trainer.get_params(), cfg.sync.outer_lr, cfg.sync.outer_momentum, synced)
+    state.optimizer_states = capture_served(trainer, served)
+    return Restored(state, 0, must_download=bool(damaged))
 
 
 def save(config: Config, state: dict[str, Any], trainer_state: dict[str, Any], tokens_total: int) -> None:

@@ -14,8 +14,10 @@ average. A shard skipped in the state round keeps the local state there; there, 
 part was refused, the residual keeps its value from before the round (a state is not consumed as
 a Δ is: carrying all of it into the residual would add it twice next time). A split step's state round stays inside each group.
 
-The residuals live in memory only (a restart begins them at zero), and joiners do not download
-the synced state: they start with a fresh optimizer, as in plain DiLoCo.
+The residuals belong to the node's ``GlobalState`` (node/globalstate.py) and are checkpointed
+with it, so a restart keeps them. Joiners receive the optimizer state with the swarm's snapshot
+(node/optimizers.py ``capture_states``: taken at the round boundary, after the state round, so
+its synced states are the group's averages; node/catchup.py loads it).
 """
 
 from __future__ import annotations
@@ -86,7 +88,11 @@ class StateSync:
     def __init__(self, periods: dict[str, int], peer_id: str, numel: int, trainer: OptimizerStateHolding, *,
                  registry: ReduceRegistry, channels: Callable[[str], Any] | None, executor: Executor,
                  in_train_thread: InTrainThread, codec: str = "bf16", quorum: float = 1.0,
-                 transport: Any = None) -> None:
+                 transport: Any = None, residuals: dict[str, torch.Tensor] | None = None,
+                 owner_residuals: dict[str, torch.Tensor] | None = None) -> None:
+        """``residuals``, ``owner_residuals``: the node's state-sync residuals per state
+        (``GlobalState.state_residuals``, checkpointed), updated in place; zeros of our own when
+        not given."""
         if periods and not isinstance(trainer, OptimizerStateHolding):
             raise TypeError("[sync] state_sync needs a trainer that exposes its optimizer state (the daemon's)")
         self.periods = dict(periods)
@@ -99,8 +105,13 @@ class StateSync:
         self.codec = codec
         self.quorum = quorum
         self.transport = transport  # tests: a fake ReduceTransport instead of gRPC
-        self.residuals = {name: torch.zeros(numel) for name in self.periods}
-        self.owner_residuals = {name: torch.zeros(numel) for name in self.periods}
+        self.residuals = residuals if residuals is not None else {}
+        self.owner_residuals = owner_residuals if owner_residuals is not None else {}
+        for held in (self.residuals, self.owner_residuals):
+            for name in self.periods:  # shared dicts: a state without a residual yet gets zeros there
+                if held.setdefault(name, torch.zeros(numel)).numel() != numel:
+                    raise ValueError(f"the state-sync residual of {name} has {held[name].numel()} values, "
+                                     f"the model {numel}")
         # While a state round runs: (name, residual, owner residual before it), for ``rollback``.
         self.undo: tuple[str, torch.Tensor, torch.Tensor] | None = None
 

@@ -1,9 +1,9 @@
-"""Global state snapshots, and their chunked, hashed download by joiners.
+"""Global state snapshots (protocol/snapshot.py), served by donors and downloaded by joiners.
 
-A snapshot is what a joiner needs to take part in the next round: the outer step, θ_global and
-the outer optimizer's momentum. Donors keep the last two committed snapshots as immutable
-bytes; a joiner fetches byte ranges from several donors in parallel, checks every chunk's hash,
-the whole blob's hash, and finally that θ_global hashes to what the swarm published in the DHT.
+Donors keep the last two committed snapshots as immutable bytes; a joiner fetches byte ranges
+from several donors in parallel, checks every chunk's hash, the whole blob's hash, and finally
+that θ_global hashes to what the swarm published in the DHT. In runs that sync the inner
+optimizer's state the blob holds it too, and a joiner refuses a donor that serves another layout.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import struct
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -21,73 +20,27 @@ import torch
 from ._pb.lowcomm.v1 import state_pb2, state_pb2_grpc
 from .handshake import Identity, IncompatiblePeer
 from .slots import DownloadSlots
+# The blob format; importers of these names from here (most of the code base) keep working.
+from .snapshot import (  # noqa: F401
+    FORMAT_VERSION,
+    MAGIC,
+    OPTIMIZER_FORMAT_VERSION,
+    BlobContents,
+    OptimizerStates,
+    Snapshot,
+    StateError,
+    describe_layout,
+    params_sha256,
+    parse_blob,
+    read_blob,
+    state_bytes,
+    tensor_bytes,
+)
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"LCST"
-FORMAT_VERSION = 1
-_HEADER = struct.Struct("<4sIqq")  # magic, format version, step, numel
 CHUNK_BYTES = 2 * 2**20
 RANGE_BYTES = 16 * 2**20  # one download request; several run in parallel across donors
-
-
-class StateError(Exception):
-    """A state blob or download that cannot be trusted or used."""
-
-
-def params_sha256(params: torch.Tensor) -> str:
-    return hashlib.sha256(tensor_bytes(params)).hexdigest()
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    # float32 little-endian on every platform we run on; numpy() shares memory, no copy.
-    return memoryview(t.detach().contiguous().numpy()).cast("B")
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """An immutable committed state as served to joiners."""
-
-    step: int
-    numel: int
-    blob: bytes
-    params_sha256: str
-    state_sha256: str
-
-    @classmethod
-    def build(cls, step: int, params: torch.Tensor, momentum: torch.Tensor,
-              params_hash: str | None = None) -> "Snapshot":
-        """``params_hash``: sha256 of ``params`` when the caller already computed it."""
-        assert params.numel() == momentum.numel()
-        blob = b"".join(
-            [_HEADER.pack(MAGIC, FORMAT_VERSION, step, params.numel()), tensor_bytes(params), tensor_bytes(momentum)]
-        )
-        return cls(step, params.numel(), blob, params_hash or params_sha256(params), hashlib.sha256(blob).hexdigest())
-
-
-def state_bytes(numel: int) -> int:
-    """Size of the state blob of a model with ``numel`` parameters (header, θ_global, momentum)."""
-    return _HEADER.size + 8 * numel
-
-
-def parse_blob(blob: bytes | bytearray, expected_numel: int | None = None) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(step, params, momentum) from a state blob; raises StateError if it is malformed (or, with
-    ``expected_numel``, holds another number of parameters)."""
-    if len(blob) < _HEADER.size:
-        raise StateError("state blob shorter than its header")
-    magic, version, step, numel = _HEADER.unpack_from(blob)
-    if magic != MAGIC or version != FORMAT_VERSION:
-        raise StateError(f"unknown state format {magic!r} v{version}")
-    if numel < 0 or len(blob) != state_bytes(numel):
-        raise StateError(f"state blob has {len(blob)} bytes, expected {state_bytes(numel)} for {numel} params")
-    if expected_numel is not None and numel != expected_numel:
-        raise StateError(f"state blob holds {numel} params, the run's model has {expected_numel}")
-    if numel == 0:
-        return step, torch.empty(0), torch.empty(0)
-    # A view of a writable buffer, then one copy per tensor: never two extra copies of the blob.
-    buffer = blob if isinstance(blob, bytearray) else bytearray(blob)
-    data = torch.frombuffer(buffer, dtype=torch.float32, offset=_HEADER.size, count=2 * numel)
-    return step, data[:numel].clone(), data[numel:].clone()
 
 
 class StateDonor:
@@ -144,6 +97,7 @@ class DownloadedState:
     momentum: torch.Tensor
     bytes_downloaded: int
     donors_used: int
+    optimizer: OptimizerStates | None = None  # runs that sync the inner optimizer's state
 
 
 async def download_state(
@@ -155,6 +109,7 @@ async def download_state(
     timeout: float,
     *,
     expected_numel: int,
+    expected_states: tuple[str, ...] = (),
 ) -> DownloadedState:
     """Fetch the snapshot of ``expected_step`` from ``donors`` in parallel ranges.
 
@@ -163,15 +118,19 @@ async def download_state(
 
     ``expected_numel`` is the parameter count the run's config implies (the joiner's own model):
     a donor that declares another size is not used, so nothing a donor says makes this node
-    allocate more than ``state_bytes(expected_numel)`` for the blob.
+    allocate more than ``state_bytes(expected_numel, expected_states)`` for the blob.
+    ``expected_states``: the inner optimizer's states this run serves with its snapshots (state
+    sync), in their order; ``()`` for a run without state sync (format 1).
 
     Raises ``IncompatiblePeer`` when every donor that answered refused this node's Hello
-    (another protocol version or run config), and ``StateError`` for everything else.
+    (another protocol version or run config) or serves the state in another layout (another
+    lowcomm version), and ``StateError`` for everything else.
     """
     hello = identity.hello()
     infos: list[tuple[Donor, state_pb2.StateInfo]] = []
     refusals: list[str] = []  # donors that refused our Hello (FAILED_PRECONDITION)
     answered = 0  # donors that answered GetStateInfo at all
+    expected_bytes = state_bytes(expected_numel, expected_states)
 
     async def ask(donor: Donor) -> None:
         nonlocal answered
@@ -187,12 +146,29 @@ async def download_state(
         answered += 1
         if info.step != expected_step or expected_params_sha256 not in (None, info.params_sha256):
             return
-        if info.numel != expected_numel or info.total_bytes != state_bytes(expected_numel):
+        if info.numel == expected_numel and info.total_bytes != expected_bytes:
+            # Our model, another layout: a peer of another lowcomm version (one that serves no
+            # optimizer state in a state-sync run, or serves it when we expect none). Refused with
+            # the reason: mixing them would leave this node with another optimizer state than its
+            # group's, silently.
+            if info.total_bytes == state_bytes(expected_numel):
+                served = describe_layout(())
+            elif info.total_bytes > state_bytes(expected_numel):
+                served = f"format {OPTIMIZER_FORMAT_VERSION} or later, with optimizer state"
+            else:
+                served = "an unknown layout"
+            refusals.append(f"peer {donor.peer_id} at {donor.address} serves a {info.total_bytes}-byte state "
+                            f"({served}); "
+                            f"this node expects {describe_layout(expected_states)}, {expected_bytes} bytes: "
+                            f"the peers run lowcomm versions whose state formats differ")
+            log.warning("state donor %s: %s", donor.peer_id, refusals[-1])
+            return
+        if info.numel != expected_numel or info.total_bytes != expected_bytes:
             # Checked before anything is allocated: a donor's declaration alone must never size
             # our buffers (a liar or a buggy peer could ask for any amount of memory).
             log.warning("state donor %s at %s declares %d params in %d bytes; the run's model has %d params "
                         "(%d bytes): not used", donor.peer_id, donor.address, info.numel, info.total_bytes,
-                        expected_numel, state_bytes(expected_numel))
+                        expected_numel, expected_bytes)
             return
         infos.append((donor, info))
 
@@ -201,7 +177,8 @@ async def download_state(
         if refusals and len(refusals) == answered:
             raise IncompatiblePeer("; ".join(refusals))
         raise StateError(f"no donor holds step {expected_step} with the published params hash "
-                         f"and the run's model size ({expected_numel} params)")
+                         f"and the run's model size ({expected_numel} params)"
+                         + "".join(f"; {refusal}" for refusal in refusals))
     # Donors may agree on the params hash but still serve blobs that differ (another momentum);
     # use the blob most donors serve (ties: the first to answer), and only the donors serving it.
     by_state: dict[str, int] = {}
@@ -279,9 +256,9 @@ async def download_state(
             log.warning("state donor %s did not serve the announced state of step %d", donor.peer_id, expected_step)
         if blob is None:
             raise StateError("downloaded state does not match the donors' state hash")
-    step, params, momentum = await asyncio.to_thread(parse_blob, blob, expected_numel)
-    if step != expected_step:
-        raise StateError(f"downloaded state is for step {step}, expected {expected_step}")
-    if expected_params_sha256 is not None and await asyncio.to_thread(params_sha256, params) != expected_params_sha256:
+    got = await asyncio.to_thread(read_blob, blob, expected_numel, expected_states)
+    if got.step != expected_step:
+        raise StateError(f"downloaded state is for step {got.step}, expected {expected_step}")
+    if expected_params_sha256 is not None and await asyncio.to_thread(params_sha256, got.params) != expected_params_sha256:
         raise StateError("downloaded params do not match the hash the swarm published")
-    return DownloadedState(step, params, momentum, downloaded, len(usable))
+    return DownloadedState(got.step, got.params, got.momentum, downloaded, len(usable), got.optimizer)
