@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 import torch
 
-from common import OUT, Workload, append_jsonl, read_jsonl, record_base, say
+from common import OUT, Workload, append_jsonl, machine, read_jsonl, record_base, say
 
 DEFAULT_JSON = OUT / "outer_sweep.jsonl"
 LONG_JSON = OUT / "convergence_long.jsonl"
@@ -326,7 +326,8 @@ def main(argv: list[str] | None = None, peer_ids: Callable[[int], list[str]] = d
             from lowcomm.node.data import load_data
 
             corpus = load_data(run.workload().config().data)
-        record = record_base("outer_sweep", **run_one(run, args.eval_every, ids, corpus))
+        at_start = machine()  # the load average when the run started, as the other benchmarks record it
+        record = record_base("outer_sweep", **run_one(run, args.eval_every, ids, corpus), machine=at_start)
         append_jsonl(args.json_out, record)
         say(f"[{index}/{len(todo)}] final eval {record['final_eval_loss']:.4f} in {record['wall_seconds']:.0f} s")
     if args.validate:
