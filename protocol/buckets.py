@@ -23,8 +23,9 @@ When the peers a peer expects at step r number n ≥ 2·group_size, it matchmake
 
 A coordinator therefore receives about B − 1 JoinGroup calls and a bucket leader about
 group_size. A peer whose view gave another B lands in a bucket of its own: nobody else comes
-there, and once the top level runs it closes that bucket alone after the lonely-leader grace
-and still reaches the coordinator through the round key. If the top level does not answer in
+there, and once the top level has registrants whose views gave another B (bucket leaders
+register their B there) it goes up alone after the lonely-leader grace, without claiming its
+bucket closed, and still reaches the coordinator through the round key. If the top level does not answer in
 time, the bucket's members are refused (their round fails before their deadline, their Δ waits
 for the next round) rather than closing a second plan for the step.
 """
@@ -38,13 +39,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Collection
 
 from ._pb.lowcomm.v1 import averaging_pb2
-from .election import REPLY_MARGIN, MatchmakingError, _Round, round_key
+from .election import PLAN_CLOSED, REPLY_MARGIN, MatchmakingError, _Round, round_key
 from .layout import groups_of_step
 
 if TYPE_CHECKING:
     from .matchmaking import Matchmaker
 
-BUCKET_SHARE = 0.5  # a bucket closes at the latest half-way through the matchmaking timeout
+BUCKET_SHARE = 0.75  # a bucket closes at the latest this far into the matchmaking timeout (the rest: TOP_RESERVE)
+TOP_SLACK = 0.1  # share of the timeout for a top registration's staleness, the way up and the coordinator's margin
 TOP_RESERVE = 0.25  # share of the timeout a bucket keeps before its members give up: the top level and the answers
 
 
@@ -79,6 +81,30 @@ class RoundPeers:
         return {p for p in ids if p == me or p in alive}
 
 
+class TopWatch:
+    """What a bucket leader reads from the step's top key while its bucket is open (one read of
+    about B registrations per poll): by when its bucket must be there, and whether its view's B
+    differs from the others'. A top registrant says how long it waits (``answer_in``, counted
+    from when we first saw its registration, less TOP_SLACK of the timeout for staleness and the way up)."""
+
+    def __init__(self, matchmaker: "Matchmaker", key: str, buckets: int, timeout: float) -> None:
+        self.matchmaker, self.key, self.buckets = matchmaker, key, buckets
+        self.slack = max(2 * REPLY_MARGIN, TOP_SLACK * timeout)
+        self.first_seen: dict[str, float] = {}
+
+    async def look(self) -> tuple[float | None, bool]:
+        me, now = self.matchmaker.peer_id, self.matchmaker.clock.monotonic()
+        top = {pid: info for pid, info in (await self.matchmaker.dht.get(self.key)).items()
+               if pid != me and isinstance(info, dict)}
+        by = None
+        for pid, info in top.items():
+            answer_in = info.get("answer_in")
+            if isinstance(answer_in, (int, float)) and math.isfinite(answer_in):
+                ends = self.first_seen.setdefault(pid, now) + float(answer_in) - self.slack
+                by = ends if by is None else min(by, ends)
+        return by, any(info.get("buckets", 1) != self.buckets for info in top.values())
+
+
 class BucketLevel:
     """The Matchmaker's two-level path (mixed into Matchmaker; it uses election.py's methods)."""
 
@@ -90,6 +116,7 @@ class BucketLevel:
         current.bucket = request.bucket = labels[self.peer_id]
         current.key = bucket_key(self.run, step, current.params_hash, current.bucket)
         current.reserve = TOP_RESERVE * timeout
+        current.one_plan = True
         members = {p for p, label in labels.items() if label == current.bucket}
         top_key = round_key(self.run, step, current.params_hash)
 
@@ -101,16 +128,12 @@ class BucketLevel:
         async def all_peers() -> set[str]:
             return peers.live(peers.expected, self.peer_id)
 
-        async def top_is_running() -> bool:
-            # Nobody came to our bucket (our view's B may differ from the others'): go up alone
-            # once somebody coordinates the step, rather than wait for a bucket nobody uses.
-            return any(pid != self.peer_id for pid in await self.dht.get(top_key))
 
         async def to_top(bucket: _Round) -> averaging_pb2.Group:
             return await self._through_top(bucket, me, request, registration, ttl, all_peers, labels,
                                            deadline - margin, deadline)
 
-        current.lonely_close = top_is_running
+        current.watch = TopWatch(self, top_key, buckets, timeout)
         await self.dht.store(current.key, self.peer_id, registration, ttl=ttl)
         close_by = min(self.clock.monotonic() + BUCKET_SHARE * timeout, deadline - margin)
         return await self._elect(current, request, bucket_peers, close_by, deadline, unreachable, to_top)
@@ -122,18 +145,20 @@ class BucketLevel:
         """Our bucket closed with us as its leader: bring it to the step coordinator (or be it),
         then answer the bucket's members with their groups of the one step plan."""
         bucket.role = "closed"
+        buckets = int(bucket.bucket[1:].split(".")[0])  # "b<B>.<b>"
         waiting = {p: f for p, f in bucket.followers.items() if not f.reply.done()}
         carried = [averaging_pb2.BucketMember(member=self._member(f.request, p), bandwidth_bps=f.request.bandwidth_bps)
                    for p, f in waiting.items()]
         # Everybody of the bucket must have its answer before it gives up.
         answer_by = min([close_by, *(t - REPLY_MARGIN for f in waiting.values() if (t := f.gives_up_at) is not None)])
         top = _Round(bucket.step, bucket.params_hash, bucket.numel, key=round_key(self.run, bucket.step, bucket.params_hash),
-                     carried=carried, own_bucket=bucket.bucket, labels=labels, one_plan=True)
+                     carried=carried, own_bucket="" if bucket.lonely else bucket.bucket, labels=labels, one_plan=True)
         self._open.append(top)
         self._round = top  # JoinGroup calls for the closed bucket are refused from now on
         up = averaging_pb2.JoinRequest()
         up.CopyFrom(request)
-        up.bucket, up.closed_bucket = "", bucket.bucket
+        # A bucket that closed alone because our view differs covers nobody else of its label.
+        up.bucket, up.closed_bucket = "", "" if bucket.lonely else bucket.bucket
         up.bucket_members.extend(carried)
 
         async def close(level: _Round) -> averaging_pb2.Group:
@@ -143,7 +168,11 @@ class BucketLevel:
         group: averaging_pb2.Group | None = None
         try:
             async with stop:
-                await self.dht.store(top.key, self.peer_id, registration, ttl=ttl)
+                # Our B and how long we wait here: the buckets still open close before the first
+                # of us gives up (TopWatch), so that they reach the plan.
+                answer_in = max(0.0, answer_by - self.clock.monotonic())
+                await self.dht.store(top.key, self.peer_id, {**registration, "buckets": buckets, "answer_in": answer_in},
+                                     ttl=ttl)
                 group = await self._elect(top, up, all_peers, answer_by, answer_by, set(), close)
         except TimeoutError:
             if not stop.expired():
@@ -151,6 +180,9 @@ class BucketLevel:
         finally:
             self._release(top)
         if group is None:
+            for follower in waiting.values():  # our members give up too (no second plan for the step)
+                if not follower.reply.done():
+                    follower.reply.set_result(PLAN_CLOSED)
             raise MatchmakingError(f"the step coordinator of step {bucket.step} did not answer in time "
                                    f"(this peer led bucket {bucket.bucket} of {len(waiting) + 1})")
         answers = groups_of_step(group)

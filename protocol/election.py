@@ -41,6 +41,7 @@ REPLY_MARGIN = 0.5  # seconds a leader keeps between closing and a follower's ow
 MIN_FOLLOWER_WAIT = 1.0  # a follower that says it waits less is not waited for (it may leave unanswered)
 MAX_DIRECT_HOLD = 30.0  # the longest a leader holds a direct JoinGroup for its round to start
 CLOSED = "is already closed"  # in the detail of the refusal of a leader that closed its group
+PLAN_CLOSED = object()  # a bucket leader's answer to its members when the step's plan closed without them
 
 ExpectedPeers = Callable[[], Awaitable[set[str]]]
 
@@ -97,11 +98,21 @@ class _Round:
     carried: list[averaging_pb2.BucketMember] = field(default_factory=list)
     own_bucket: str = ""
     labels: dict[str, str] = field(default_factory=dict)
-    # At the top level of a bucketed step: a registrant that refuses because its group closed
-    # has made the step's plan; coming later must not start a second one (MatchmakingError).
+    # At either level of a bucketed step: a peer that refuses because its group closed has
+    # made (or is in) the step's plan; coming later must not start a second one (MatchmakingError).
     one_plan: bool = False
-    # At a bucket level: close alone when nobody else came and the top level is already running.
-    lonely_close: Callable[[], Awaitable[bool]] | None = None
+    # At a bucket level: what the step's top level shows (buckets.TopWatch): by when the step
+    # coordinator must close (our bucket must be there before), and whether our view's B differs
+    # from the other buckets' (then, with nobody in our bucket, we close it ``lonely``: without
+    # covering anybody else of its label).
+    watch: "TopView | None" = None
+    lonely: bool = False
+
+
+class TopView(Protocol):
+    async def look(self) -> tuple[float | None, bool]:
+        """(the latest time to reach the top level on our clock or None, whether our view's B differs)."""
+        ...
 
 
 class Election:
@@ -155,6 +166,8 @@ class Election:
                 current.changed.set()
         if group is None:
             raise Refused(Code.ABORTED, "group closed without this peer (full or abandoned)")
+        if group is PLAN_CLOSED:
+            raise Refused(Code.ABORTED, f"the plan of step {request.step} {CLOSED} (it closed before this bucket came)")
         if isinstance(group, averaging_pb2.Redirect):  # we yielded to a lower leader: go there
             return averaging_pb2.JoinResponse(redirect=group)
         return averaging_pb2.JoinResponse(group=group)
@@ -297,7 +310,9 @@ class Election:
                     current.role = "undecided"
                     return False
                 return True
-            if quorum_at is None and len(joined) >= max(2, math.ceil(self.quorum * len(expected))):
+            # The top level of a bucketed step waits for every bucket (each closes within its own
+            # share of the timeout): a bucket that comes after the plan closed loses its round.
+            if quorum_at is None and not current.labels and len(joined) >= max(2, math.ceil(self.quorum * len(expected))):
                 quorum_at = now
             if quorum_at is not None and now - quorum_at >= self.straggler_wait():
                 # Not recorded in the history: only complete arrivals measure how long stragglers take.
@@ -324,8 +339,15 @@ class Election:
                     self._redirect_followers(current, averaging_pb2.Redirect(peer_id=lower[0], address=others[lower[0]]))
                 current.role = "undecided"
                 return False
-            if lonely and current.lonely_close is not None and await current.lonely_close():
-                return True
+            if current.watch is not None:
+                top_by, differs = await current.watch.look()
+                if lonely and differs:
+                    current.lonely = True
+                    return True
+                if top_by is not None:
+                    close_at = min(close_at, top_by)
+                    if self.clock.monotonic() >= close_at and len(joined) > 1:
+                        return True  # the coordinator closes soon: bring what we have
             await self._wait(current, min(POLL_SECONDS, max(0.0, close_at - self.clock.monotonic())))
 
     def _close(self: "Matchmaker", current: _Round, me: averaging_pb2.Member,
