@@ -1,12 +1,15 @@
 """DES-LOC and MT-DAO through the real CLI: three peers average parameters every round and the
 optimizer state on its own period; every peer commits one params hash per step and loads the
-same synced state (its sha256 in the state_synced event), and the eval loss goes down."""
+same synced state (its sha256 in the state_synced event), and the eval loss goes down. A peer
+that joins later downloads the synced optimizer state with the swarm's snapshot."""
 
 from __future__ import annotations
 
 import pytest
 
-from .test_swarm_cli import ROUND_WAIT
+from lowcomm.protocol.state import state_bytes
+
+from .test_swarm_cli import ROUND_WAIT, hash_at
 
 pytestmark = pytest.mark.multiprocess
 
@@ -49,3 +52,36 @@ def test_method_syncs_its_states_and_trains(swarm, method, first_moment):
     # payload) on top of it: its bytes are in the round's report.
     assert all(e["bytes_sent"] > 2 * e["payload_bytes"] for step in full for e in rounds[step])
     assert rounds[full[-1]][0]["eval_loss"] < initial_eval
+
+
+def test_a_joiner_receives_the_synced_optimizer_state_and_averages_the_next_round(swarm):
+    """Two DES-LOC peers sync both moments every round; a third joins, downloads the snapshot
+    (format 2: θ_global, the outer momentum and its donor's AdamW state) and then holds exactly the
+    moments the group averaged at that step; its next round is a bit-identical member's."""
+    extra = ["--set", "sync.method=desloc", "--set", "sync.state_sync={exp_avg=1,exp_avg_sq=1}",
+             "--set", "train.inner_steps=10"]
+    first = swarm.start(0, extra=extra)
+    second = swarm.start(1, [first.multiaddr], extra=extra)
+
+    def synced_at(node, step: int) -> dict:
+        return node.wait_for(lambda e: e.get("event") == "state_synced" and e["outer_step"] == step,
+                             ROUND_WAIT)["state_sha256"]
+
+    paired = second.wait_for(lambda e: e.get("event") == "round_done" and e["group_size"] == 2
+                             and sum(r["group_size"] == 2 for r in second.rounds()) >= 2, ROUND_WAIT * 3)
+    joiner = swarm.start(2, [first.multiaddr], extra=extra)
+    downloaded = joiner.wait_event("state_downloaded", ROUND_WAIT * 2)
+    step = downloaded["outer_step"]
+    assert step >= paired["outer_step"]
+    # The moments the group averaged at that step, bit for bit (and the donors agree on them).
+    assert set(downloaded["state_sha256"]) == {"exp_avg", "exp_avg_sq"}
+    assert synced_at(first, step) == synced_at(second, step) == downloaded["state_sha256"]
+    assert downloaded["optimizer_step"] > 0
+    # θ_global, the outer momentum and the two AdamW moments: 4 float32 values per parameter.
+    numel = paired["numel"]
+    assert downloaded["bytes_downloaded"] == state_bytes(numel, ("exp_avg", "exp_avg_sq")) > 16 * numel
+
+    joined = joiner.wait_for(lambda e: e.get("event") == "round_done" and e["group_size"] == 3, ROUND_WAIT * 2)
+    after = joined["outer_step"]
+    assert {hash_at(node, after) for node in (first, second)} == {joined["params_sha256"]}
+    assert synced_at(joiner, after) == synced_at(first, after) == synced_at(second, after)
