@@ -84,24 +84,20 @@ class RoundPeers:
 class TopWatch:
     """What a bucket leader reads from the step's top key while its bucket is open (one read of
     about B registrations per poll): by when its bucket must be there, and whether its view's B
-    differs from the others'. A top registrant says how long it waits (``answer_in``, counted
-    from when we first saw its registration, less TOP_SLACK of the timeout for staleness and the way up)."""
+    differs from the others'. A top registrant says until when it waits there (``answer_at``, on
+    the wall clock: the DHT's own expirations assume peers' wall clocks agree, and a skewed
+    clock only makes a bucket close too early or miss the plan, never splits the plan); we go
+    up TOP_SLACK of the timeout before the earliest of them, for staleness and the way up."""
 
     def __init__(self, matchmaker: "Matchmaker", key: str, buckets: int, timeout: float) -> None:
         self.matchmaker, self.key, self.buckets = matchmaker, key, buckets
         self.slack = max(2 * REPLY_MARGIN, TOP_SLACK * timeout)
-        self.first_seen: dict[str, float] = {}
 
     async def look(self) -> tuple[float | None, bool]:
-        me, now = self.matchmaker.peer_id, self.matchmaker.clock.monotonic()
-        top = {pid: info for pid, info in (await self.matchmaker.dht.get(self.key)).items()
-               if pid != me and isinstance(info, dict)}
-        by = None
-        for pid, info in top.items():
-            answer_in = info.get("answer_in")
-            if isinstance(answer_in, (int, float)) and math.isfinite(answer_in):
-                ends = self.first_seen.setdefault(pid, now) + float(answer_in) - self.slack
-                by = ends if by is None else min(by, ends)
+        m = self.matchmaker
+        top = {pid: info for pid, info in (await m.dht.get(self.key)).items() if pid != m.peer_id and isinstance(info, dict)}
+        ends = [float(at) for info in top.values() if isinstance(at := info.get("answer_at"), (int, float)) and math.isfinite(at)]
+        by = m.clock.monotonic() + (min(ends) - m.wall_clock()) - self.slack if ends else None
         return by, any(info.get("buckets", 1) != self.buckets for info in top.values())
 
 
@@ -168,10 +164,10 @@ class BucketLevel:
         group: averaging_pb2.Group | None = None
         try:
             async with stop:
-                # Our B and how long we wait here: the buckets still open close before the first
+                # Our B and until when we wait here: the buckets still open close before the first
                 # of us gives up (TopWatch), so that they reach the plan.
-                answer_in = max(0.0, answer_by - self.clock.monotonic())
-                await self.dht.store(top.key, self.peer_id, {**registration, "buckets": buckets, "answer_in": answer_in},
+                answer_at = self.wall_clock() + answer_by - self.clock.monotonic()
+                await self.dht.store(top.key, self.peer_id, {**registration, "buckets": buckets, "answer_at": answer_at},
                                      ttl=ttl)
                 group = await self._elect(top, up, all_peers, answer_by, answer_by, set(), close)
         except TimeoutError:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections import deque
 from typing import Any, Callable
 
@@ -67,9 +68,12 @@ class Matchmaker(Election, BucketLevel, DirectPath):
         transport: MatchmakingTransport | None = None,
         clock: Clock | None = None,
         random_bytes: RandomBytes = os.urandom,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         """``channel_for(address)``: grpc.aio channels for the default gRPC transport (unused
-        when ``transport`` is given). ``clock`` and ``random_bytes``: see transport.py."""
+        when ``transport`` is given). ``clock`` and ``random_bytes``: see transport.py.
+        ``wall_clock``: seconds that peers agree on (the DHT's time), for the one deadline
+        that peers tell each other through the DHT (buckets.py ``TopWatch``)."""
         self.dht = dht
         self.run = run
         self.identity = identity
@@ -85,6 +89,7 @@ class Matchmaker(Election, BucketLevel, DirectPath):
         self.transport = transport
         self.clock = clock if clock is not None else LoopClock()
         self.random_bytes = random_bytes
+        self.wall_clock = wall_clock
         self.group_size = group_size
         self.codec = codec
         self.numel = numel

@@ -79,7 +79,8 @@ class SimPeer:
             self.dht, cfg.run, self.identity, self.address, None, cfg.group_size, codec=world.codec.id,
             numel=cfg.numel, reduce_timeout=cfg.reduce_timeout, quorum=cfg.quorum,
             min_straggler_wait=cfg.straggler_wait, transport=world.network.transport(link), clock=LoopClock(),
-            random_bytes=random.Random(f"{cfg.seed}/{index}/groups").randbytes)
+            random_bytes=random.Random(f"{cfg.seed}/{index}/groups").randbytes,
+            wall_clock=LoopClock().monotonic)  # the swarm's common (virtual) time
         self.server.handlers[JOIN] = self.matchmaker.handle_join
         self.gossip = world.gossip_state(self) if cfg.mode == "gossip" else None
 

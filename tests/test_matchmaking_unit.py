@@ -27,7 +27,7 @@ def make_peer(net: FakeNet, dht: FakeDHT, loop: VirtualTimeLoop, peer_id: str, *
     address = "" if client else f"fake://{peer_id}"
     matchmaker = Matchmaker(dht, "unit", Identity(peer_id, fingerprint, "{}"), address, None, group_size, FP32,
                             NUMEL, reduce_timeout=5.0, transport=net, clock=loop.clock,
-                            random_bytes=random.Random(peer_id).randbytes)
+                            random_bytes=random.Random(peer_id).randbytes, wall_clock=loop.time)
     if address:
         net.matchmakers[address] = matchmaker
     return matchmaker
