@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Collection
@@ -44,6 +45,8 @@ from .layout import groups_of_step
 
 if TYPE_CHECKING:
     from .matchmaking import Matchmaker
+
+log = logging.getLogger("lowcomm.protocol.matchmaking")
 
 BUCKET_SHARE = 0.75  # a bucket closes at the latest this far into the matchmaking timeout (the rest: TOP_RESERVE)
 TOP_SLACK = 0.1  # share of the timeout for a top registration's staleness, the way up and the coordinator's margin
@@ -181,6 +184,10 @@ class BucketLevel:
                     follower.reply.set_result(PLAN_CLOSED)
             raise MatchmakingError(f"the step coordinator of step {bucket.step} did not answer in time "
                                    f"(this peer led bucket {bucket.bucket} of {len(waiting) + 1})")
+        log.info("bucket %s of step %d: %d member(s) in the step's plan of %d group(s)", bucket.bucket, bucket.step,
+                 len(waiting) + 1, max(1, len(group.step_groups)),
+                 extra={"event": "bucket_closed", "outer_step": bucket.step, "bucket": bucket.bucket,
+                        "bucket_members": len(waiting) + 1, "coordinated": self.led_last_group})
         answers = groups_of_step(group)
         for peer, follower in waiting.items():
             if not follower.reply.done():
