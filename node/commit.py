@@ -26,7 +26,7 @@ from lowcomm.protocol import codecs
 from lowcomm.protocol.state import OptimizerStates, Snapshot, StateDonor, params_sha256
 
 from .averaging import RoundOutcome, RoundReport
-from .globalstate import GlobalState, freeze
+from .globalstate import GlobalState, copy_payload
 from .metrics import NodeMetrics
 from .optimizers import capture_served
 from .ports import SwarmPort, TrainerPort
@@ -84,7 +84,7 @@ class Committer:
         """
         step = self.state.step + 1
 
-        def freeze() -> tuple[dict, Snapshot]:
+        def freeze() -> tuple[dict, Snapshot | None]:
             # One hash and one copy serve the commit, the donor snapshot and the checkpoint.
             frozen = self.state.frozen_checkpoint()
             digest = params_sha256(frozen["params"])
@@ -107,7 +107,7 @@ class Committer:
         taken at the commit, before it)."""
         def build() -> Snapshot:
             self.state.optimizer_states = optimizer_states
-            frozen.update(freeze(self.state.state_residuals_checkpoint()))
+            frozen.update(copy_payload(self.state.state_residuals_checkpoint()))
             return Snapshot.build(frozen["step"], frozen["params"], frozen["momentum"],
                                   params_hash=frozen["params_sha256"], optimizer=optimizer_states)
 

@@ -108,7 +108,7 @@ class GlobalState:
     def frozen_checkpoint(self) -> dict[str, Any]:
         """``to_checkpoint`` with copies of the tensors: written in another thread while the next
         round (overlapped mode) already changes the originals."""
-        return freeze(self.to_checkpoint())
+        return copy_payload(self.to_checkpoint())
 
     @classmethod
     def from_checkpoint(cls, payload: dict[str, Any], lr: float, momentum: float,
@@ -138,7 +138,7 @@ class GlobalState:
         return state
 
 
-def freeze(payload: dict[str, Any]) -> dict[str, Any]:
+def copy_payload(payload: dict[str, Any]) -> dict[str, Any]:
     """Copies of the tensors of a checkpoint payload (one level of dicts deep, as the state
     residuals are)."""
     def copy(value: Any) -> Any:

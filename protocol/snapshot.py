@@ -1,4 +1,4 @@
-"""The state blob a donor serves and a joiner downloads (protocol/state.py moves it).
+"""The state blob a donor serves and a joiner downloads (protocol/state.py moves its bytes).
 
 A snapshot is what a joiner needs to take part in the next round: the outer step, θ_global and
 the outer optimizer's momentum, and, in runs that average the inner optimizer's state

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from lowcomm.node import checkpoint
+from lowcomm.node import checkpoint, restore
 from lowcomm.node.averaging import RoundReport
 from lowcomm.node.commit import Committer
 from lowcomm.node.config import load_config
@@ -82,6 +82,9 @@ class TinyTrainer:
 
     def local_state(self) -> dict:
         return {"optimizer": self.optimizer.state_dict()}
+
+    def load_local_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
 
 
 @pytest.mark.parametrize("kind, names", [("adamw", ADAMW), ("mtdao", MTDAO_STATES)])
@@ -267,3 +270,25 @@ def test_adopting_a_download_with_optimizer_state_restarts_the_state_residuals_o
     assert torch.count_nonzero(state.state_residuals["exp_avg"]) == 0
     assert torch.count_nonzero(state.state_owner_residuals["exp_avg"]) == 0
     assert read_blob(state.snapshot().blob, 10, ADAMW).optimizer.step == 2
+
+
+def test_a_restarted_desloc_node_resumes_its_residuals_and_serves_its_restored_optimizer_state(tmp_path):
+    config = load_config(overrides=["sync.method=desloc", f"node.checkpoint_dir={tmp_path}"], environ={})
+    before = TinyTrainer("adamw")
+    for batch in range(4):
+        before.step(batch)
+    state = GlobalState.fresh(before.get_params(), 0.7, 0.9, synced_states=("exp_avg", "exp_avg_sq"))
+    state.state_residuals["exp_avg_sq"].fill_(0.25)
+    state.state_owner_residuals["exp_avg"].fill_(-0.5)
+    restore.save(config, state.frozen_checkpoint(), before.local_state(), tokens_total=1000)
+
+    after = TinyTrainer("adamw", seed=3)  # the restarted process: other weights until it loads
+    restored = restore.restore(config, after)
+    assert not restored.must_download and restored.tokens_total == 1000
+    assert torch.equal(restored.state.state_residuals["exp_avg_sq"], torch.full((after.numel,), 0.25))
+    assert torch.equal(restored.state.state_owner_residuals["exp_avg"], torch.full((after.numel,), -0.5))
+    assert torch.count_nonzero(restored.state.state_residuals["exp_avg"]) == 0
+    served = restored.state.optimizer_states
+    assert served is not None and served.step == 4
+    assert served.hashes() == capture_states(before.optimizer, before.params, ADAMW).hashes()
+    assert read_blob(restored.state.snapshot().blob, after.numel, ADAMW).optimizer.hashes() == served.hashes()

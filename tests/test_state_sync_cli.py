@@ -64,8 +64,9 @@ def test_a_joiner_receives_the_synced_optimizer_state_and_averages_the_next_roun
     second = swarm.start(1, [first.multiaddr], extra=extra)
 
     def synced_at(node, step: int) -> dict:
-        return node.wait_for(lambda e: e.get("event") == "state_synced" and e["outer_step"] == step,
-                             ROUND_WAIT)["state_sha256"]
+        event = node.wait_for(lambda e: e.get("event") == "state_synced" and e["outer_step"] == step, ROUND_WAIT)
+        assert event["skipped_shards"] == 0, f"{node.name}: a shard of the state round of step {step} was skipped"
+        return event["state_sha256"]
 
     paired = second.wait_for(lambda e: e.get("event") == "round_done" and e["group_size"] == 2
                              and sum(r["group_size"] == 2 for r in second.rounds()) >= 2, ROUND_WAIT * 3)
