@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Transport efficiency: one averaging round of S MB among N peers on capped links, vs the bound.
 
-    python bench/transport.py [--peers 2,4,8] [--sizes-mb 4,64] [--caps 20,100,1000] [--rounds 2]
-                              [--hivemind 4x4@20,4x4@100,4x4@1000,4x64@100] [--codec fp32]
+    python bench/transport.py [--peers 2,4,8] [--sizes-mb 4,64] [--caps 20,100,1000] [--rounds 5]
+                              [--large-rounds 3] [--hivemind 4x4@20,4x4@100,4x4@1000,4x64@100] [--codec fp32]
+                              [--queue router|gso] [--schedule staggered|all]
                               [--network netns|loopback] [--json-out bench/out/transport.jsonl]
 
 One agent (bench/transport_agent.py) per network namespace; every peer is capped at C Mbit/s in
@@ -14,6 +15,12 @@ the moment the last member started to the moment the last one finished; it is co
 the bound of a butterfly all-reduce, where every peer sends and receives 2·(N−1)/N·S:
 
     bound = 2·(N−1)/N · S / B,  B = C·10⁶/8 bytes/s,   efficiency = bound / time
+    bus bandwidth = S / time · 2·(N−1)/N   (as nccl-tests reports it; at the bound it equals C)
+
+Every configuration runs --rounds rounds (--large-rounds for S ≥ --large-mb); a record keeps their
+median, min and max, each round's phases (reduce-scatter, all-gather, agreement: from the agents'
+stage timestamps, whose full traces go to the run's log folder) and the CPU seconds the agents
+spent per MB they sent (nearly independent of other load on the machine, unlike the times).
 
 ``--hivemind`` lists NxS@C configurations for which hivemind's DecentralizedAverager moves the
 same payload (NoCompression) on the same links (matchmaking excluded, the all-reduce timed).
@@ -27,6 +34,7 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,6 +66,24 @@ def link_delta(after: list[dict] | None, before: list[dict] | None) -> dict:
             "tbf_drops": total["tbf_drops"]}
 
 
+def packets_like_a_router(net, peers: int, segment: bool) -> None:
+    """Every peer's TCP sends wire-sized packets (``segment``) or 64 kB GSO super-packets (the
+    veth default) into its caps.
+
+    A veth hands the qdisc whole GSO packets of up to 64 kB, so a tbf queue of 50 ms at 20 Mbit/s
+    (125 kB + the 64 kB burst) holds three of them, and one overflow drops ~44 segments at once:
+    a queue of a few packets, which punishes any burst far more than a home router's (which
+    queues the same bytes as ~130 packets of 1.5 kB, the NIC having segmented them). With
+    ``segment`` the peers' eth0 builds packets of one MTU (gso_max_size), as on a real uplink."""
+    if net.kind != "netns":
+        return
+    size = 1500 if segment else 65536
+    for i in range(peers):
+        peer = net.state.peers[i]
+        subprocess.run(["ip", "-n", peer.netns, "link", "set", "dev", "eth0", "gso_max_size", str(size)],
+                       check=True, capture_output=True)
+
+
 def shard_bounds(numel: int, parts: int) -> list[int]:
     return [round(numel * i / parts) for i in range(parts + 1)]
 
@@ -71,18 +97,58 @@ def _ask(agents: list[Proc], cmd: dict, reply: str, timeout: float) -> list[dict
 
 
 def lowcomm_round(agents: list[Proc], addresses: list[str], numel: int, codec_id: int, timeout: float,
-                  step: int) -> dict:
+                  step: int, staggered: bool = True) -> dict:
     n = len(agents)
     group = {"group_id": os.urandom(8).hex(), "step": step,
              "members": [{"peer_id": f"agent-{i}", "address": addresses[i], "weight": 1.0} for i in range(n)],
              "shard_bounds": shard_bounds(numel, n), "shard_owners": list(range(n)), "codec": codec_id,
              "reduce_timeout_s": timeout}
-    done = _ask(agents, {"cmd": "round", "group": group}, "round_done", timeout * 2 + 30)
-    seconds = max(d["t_end"] for d in done) - max(d["t_start"] for d in done)
-    return {"seconds": seconds, "bytes_sent": statistics.fmean(d["bytes_sent"] for d in done),
+    done = _ask(agents, {"cmd": "round", "group": group, "staggered": staggered}, "round_done", timeout * 2 + 30)
+    start = max(d["t_start"] for d in done)
+    seconds = max(d["t_end"] for d in done) - start
+    # Per member: its stage timestamps (transport_agent.Trace), counted from the round's start.
+    trace = {f"agent-{i}": [[round(d["t_start"] - start + t, 4), *rest] for t, *rest in d.get("trace", [])]
+             for i, d in enumerate(done)}
+    return {"seconds": seconds, "trace": trace, "phases": phases(trace, seconds), "bytes_sent": statistics.fmean(d["bytes_sent"] for d in done),
             "skipped_shards": sum(d["skipped"] for d in done),
             # CPU seconds all agents spent in the round per second of it: 2.0 = both cores busy.
-            "cpu_cores_busy": sum(d["cpu_seconds"] for d in done) / seconds if seconds > 0 else None}
+            "cpu_cores_busy": sum(d["cpu_seconds"] for d in done) / seconds if seconds > 0 else None,
+            # CPU seconds of all agents per MB (10⁶ bytes) they sent: the transport's cost, nearly
+            # independent of what else runs on the machine (unlike the round's wall-clock time).
+            "cpu_seconds_per_mb": sum(d["cpu_seconds"] for d in done) / (sum(d["bytes_sent"] for d in done) / 1e6)}
+
+
+def phases(trace: dict[str, list], seconds: float) -> dict[str, float] | None:
+    """Where a round's time went, from the members' stage timestamps: until the last part reached
+    its owner (reduce-scatter), until the last average reached its member (all-gather), and the
+    shard agreement after it."""
+    parts = [t for events in trace.values() for t, what, *_ in events if what == "in_done"]
+    averages = [t for events in trace.values() for t, what, *_ in events if what == "result_end"]
+    if not parts or not averages:
+        return None
+    scatter, gather = max(parts), max(averages)
+    return {"reduce_scatter_s": round(scatter, 4), "all_gather_s": round(gather - scatter, 4),
+            "agreement_s": round(seconds - gather, 4)}
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "max": max(values), "median": statistics.median(values)}
+
+
+def bus_mbit(peers: int, payload_bytes: float, seconds: float | None) -> float | None:
+    """Bus bandwidth as nccl-tests reports it, in Mbit/s: S/t · 2(N−1)/N (at the bound, the cap)."""
+    return payload_bytes * 8 / 1e6 / seconds * 2 * (peers - 1) / peers if seconds else None
+
+
+def rounds_for(args, payload_mb: float) -> int:
+    return args.large_rounds if payload_mb >= args.large_mb else args.rounds
+
+
+def save_traces(logdir: Path, record: dict) -> None:
+    """The full stage timestamps go to the run's log folder; the record keeps the phases."""
+    traces = [r.pop("trace") for r in record["rounds"] if "trace" in r]
+    append_jsonl(logdir / "traces.jsonl", {key: record[key] for key in ("impl", "peers", "payload_mb", "mbit")}
+                 | {"traces": traces})
 
 
 def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
@@ -112,12 +178,12 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
                     bound = bound_seconds(n, payload, mbit)
                     timeout = max(60.0, 4 * (bound or 0))
                     _ask(members, {"cmd": "setup", "numel": numel}, "setup_done", 120)
-                    rounds = 1 if bound and bound > args.single_round_above else args.rounds
                     results = []
-                    for _ in range(rounds):
+                    for _ in range(rounds_for(args, size)):
                         wire0, links0 = [net.wire_sent(i) for i in range(n)], link_counters(net, n)
                         step += 1
-                        result = lowcomm_round(members, addresses, numel, int(codec.id), timeout, step)
+                        result = lowcomm_round(members, addresses, numel, int(codec.id), timeout, step,
+                                               args.schedule == "staggered")
                         wire = [None if a is None or b is None else b - a
                                 for a, b in zip(wire0, [net.wire_sent(i) for i in range(n)])]
                         result["wire_bytes_sent"] = statistics.fmean(wire) if None not in wire else None
@@ -127,12 +193,16 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
                     record = record_base(
                         "transport", run_id=run_id, impl="lowcomm", peers=n, payload_mb=size, payload_bytes=payload,
                         numel=numel, codec=codec.name, mbit=mbit, network=net.kind, link=net.describe(),
-                        rounds=results, seconds=seconds, bound_seconds=bound,
-                        efficiency=bound / seconds if bound else None,
+                        queue=args.queue, schedule=args.schedule, load_avg=os.getloadavg()[0],
+                        rounds=results, seconds=seconds, seconds_spread=spread([r["seconds"] for r in results]),
+                        bound_seconds=bound, efficiency=bound / seconds if bound else None,
+                        bus_mbit=bus_mbit(n, payload, seconds),
+                        cpu_seconds_per_mb=statistics.median(r["cpu_seconds_per_mb"] for r in results),
                         bytes_sent_per_peer=statistics.fmean(r["bytes_sent"] for r in results),
                         bytes_bound_per_peer=2 * (n - 1) / n * payload,
                         wire_bytes_sent_per_peer=results[-1]["wire_bytes_sent"],
                         ok=all(r["skipped_shards"] == 0 for r in results))
+                    save_traces(logdir, record)
                     append_jsonl(out, record)
                     eff = f"{record['efficiency']:.2f}" if bound else "n/a"
                     say(f"lowcomm N={n} S={size}MB cap={mbit}: {seconds:.2f} s, bound {bound or 0:.2f} s, "
@@ -191,9 +261,8 @@ def sweep_hivemind(net, args, out: Path, run_id: str, logdir: Path) -> None:
             timeout = max(60.0, 4 * (bound or 0))
             _ask(members, {"cmd": "setup", "numel": numel, "group_size": n, "prefix": f"bench{number}",
                            "timeout": timeout}, "setup_done", 120)
-            rounds = 1 if bound and bound > args.single_round_above else args.rounds
             results = []
-            for _ in range(rounds):
+            for _ in range(rounds_for(args, size)):
                 wire0, links0 = [net.wire_sent(i) for i in range(n)], link_counters(net, n)
                 done = _ask(members, {"cmd": "round", "timeout": timeout}, "round_done", timeout * 3 + 60)
                 wire = [None if a is None or b is None else b - a
@@ -208,8 +277,9 @@ def sweep_hivemind(net, args, out: Path, run_id: str, logdir: Path) -> None:
             record = record_base(
                 "transport", run_id=run_id, impl="hivemind", peers=n, payload_mb=size, payload_bytes=payload,
                 numel=numel, codec="none (fp32)", mbit=mbit, network=net.kind, link=net.describe(), rounds=results,
-                seconds=seconds, bound_seconds=bound,
-                efficiency=bound / seconds if bound and seconds else None,
+                queue=args.queue, load_avg=os.getloadavg()[0], seconds=seconds,
+                seconds_spread=spread([r["seconds"] for r in ok]) if ok else None, bound_seconds=bound,
+                efficiency=bound / seconds if bound and seconds else None, bus_mbit=bus_mbit(n, payload, seconds),
                 bytes_bound_per_peer=2 * (n - 1) / n * payload,
                 wire_bytes_sent_per_peer=results[-1]["wire_bytes_sent"], ok=bool(ok))
             append_jsonl(out, record)
@@ -232,13 +302,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", type=ints, default=[2, 4, 8])
     parser.add_argument("--sizes-mb", type=floats, default=[4, 64])
     parser.add_argument("--caps", type=floats, default=[20, 100, 1000], help="Mbit/s per peer, both directions")
-    parser.add_argument("--rounds", type=int, default=2, help="measured rounds per configuration (median)")
-    parser.add_argument("--single-round-above", type=float, default=20.0,
-                        help="measure one round only where the bound exceeds this many seconds")
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds per configuration (median)")
+    parser.add_argument("--large-rounds", type=int, default=3, help="measured rounds where S >= --large-mb")
+    parser.add_argument("--large-mb", type=float, default=32.0)
     parser.add_argument("--codec", default="fp32")
     parser.add_argument("--hivemind", default="4x4@20,4x4@100,4x4@1000,4x64@100",
                         help="NxS@C configurations for hivemind's DecentralizedAverager ('' for none)")
     parser.add_argument("--network", choices=["netns", "loopback"], default="netns")
+    parser.add_argument("--schedule", choices=["staggered", "all"], default="staggered",
+                        help="lowcomm's upload/result order (protocol/schedule.py) or everything at once")
+    parser.add_argument("--queue", choices=["router", "gso"], default="router",
+                        help="router: the caps queue MTU-sized packets, as a home router does; gso: 64 kB "
+                             "GSO packets (the veth default, the runs before issue 17 item 4)")
     parser.add_argument("--prefix", default="lct")
     parser.add_argument("--json-out", type=Path, default=OUT / "transport.jsonl")
     args = parser.parse_args(argv)
@@ -253,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     peers_max = max([*args.peers, *(int(c.split("x")[0]) for c in args.hivemind.split(",") if c.strip())])
     started = time.monotonic()
     with network(args.network, peers_max, prefix=args.prefix) as net:
+        packets_like_a_router(net, peers_max, args.queue == "router")
         logdir = args.json_out.parent / "logs" / f"transport-{run_id}"
         logdir.mkdir(parents=True, exist_ok=True)
         sweeps = [("lowcomm", sweep_lowcomm)] if args.peers and args.sizes_mb else []

@@ -38,6 +38,91 @@ def emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
+class Trace:
+    """Timestamps of one round's stages, per peer and shard, relative to the round's start (the
+    harness puts them into its records: where the time of a round goes, issue 17)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.time()
+        self.events: list[tuple[float, str, int, str]] = []  # (seconds, what, shard, other peer)
+
+    def mark(self, what: str, shard: int, peer: str = "") -> None:
+        self.events.append((round(time.time() - self.t0, 4), what, shard, peer))
+
+
+class TracingTransport:
+    """A ReduceTransport that marks, for every Reduce stream this peer opens, when it starts, when
+    its upload was taken, and when the owner's answer starts and ends."""
+
+    def __init__(self, inner, trace: "Trace | None" = None) -> None:
+        self.inner = inner
+        self.trace = trace
+
+    def reduce(self, address, requests, timeout):
+        trace, shard = self.trace, [-1]
+
+        async def outgoing():
+            async for message in requests:
+                if message.HasField("header"):
+                    shard[0] = message.header.shard_index
+                    trace.mark("up_start", shard[0], address)
+                yield message
+            trace.mark("up_taken", shard[0], address)
+
+        async def answer():
+            first = True
+            async for message in self.inner.reduce(address, outgoing(), timeout):
+                if first:
+                    trace.mark("result_start", shard[0], address)
+                    first = False
+                yield message
+            trace.mark("result_end", shard[0], address)
+        return answer()
+
+    async def report_shards(self, address, report, timeout):
+        self.trace.mark("report_out", -1, address)
+        try:
+            return await self.inner.report_shards(address, report, timeout)
+        finally:
+            self.trace.mark("report_back", -1, address)
+
+
+class TracingRegistry:
+    """The owner's side of the trace: when a sender's header, its last chunk and the first and
+    last message of the average sent back pass this peer's Reduce handler."""
+
+    def __init__(self, registry, transport: TracingTransport) -> None:
+        self.registry = registry
+        self.transport = transport
+
+    def __getattr__(self, name):
+        return getattr(self.registry, name)
+
+    async def handle(self, requests, context=None):
+        trace, who = self.transport.trace, ["", -1]
+
+        async def incoming():
+            done = False
+            async for message in requests:
+                if message.HasField("header"):
+                    who[:] = [message.header.sender_peer_id, message.header.shard_index]
+                    trace.mark("in_header", who[1], who[0])
+                elif message.HasField("chunk") and not message.chunk and not done:  # the payload's end
+                    trace.mark("in_done", who[1], who[0])
+                    done = True
+                yield message
+            if not done:
+                trace.mark("in_done", who[1], who[0])
+
+        first = True
+        async for message in self.registry.handle(incoming(), context):
+            if first:
+                trace.mark("out_result_start", who[1], who[0])
+                first = False
+            yield message
+        trace.mark("out_result_end", who[1], who[0])
+
+
 def commands() -> "asyncio.Queue[dict]":
     """stdin lines as an asyncio queue (a thread reads; the loop is never blocked)."""
     loop = asyncio.get_running_loop()
@@ -61,6 +146,7 @@ async def run_lowcomm(args: argparse.Namespace) -> None:
 
     from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
     from lowcomm.protocol.allreduce import ReduceRegistry, run_allreduce
+    from lowcomm.protocol.grpc_transport import GrpcReduceTransport
     from lowcomm.protocol.rpc import AveragingServicer, ChannelPool, NodeInfoServicer, create_server
 
     torch.set_num_threads(1)
@@ -72,10 +158,11 @@ async def run_lowcomm(args: argparse.Namespace) -> None:
     async def no_status():
         raise NotImplementedError
 
-    server, port = create_server(args.host, args.port, AveragingServicer(None, registry), None,
+    channels = ChannelPool()
+    transport = TracingTransport(GrpcReduceTransport(channels))
+    server, port = create_server(args.host, args.port, AveragingServicer(None, TracingRegistry(registry, transport)), None,
                                  NodeInfoServicer(no_status), health.aio.HealthServicer())
     await server.start()
-    channels = ChannelPool()
     emit(event="ready", address=f"{args.host}:{port}", peer_id=peer_id)
     queue = commands()
     delta = residual = owner_residual = None
@@ -96,14 +183,16 @@ async def run_lowcomm(args: argparse.Namespace) -> None:
                     members=[averaging_pb2.Member(**m) for m in spec["members"]],
                     shard_bounds=spec["shard_bounds"], shard_owners=spec["shard_owners"], codec=spec["codec"],
                     reduce_timeout_s=spec["reduce_timeout_s"])
-                t_start, cpu_start = time.time(), time.process_time()
-                result = await run_allreduce(group, peer_id, delta, residual, owner_residual, registry, channels,
-                                             executor)
+                transport.trace = Trace()
+                t_start, cpu_start = transport.trace.t0, time.process_time()
+                result = await run_allreduce(group, peer_id, delta, residual, owner_residual, registry, None,
+                                             executor, staggered=cmd.get("staggered", True), transport=transport)
                 t_end, cpu = time.time(), time.process_time() - cpu_start
                 residual.zero_()
                 owner_residual.zero_()
                 emit(event="round_done", t_start=t_start, t_end=t_end, cpu_seconds=cpu, bytes_sent=result.bytes_sent,
-                     bytes_received=result.bytes_received, skipped=sum(a is None for a in result.averages))
+                     bytes_received=result.bytes_received, skipped=sum(a is None for a in result.averages),
+                     trace=transport.trace.events)
     finally:
         await channels.close()
         await server.stop(grace=None)
