@@ -14,11 +14,11 @@ from typing import Awaitable, Callable
 
 import torch
 
-from . import codecs
+from . import codecs, wire
 from ._pb.lowcomm.v1 import averaging_pb2
 from .aggregation import Aggregated, Aggregation, aggregate
 from .schedule import result_order
-from .sender import chunks
+from .sender import CHUNK_BYTES
 from .transport import Clock, LoopClock
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class ShardAccumulator:
     # None: the average is this group's, encoded here. Set in a split step: the group's partial
     # average goes to the shard's team instead and the team's encoded average is published.
     publish: Publish | None = None
-    _result_chunks: list[bytes] | None = None
+    _result_chunks: list[wire.Chunk] | None = None
 
     def __post_init__(self) -> None:
         self.contributions.setdefault(self.owner_id, self.own)
@@ -192,10 +192,10 @@ class ShardAccumulator:
                     log.warning("shard %d: %s; every member skips it this round", self.shard_index, self.failure)
         return self.result
 
-    def result_chunks(self) -> list[bytes]:
-        """The encoded average cut into stream messages, once (every sender gets the same)."""
+    def result_chunks(self) -> list[wire.Chunk]:
+        """The encoded average as stream messages, framed once: every sender gets the same bytes."""
         if self._result_chunks is None:
-            self._result_chunks = chunks(self.result_payload)
+            self._result_chunks = wire.chunks(self.result_payload, CHUNK_BYTES, framed=True)
         return self._result_chunks
 
     async def wait_turn(self, sender: str, budget: float) -> None:

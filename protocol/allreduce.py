@@ -165,9 +165,9 @@ class ReduceRegistry:
             yield averaging_pb2.ReduceMessage(result=averaging_pb2.ReduceResult(
                 codec=acc.codec.id, numel=acc.numel, payload_bytes=len(acc.result_payload),
                 contributors=acc.contributors))
-            for chunk in acc.result_chunks():  # cut once per shard, not once per sender
-                acc.bytes_out += len(chunk)
-                yield averaging_pb2.ReduceMessage(chunk=chunk)
+            for chunk in acc.result_chunks():  # framed once per shard, not once per sender
+                acc.bytes_out += len(chunk.chunk)
+                yield chunk
         finally:
             acc.served(sender)
 

@@ -8,7 +8,7 @@ from typing import AsyncIterator, Callable
 import numpy as np
 import torch
 
-from . import codecs
+from . import codecs, wire
 from ._pb.lowcomm.v1 import averaging_pb2
 from .transport import ReduceTransport
 from .validate import check_contribution
@@ -69,11 +69,11 @@ async def reduce_with_owner(transport: ReduceTransport, address: str, header: av
     they go, ``on_uploaded()`` runs once the transport has taken the last chunk. Raises
     transport.CallFailed for a failed call and ValueError for an answer that breaks the protocol.
     """
-    async def outgoing() -> AsyncIterator[averaging_pb2.ReduceMessage]:
+    async def outgoing() -> AsyncIterator[wire.Message]:
         yield averaging_pb2.ReduceMessage(header=header)
-        for chunk in chunks(payload):
-            on_sent(len(chunk))
-            yield averaging_pb2.ReduceMessage(chunk=chunk)
+        for chunk in wire.chunks(payload, CHUNK_BYTES):  # views of the payload, framed once by the transport
+            on_sent(len(chunk.chunk))
+            yield chunk
         on_uploaded()  # the transport asked for more after the last chunk: it has all of them
 
     result = None

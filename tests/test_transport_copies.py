@@ -1,13 +1,15 @@
 """The all-reduce's cheaper data path (issue 17 item 2) computes exactly what the plain one did:
-the finite-value check, the blockwise float64 mean, fp32's in-place decode, the payload inbox and
-error feedback for a lossless codec."""
+the finite-value check, the blockwise float64 mean, fp32's in-place decode, the payload inbox,
+error feedback for a lossless codec, and chunks framed and parsed without protobuf (wire.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from google.protobuf.message import DecodeError
 
-from lowcomm.protocol import codecs
+from lowcomm.protocol import codecs, wire
+from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
 from lowcomm.protocol.aggregation import MEAN_BLOCK, _scaled_mean
 from lowcomm.protocol.sender import Inbox
 from lowcomm.protocol.validate import ContributionRejected, check_contribution
@@ -104,3 +106,31 @@ def test_lossless_error_feedback_returns_what_a_receiver_decodes() -> None:
     assert torch.equal(decoded, FP32.decode(payload, 1000))
     assert torch.equal(decoded, s)
     assert torch.equal(residual, torch.zeros(1000))
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16383, 16384, 2 * 2**20 + 3])
+def test_a_chunk_has_protobufs_wire_bytes_and_parses_back_as_a_view(size: int) -> None:
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    framed = wire.Chunk(memoryview(data), framed=True)
+    raw = wire.serialize(framed)
+    assert raw == averaging_pb2.ReduceMessage(chunk=data).SerializeToString()
+    assert wire.serialize(framed) is raw  # framed once: every member is sent the same object
+    assert wire.serialize(wire.Chunk(memoryview(data))) == raw
+    parsed = wire.parse(raw)
+    assert isinstance(parsed, wire.Chunk) and parsed.HasField("chunk") and not parsed.HasField("header")
+    assert bytes(parsed.chunk) == data and len(parsed.chunk) == size
+    assert averaging_pb2.ReduceMessage.FromString(raw).chunk == data
+
+
+def test_wire_parse_leaves_every_other_message_to_protobuf() -> None:
+    header = averaging_pb2.ReduceMessage(header=averaging_pb2.ReduceHeader(numel=5, sender_peer_id="p"))
+    got = wire.parse(header.SerializeToString())
+    assert isinstance(got, averaging_pb2.ReduceMessage) and got.header.numel == 5
+    assert not wire.parse(b"").HasField("chunk")  # an empty message: no field set, as protobuf says
+    # A chunk followed by a header: protobuf's oneof keeps the last one; so does parse.
+    two = averaging_pb2.ReduceMessage(chunk=b"ab").SerializeToString() + header.SerializeToString()
+    assert wire.parse(two).HasField("header")
+    with pytest.raises(DecodeError):  # a chunk shorter than its length says: protobuf's error
+        wire.parse(b"\x1a\x05ab")
+    assert [bytes(c.chunk) for c in wire.chunks(b"abcde", 2)] == [b"ab", b"cd", b"e"]
+    assert [bytes(c.chunk) for c in wire.chunks(b"", 2)] == [b""]
