@@ -177,10 +177,11 @@ class Averager:
             seen = unused_view.pop() if unused_view else await self.swarm.refresh_view()
             return decisions.expected_peers(seen, self.swarm.position())
 
-        # A large step matchmakes in buckets (protocol/buckets.py): its leaders wait for the peers
-        # of this view that are still in the heartbeat's latest one, without reading the table again.
-        round_peers = RoundPeers(frozenset(decisions.expected_peers(view, self.swarm.position())),
-                                 alive=lambda: self.swarm.last_view().peers)
+        # A large step matchmakes in buckets (protocol/buckets.py): B from this view, and its
+        # leaders wait for the peers expected in the heartbeat's latest one (no table read).
+        position = self.swarm.position()
+        round_peers = RoundPeers(frozenset(decisions.expected_peers(view, position)),
+                                 latest=lambda: decisions.expected_peers(self.swarm.last_view(), position))
         try:
             group = await self.matchmaker.form_group(
                 step, weight, self.stats.bandwidth_bps, expected_peers,

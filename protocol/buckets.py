@@ -6,9 +6,10 @@ When the peers a peer expects at step r number n ≥ 2·group_size, it matchmake
 1. **Buckets.** B = 2^⌊log₂(n / group_size)⌋ (a power of two, so peers whose views differ a
    little still agree on B); a peer's bucket is sha256(r, peer id) mod B, re-mixed every step.
    It registers under ``<round key>/b<B>.<b>`` and the election of election.py runs there: the
-   lowest registrant leads the bucket, about group_size peers call it. What it expects is the
-   bucket's part of the round-start view (``RoundPeers.expected``) that is still in the
-   heartbeat's latest view (``RoundPeers.alive``): no read of the peers table while it waits.
+   lowest registrant leads the bucket, about group_size peers call it. B comes from the
+   round-start view (``RoundPeers.expected``); what a leader waits for is the bucket's part of
+   the peers expected in the heartbeat's latest view (``RoundPeers.latest``): no read of the
+   peers table while it waits, and a peer that reached the step since is waited for too.
    It closes when they are all in, after a quorum and the straggler wait, at ``BUCKET_SHARE`` of
    the timeout, or ``TOP_RESERVE`` of the timeout before its first member gives up.
 2. **The top level.** A bucket leader whose bucket closed registers under the step's round key
@@ -74,14 +75,15 @@ def bucket_key(run: str, step: int, params_hash: str, label: str) -> str:
 class RoundPeers:
     """What a step's matchmaking knows of the swarm without reading the peers table again:
     ``expected``, the peers expected at the step in the view read at round start (this peer
-    included), and ``alive()``, the peer ids of the heartbeat's latest view (no DHT call)."""
+    included; it sets B), and ``latest()``, the peers expected at the step in the heartbeat's
+    latest view (no DHT call): those still coming, a peer that reached the step since included,
+    a peer that died or moved on left out."""
 
     expected: frozenset[str]
-    alive: Callable[[], Collection[str]]
+    latest: Callable[[], Collection[str]]
 
-    def live(self, ids: Collection[str], me: str) -> set[str]:
-        alive = self.alive()
-        return {p for p in ids if p == me or p in alive}
+    def now(self, me: str) -> set[str]:
+        return {*self.latest(), me}
 
 
 class TopWatch:
@@ -112,20 +114,28 @@ class BucketLevel:
                              peers: RoundPeers, buckets: int, deadline: float, timeout: float) -> averaging_pb2.Group:
         step, margin = current.step, min(REPLY_MARGIN, timeout / 10)
         labels = {p: bucket_label(step, p, buckets) for p in peers.expected | {self.peer_id}}
+
+        def label(peer: str) -> str:  # a peer that reached the step after our round started is labelled once
+            if (known := labels.get(peer)) is None:
+                known = labels[peer] = bucket_label(step, peer, buckets)
+            return known
+
         current.bucket = request.bucket = labels[self.peer_id]
         current.key = bucket_key(self.run, step, current.params_hash, current.bucket)
         current.reserve = TOP_RESERVE * timeout
         current.one_plan = True
-        members = {p for p, label in labels.items() if label == current.bucket}
         top_key = round_key(self.run, step, current.params_hash)
 
         unreachable: set[str] = set()  # a registrant of our bucket we could not reach is not waited for
 
         async def bucket_peers() -> set[str]:
-            return peers.live(members, self.peer_id) - unreachable
+            return {p for p in peers.now(self.peer_id) if label(p) == current.bucket} - unreachable
 
         async def all_peers() -> set[str]:
-            return peers.live(peers.expected, self.peer_id)
+            expected = peers.now(self.peer_id)
+            for peer in expected:
+                label(peer)  # the top level's coverage by reported buckets reads ``labels``
+            return expected
 
 
         async def to_top(bucket: _Round) -> averaging_pb2.Group:

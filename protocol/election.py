@@ -101,6 +101,7 @@ class _Round:
     # At either level of a bucketed step: a peer that refuses because its group closed has
     # made (or is in) the step's plan; coming later must not start a second one (MatchmakingError).
     one_plan: bool = False
+    planned: bool = True  # with role "closed": whether the round ended with a group (False: it failed)
     # At a bucket level: what the step's top level shows (buckets.TopWatch): by when the step
     # coordinator must close (our bucket must be there before), and whether our view's B differs
     # from the other buckets' (then, with nobody in our bucket, we close it ``lonely``: without
@@ -149,6 +150,9 @@ class Election:
         if request.direct and not current.direct and current.role != "closed" and self.address:
             # We do not lead a direct round: join again the ordinary way, with the whole deadline.
             return averaging_pb2.JoinResponse(redirect=averaging_pb2.Redirect(peer_id=self.peer_id, address=self.address))
+        if current.role == "closed" and not current.planned and self.address:
+            # Our round failed (or is being given up): no plan was made here; the caller may look on.
+            raise Refused(Code.ABORTED, f"this peer's round of step {request.step} ended without a group")
         if current.role == "closed" or not self.address:
             raise Refused(Code.ABORTED, f"the group of step {request.step} {CLOSED}")
         peer = request.hello.peer_id

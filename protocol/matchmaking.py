@@ -176,6 +176,10 @@ class Matchmaker(Election, BucketLevel, DirectPath):
             if not overall.expired():
                 raise
             raise MatchmakingError(f"no group formed for step {step} within {timeout:.1f}s") from None
+        except BaseException:
+            for level in self._open:
+                level.planned = False  # late callers are told that no plan was made here
+            raise
         finally:
             for level in self._open:
                 self._release(level)

@@ -220,10 +220,12 @@ class SimPeer:
                 return decisions.expected_peers(unused_view.pop(), self.position())
             return decisions.expected_peers(await self.refresh_view(), self.position())
 
-        # As node/averaging.py: a large step matchmakes in buckets (protocol/buckets.py) on the
-        # round-start view, with the heartbeat's latest view for liveness.
+        # As node/averaging.py: a large step matchmakes in buckets (protocol/buckets.py), B from
+        # the round-start view, waiting for the peers expected in the heartbeat's latest view.
+        position = self.position()
         round_peers = None if cfg.single_level else RoundPeers(
-            frozenset(decisions.expected_peers(view, self.position())), alive=lambda: self.view.peers)
+            frozenset(decisions.expected_peers(view, position)),
+            latest=lambda: decisions.expected_peers(self.view, position))
         try:
             group = await self.matchmaker.form_group(step, self.tokens_since_round, self.link.up, expected_peers,
                                                      cfg.matchmaking_timeout, params_hash=self.hash, numel=cfg.numel,

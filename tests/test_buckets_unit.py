@@ -27,7 +27,7 @@ def swarm(net: FakeNet, dht: FakeDHT, loop: VirtualTimeLoop, count: int) -> list
 
 def knowing(ids: set[str]) -> RoundPeers:
     """The round-start view expects ``ids``, and all of them stay alive."""
-    return RoundPeers(frozenset(ids), alive=lambda: ids)
+    return RoundPeers(frozenset(ids), latest=lambda: ids)
 
 
 async def form(m: Matchmaker, step: int, view: set[str], timeout: float = TIMEOUT):
