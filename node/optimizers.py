@@ -12,6 +12,10 @@ with ω the slow moment's weight. The slow moment is what is worth averaging acr
 (``[sync] state_sync``, node/state_sync.py): over a short inner phase it moves little, so its
 swarm-wide mean is a long-horizon direction every peer then follows, while the fast moment
 tracks this peer's own recent gradients.
+
+Below it: an inner optimizer's whole state read out as flat vectors and installed into another
+optimizer, which is how a joiner of a state-sync run receives its donor's (``capture_states``,
+``install_states``).
 """
 
 from __future__ import annotations
