@@ -346,34 +346,33 @@ def real_swarm_lines(path: Path) -> list[str]:
                     "busiest peer's calls/round", "busiest JoinGroup/round"], rows)]
 
 
-def scale_section(sweep: Path, goals: list[str]) -> list[str]:
-    """Section "Scale": the simulator's sweep (sim/, `python -m sim sweep`) and the issue 15 goals."""
+SCALE_CURRENT = ("allreduce-g16", "allreduce-g64", "gossip-k2")  # the protocol now (buckets for large steps)
+SCALE_BEFORE = ("single-level-g16", "single-level-g64")  # one leader per (step, hash): bench/out/scale/single-level/
+
+
+def _round_means(path: Path) -> dict[str, float]:
+    """Means over the rounds after the first of a run's round lines (failures by reason among them)."""
+    rounds = [r for r in read_jsonl(path) if r.get("round", 0) > 0]
+    if not rounds:
+        return {}
+    out: dict[str, float] = {}
+    for key in ("groups", "busiest_peer_rpcs", "busiest_peer_joins", "downloads_behind", "downloads_minority",
+                "hashes", "live", "averaged"):
+        out[key] = sum(r.get(key, 0) for r in rounds) / len(rounds)
+    for reason in ("behind", "matchmaking", "no_group"):
+        out[f"failed_{reason}"] = sum(r.get("failed", {}).get(reason, 0) for r in rounds) / len(rounds)
+    return out
+
+
+def _scale_goals(rows: dict[tuple[str, int], dict], variant: str, out_dir: Path) -> list[str]:
+    """Issue 15's goals for ``variant`` at its largest N against N=16, each met/MISSED with the profile of a miss."""
     import math
 
-    lines = ["## 8. Scale (simulated: `python -m sim sweep --jobs 2`)", ""]
-    if not sweep.exists():
-        goals.append("- Scale goals at N=1024 (issue 15): **not measured** (no bench/out/scale/sweep.jsonl).")
-        return lines + ["Not run.", ""]
-    sys.path.insert(0, str(BENCH.parent))
-    from sim.sweep import table as sweep_table  # the simulator's own table: one definition of the columns
-
-    rows: dict[tuple[str, int], dict] = {}
-    for r in read_jsonl(sweep):
-        rows[(r["variant"], r["peers"])] = r
-    lines += ["The real Matchmaker, layout, split-step plan, decisions and gossip partner choice on a "
-              "virtual-time loop with simulated DHT, links (80 % residential 10–100 Mbit/s up, 20 % "
-              "datacenter) and 5 %/hour churn; tensors replaced by sizes (25 M parameters, int8, H=50). "
-              "Means over the rounds after the first; what each column means, the profiles of the misses "
-              "and the bucket prototype: sim/README.md.", "", sweep_table(sweep), ""]
-    if (sweep.parent / "scale.png").exists():
-        lines += [f"![scale]({(sweep.parent / 'scale.png').relative_to(BENCH)})", ""]
-    lines += real_swarm_lines(sweep.parent.parent / "real_swarm.jsonl")
-    small, ns = rows.get(("allreduce-g16", 16)), [n for v, n in rows if v == "allreduce-g16"]
-    big = rows.get(("allreduce-g16", max(ns))) if ns else None
+    small, ns = rows.get((variant, 16)), [n for v, n in rows if v == variant]
+    big = rows.get((variant, max(ns))) if ns else None
     if not (small and big) or big["peers"] == 16:
-        goals.append("- Scale goals (issue 15): **not measured** (the sweep lacks allreduce-g16 at N=16 and a larger N).")
-        return lines
-    n = big["peers"]
+        return [f"- Scale goals ({variant}): **not measured** (the sweep lacks N=16 and a larger N)."]
+    n, p = big["peers"], _round_means(out_dir / f"{variant}-N{big['peers']}.jsonl")
 
     def ratio(key: str) -> float:
         return big[key] / small[key] if small[key] else math.inf
@@ -383,23 +382,84 @@ def scale_section(sweep: Path, goals: list[str]) -> list[str]:
 
     dht = (big["mean_dht_reads_per_peer"] + big["mean_dht_writes_per_peer"]) / (
         small["mean_dht_reads_per_peer"] + small["mean_dht_writes_per_peer"])
-    goals += [
-        f"- Scale (simulated, allreduce-g16, N=16 → N={n}): **formation p95 within 2×: "
-        f"{verdict(ratio('mean_form_p95_s') <= 2)}** ({small['mean_form_p95_s']:.1f} → {big['mean_form_p95_s']:.1f} s; "
-        f"near the 30 s matchmaking timeout at every N). **≥95 % of live peers average: "
-        f"{verdict(big['mean_share_averaged'] >= 0.95)}** ({big['mean_share_averaged']:.2f}, min "
-        f"{big['min_share_averaged']:.2f}). **DHT operations per peer within 2×: {verdict(dht <= 2)}** in count "
-        f"({dht:.2f}×), but records read per peer {ratio('mean_dht_subkeys_read_per_peer'):.0f}× and the busiest "
-        f"DHT holder's requests {ratio('mean_dht_busiest_holder_requests'):.0f}×. **Busiest peer's RPCs within 2×: "
-        f"{verdict(ratio('mean_busiest_peer_rpcs') <= 2)}** ({small['mean_busiest_peer_rpcs']:.0f} → "
-        f"{big['mean_busiest_peer_rpcs']:.0f}). **Bytes per peer flat (≤1.25×): "
-        f"{verdict(ratio('mean_bytes_per_peer_mb') <= 1.25)}** ({ratio('mean_bytes_per_peer_mb'):.2f}×). "
-        "Profiles: sim/README.md."]
+    share_ok, rpc_ok = big["mean_share_averaged"] >= 0.95, ratio("mean_busiest_peer_rpcs") <= 2
+    line = (f"- Scale (simulated, {variant}, N=16 → N={n}): **formation p95 within 2×: "
+            f"{verdict(ratio('mean_form_p95_s') <= 2)}** ({small['mean_form_p95_s']:.1f} → {big['mean_form_p95_s']:.1f} s; "
+            f"near the 30 s matchmaking timeout at every N). **≥95 % of live peers average: {verdict(share_ok)}** "
+            f"({big['mean_share_averaged']:.2f}, min {big['min_share_averaged']:.2f})")
+    if not share_ok and p:
+        line += (f": per round {p['failed_behind']:.0f} of {p['live']:.0f} live peers found the swarm past their step "
+                 f"(`behind`, then {p['downloads_behind']:.0f} downloads) and {p['failed_matchmaking']:.0f} rounds failed "
+                 f"in matchmaking (their bucket reached the step coordinator after the step's one plan closed: "
+                 f"{p['hashes']:.1f} hashes per step, {p['downloads_minority']:.1f} minority downloads) — arrival "
+                 "spread and catch-up pacing, not load")
+    line += (f". **DHT operations per peer within 2×: {verdict(dht <= 2)}** in count ({dht:.2f}×), but records read per "
+             f"peer {ratio('mean_dht_subkeys_read_per_peer'):.0f}× and the busiest DHT holder's requests "
+             f"{ratio('mean_dht_busiest_holder_requests'):.0f}×: the heartbeat still reads the whole `<run>/peers` "
+             "table (node/swarm.py); matchmaking no longer does. **Busiest peer's RPCs within 2×: "
+             f"{verdict(rpc_ok)}** ({small['mean_busiest_peer_rpcs']:.0f} → {big['mean_busiest_peer_rpcs']:.0f}; "
+             f"JoinGroup {small['mean_busiest_peer_joins']:.0f} → {big['mean_busiest_peer_joins']:.0f})")
+    if not rpc_ok and p:
+        line += (f": besides ≤ group size + B JoinGroup calls, a team reducer of a step split into "
+                 f"G = {p['groups']:.0f} groups receives G − 1 stage-2 Reduce streams (crossgroup.py)")
+    line += (f". **Bytes per peer flat (≤1.25×): {verdict(ratio('mean_bytes_per_peer_mb') <= 1.25)}** "
+             f"({ratio('mean_bytes_per_peer_mb'):.2f}×).")
+    return [line]
+
+
+def _drop_rows(markdown: str, shown: set[str]) -> str:
+    """The table's rows whose (variant, N) is in ``shown`` ("variant/N"), header kept."""
+    out = []
+    for row in markdown.splitlines():
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        if len(cells) < 2 or not cells[1].isdigit() or f"{cells[0]}/{cells[1]}" in shown:
+            out.append(row)
+    return "\n".join(out)
+
+
+def scale_section(sweep: Path, goals: list[str]) -> list[str]:
+    """Section "Scale": the simulator's sweep (sim/, `python -m sim sweep`) and the issue 15 goals."""
+    import math
+
+    lines = ["## 8. Scale (simulated: `python -m sim sweep --variants allreduce-g16 allreduce-g64 gossip-k2`)", ""]
+    if not sweep.exists():
+        goals.append("- Scale goals at N=1024 (issue 15): **not measured** (no bench/out/scale/sweep.jsonl).")
+        return lines + ["Not run.", ""]
+    sys.path.insert(0, str(BENCH.parent))
+    from sim.sweep import table as sweep_table  # the simulator's own table: one definition of the columns
+
+    before = sweep.parent / "single-level" / "sweep.jsonl"
+    sources = [sweep, before] if before.exists() else [sweep]
+    rows: dict[tuple[str, int], dict] = {}
+    for path in sources:
+        for r in read_jsonl(path):
+            rows[(r["variant"], r["peers"])] = r
+    # A current all-reduce row from before buckets (sim/sweep.py now records "matchmaking") is left out.
+    stale = {(v, n) for v, n in rows if v.startswith("allreduce-") and rows[(v, n)].get("matchmaking") != "buckets"}
+    for key in stale:
+        del rows[key]
+    shown = {f"{v}/{n}" for v, n in rows}
+    lines += ["The real Matchmaker (with its buckets for large steps, protocol/buckets.py), layout, split-step "
+              "plan, decisions and gossip partner choice on a virtual-time loop with simulated DHT, links (80 % "
+              "residential 10–100 Mbit/s up, 20 % datacenter) and 5 %/hour churn; tensors replaced by sizes (25 M "
+              "parameters, int8, H=50). Means over the rounds after the first; what each column means: "
+              "sim/README.md. `single-level-*`: the protocol before buckets (one leader per step and hash, "
+              "bench/out/scale/single-level/, the sweep of commit ce0badd), for comparison.", "",
+              _drop_rows(sweep_table(*sources, variants=set(SCALE_CURRENT + SCALE_BEFORE)), shown), ""]
+    if stale:
+        lines += ["Not re-run with buckets yet: " + ", ".join(f"{v} N={n}" for v, n in sorted(stale)) + ".", ""]
+    if (sweep.parent / "scale.png").exists():
+        lines += [f"![scale]({(sweep.parent / 'scale.png').relative_to(BENCH)})", ""]
+    lines += real_swarm_lines(sweep.parent.parent / "real_swarm.jsonl")
+    goals += _scale_goals(rows, "allreduce-g16", sweep.parent)
+    if any(v == "allreduce-g64" and n > 16 for v, n in rows):
+        goals += _scale_goals(rows, "allreduce-g64", sweep.parent)
+    n = max((n for v, n in rows if v == "gossip-k2"), default=0)
     gossip = rows.get(("gossip-k2", n))
     if gossip and gossip.get("rounds_to_halve_consensus") is not None:
         halve = gossip["rounds_to_halve_consensus"]
         goals.append(f"- Scale (simulated gossip, N={n}): **consensus distance halves within log₂N = "
-                     f"{math.log2(n):.0f} rounds: {verdict(halve <= math.log2(n))}** ({halve} round(s)).")
+                     f"{math.log2(n):.0f} rounds: {'met' if halve <= math.log2(n) else 'MISSED'}** ({halve} round(s)).")
     return lines
 
 

@@ -1,4 +1,5 @@
-"""``python -m sim.plot``: the Scale figures vs N from bench/out/scale/sweep.jsonl (needs matplotlib,
+"""``python -m sim.plot``: the Scale figures vs N from bench/out/scale/sweep.jsonl and the protocol
+before buckets (bench/out/scale/single-level/sweep.jsonl) (needs matplotlib,
 the ``bench`` extra): formation p95, share averaged, DHT records read per peer, busiest peer's RPCs,
 bytes per peer and gossip consensus distance, one line per variant."""
 
@@ -16,7 +17,11 @@ PANELS = [("mean_form_p95_s", "group formation p95 (s)"), ("mean_share_averaged"
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m sim.plot")
-    parser.add_argument("--sweep", type=Path, default=Path("bench/out/scale/sweep.jsonl"))
+    parser.add_argument("--sweep", type=Path, nargs="+",
+                        default=[Path("bench/out/scale/sweep.jsonl"), Path("bench/out/scale/single-level/sweep.jsonl")])
+    parser.add_argument("--variants", nargs="+", default=["allreduce-g16", "allreduce-g64", "gossip-k2",
+                                                          "single-level-g16", "single-level-g64"],
+                        help="variants drawn (the prototype rows of the first sweep are left out by default)")
     parser.add_argument("--out", type=Path, default=Path("bench/out/scale/scale.png"))
     args = parser.parse_args()
     import matplotlib
@@ -25,10 +30,10 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     latest: dict[tuple[str, int], dict] = {}
-    for line in args.sweep.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            latest[(row["variant"], row["peers"])] = row
+    for path in args.sweep:
+        for line in path.read_text().splitlines() if path.exists() else []:
+            if line.strip() and (row := json.loads(line))["variant"] in args.variants:
+                latest[(row["variant"], row["peers"])] = row
     variants = sorted({v for v, _ in latest})
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (key, title) in zip(axes.flat, PANELS):

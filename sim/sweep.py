@@ -40,7 +40,8 @@ def one(args: tuple[str, int, int, float, int, str]) -> dict:
     lines, summary = simulate(config)
     path = Path(out) / f"{variant}-N{n}.jsonl"
     path.write_text("".join(json.dumps({"variant": variant, "peers": n, **line}) + "\n" for line in lines))
-    return {"variant": variant, "peers": n, "rounds": rounds, **summary}
+    matchmaking = {"matchmaking": "single-level" if config.single_level else "buckets"} if config.mode == "allreduce" else {}
+    return {"variant": variant, "peers": n, "rounds": rounds, **matchmaking, **summary}
 
 
 def main(argv: list[str]) -> int:
@@ -82,13 +83,16 @@ COLUMNS = [("share avg", "mean_share_averaged", 2), ("min share", "min_share_ave
            ("rounds to ½", "rounds_to_halve_consensus", 0)]
 
 
-def table(path: Path) -> str:
-    """The newest summary of every (variant, N) in ``path``, as a Markdown table."""
+def table(*paths: Path, variants: set[str] | None = None) -> str:
+    """The newest summary of every (variant, N) in ``paths`` (of ``variants``, default all), as a
+    Markdown table."""
     latest: dict[tuple[str, int], dict] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            latest[(row["variant"], row["peers"])] = row
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                if variants is None or row["variant"] in variants:
+                    latest[(row["variant"], row["peers"])] = row
     head = ["variant", "N", "rounds", *(name for name, _, _ in COLUMNS)]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (variant, n), row in sorted(latest.items(), key=lambda item: (item[0][0], item[0][1])):
