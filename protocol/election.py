@@ -57,6 +57,11 @@ class MatchmakingError(Exception):
     """No group could be formed for this round."""
 
 
+class PlanClosed(MatchmakingError):
+    """The step's one plan closed without this peer (its bucket came too late): the swarm will
+    be at the next step once that plan commits, so this peer's step is about to be behind."""
+
+
 def round_key(run: str, step: int, params_hash: str = "") -> str:
     """The top-level key of the round of ``step`` from ``params_hash`` (its buckets: buckets.py)."""
     key = f"{run}/round/{step}"
@@ -256,7 +261,7 @@ class Election:
                                            f"this node ({self.peer_id}): {err.detail}") from None
                 log.debug("JoinGroup to %s failed: %s %s", target.peer_id, err.code.name, err.detail)
                 if current.one_plan and err.code == Code.ABORTED and CLOSED in err.detail:
-                    raise MatchmakingError(f"the plan of step {current.step} closed before this peer's bucket "
+                    raise PlanClosed(f"the plan of step {current.step} closed before this peer's bucket "
                                            f"reached it ({target.peer_id} coordinated it)") from None
                 return None
             if response.HasField("group"):

@@ -39,7 +39,7 @@ from .buckets import BucketLevel, RoundPeers, bucket_count
 from .direct import DIRECT_TIMEOUT, DirectPath
 from .election import (  # noqa: F401 - re-exported: the names matchmaking has always offered
     LONELY_LEADER_GRACE, MAX_DIRECT_HOLD, MIN_FOLLOWER_WAIT, POLL_SECONDS, REPLY_MARGIN, Election, ExpectedPeers,
-    GroupDHT, MatchmakingError, _Follower, _Round, round_key,
+    GroupDHT, MatchmakingError, PlanClosed, _Follower, _Round, round_key,
 )
 from .handshake import Identity
 from .layout import close_groups, shard_layout, split_into_groups  # noqa: F401 - re-exported
@@ -47,7 +47,7 @@ from .transport import Clock, LoopClock, MatchmakingTransport, RandomBytes
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Matchmaker", "MatchmakingError", "RoundPeers", "round_key", "GroupDHT", "POLL_SECONDS", "REPLY_MARGIN"]
+__all__ = ["Matchmaker", "MatchmakingError", "PlanClosed", "RoundPeers", "round_key", "GroupDHT", "POLL_SECONDS", "REPLY_MARGIN"]
 
 
 class Matchmaker(Election, BucketLevel, DirectPath):

@@ -60,6 +60,7 @@ class SimConfig:
     straggler_wait: float = 2.0
     single_level: bool = False  # what-if: matchmaking without buckets (the protocol before protocol/buckets.py)
     lag_tolerant: bool = False  # what-if: one step behind averages instead of downloading (sim/whatif.py)
+    catch_up_missed_plan: bool = False  # what-if: a peer that missed its step's plan downloads next (sim/whatif.py)
     ideal_global: bool = False  # what-if: every group of a step ends with the same θ (item 3), free
     dim: int = 16  # floats of simulated parameters per peer
     run: str = "sim"
@@ -279,7 +280,7 @@ def simulate(config: SimConfig) -> tuple[list[dict], dict]:
 def summarize(lines: list[dict]) -> dict:
     """Means over the rounds after the first (which includes the swarm's start-up)."""
     steady = lines[1:] or lines
-    keys = ["share_averaged", "form_p50_s", "form_p95_s", "groups", "group_size_median", "dht_reads_per_peer",
+    keys = ["share_averaged", "share_majority", "form_p50_s", "form_p95_s", "groups", "group_size_median", "dht_reads_per_peer",
             "dht_writes_per_peer", "dht_subkeys_read_per_peer", "dht_busiest_holder_requests", "busiest_peer_rpcs",
             "busiest_peer_joins", "bytes_per_peer_mb", "skipped_shards", "downloads_minority", "downloads_behind",
             "downloads_joiner", "hashes", "consensus_distance", "partner_distance"]

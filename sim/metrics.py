@@ -145,6 +145,9 @@ class Metrics:
             "downloads_minority": s.downloads["minority"],
             "downloads_behind": s.downloads["behind"],
             "downloads_joiner": s.downloads["joiner"],
+            # Averaged into the step's most committed hash: what the step's θ is made of (a second
+            # plan of the same step averages too, but its peers then download the majority's state).
+            "share_majority": _r(max(Counter(s.committed.values()).values(), default=0) / live if live else None),
             "hashes": len(set(s.committed.values())),
             "committed": len(s.committed),
             "t_end_s": _r(s.last_commit_at, 1),

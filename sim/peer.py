@@ -28,7 +28,7 @@ from lowcomm.node.swarm import PeerRecord, SwarmView, peers_key
 from lowcomm.protocol import PROTOCOL_VERSION
 from lowcomm.protocol.crossgroup import StepPlan
 from lowcomm.protocol.handshake import Identity
-from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError, RoundPeers
+from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError, PlanClosed, RoundPeers
 from lowcomm.protocol.transport import LoopClock
 
 from .whatif import lagging
@@ -230,8 +230,10 @@ class SimPeer:
             group = await self.matchmaker.form_group(step, self.tokens_since_round, self.link.up, expected_peers,
                                                      cfg.matchmaking_timeout, params_hash=self.hash, numel=cfg.numel,
                                                      round_peers=round_peers)
-        except MatchmakingError:
+        except MatchmakingError as err:
             world.metrics.failed(step, self.peer_id, "matchmaking")
+            if cfg.catch_up_missed_plan and isinstance(err, PlanClosed):
+                await self.await_step_past(step)  # what-if (sim/whatif.py): download instead of training at a stale step
             return
         formed = loop.time() - started
         world.metrics.formed(step, self.peer_id, formed, group, self.matchmaker.led_last_group, world.live_count())
@@ -265,6 +267,17 @@ class SimPeer:
             theta = world.global_theta.setdefault((step, self.hash), theta)
         self.commit(theta)
         world.metrics.averaged(step, self.peer_id, len(group.members), result.bytes_sent, result.bytes_received)
+
+    async def await_step_past(self, step: int) -> None:
+        """Wait (on heartbeat views, bounded by a reduce timeout and two heartbeats) until a peer is past ``step``."""
+        cfg = self.world.config
+        try:
+            async with asyncio.timeout(cfg.reduce_timeout + 2 * cfg.heartbeat):
+                while self.view.max_step <= step:
+                    self.view_changed.clear()
+                    await self.view_changed.wait()
+        except TimeoutError:
+            pass
 
     def commit(self, theta: np.ndarray) -> None:
         self.tokens_since_round = 0.0

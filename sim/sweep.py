@@ -24,6 +24,7 @@ VARIANTS: dict[str, dict] = {
     "gossip-k2": dict(mode="gossip", gossip_partners=2),
     "single-level-g16": dict(mode="allreduce", group_size=16, single_level=True),
     "allreduce-g16-lag": dict(mode="allreduce", group_size=16, lag_tolerant=True),
+    "allreduce-g16-catchup": dict(mode="allreduce", group_size=16, catch_up_missed_plan=True),
 }
 
 
@@ -71,6 +72,7 @@ def main(argv: list[str]) -> int:
 
 
 COLUMNS = [("share avg", "mean_share_averaged", 2), ("min share", "min_share_averaged", 2),
+           ("share in majority", "mean_share_majority", 2),
            ("form p50 s", "mean_form_p50_s", 1), ("form p95 s", "mean_form_p95_s", 1),
            ("groups", "mean_groups", 1), ("size", "mean_group_size_median", 0),
            ("DHT r/peer", "mean_dht_reads_per_peer", 1), ("DHT w/peer", "mean_dht_writes_per_peer", 1),

@@ -8,6 +8,12 @@ step behind still averages at its own step (with the other late peers of the ste
 downloads only when the swarm is two steps ahead (the real ``catch_up_target`` with
 ``gossip_window=1``) or its hash is in a minority at its step.
 
+``catch_up_missed_plan`` (``--catch-up-missed-plan``, in sim/peer.py): a peer whose round failed
+with ``PlanClosed`` (its bucket reached the step coordinator after the step's one plan closed)
+knows that the swarm is about to be one step ahead: it waits for the first record past its step
+and goes straight to the catch-up, instead of training H inner steps at the stale step and
+finding itself ``behind`` one round later (what node/rounds.py does today).
+
 ``ideal_global`` (``--ideal-global``, in sim/peer.py): every group of a step ends with the same
 parameters at no cost, as if the step's groups never diverged.
 
