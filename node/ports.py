@@ -97,6 +97,9 @@ class SwarmPort(Protocol):
     async def refresh_view(self) -> "SwarmView":
         """Read the swarm from the DHT now (the heartbeat's view is updated too)."""
 
+    async def current_view(self) -> "SwarmView":
+        """The last view, or a fresh one when the swarm moved since (node/swarmpace.py)."""
+
     async def publish_record(self) -> None:
         """Publish this peer's record (step, hash, phase) now."""
 

@@ -2,8 +2,10 @@
 
 ``SwarmLink`` is the round driver's ``SwarmPort`` (node/ports.py): the record (step and hash read
 together, phase, throughput, bandwidth) is published every heartbeat and whenever the driver
-asks; the view of the run's peers is read on each heartbeat and when a round or a catch-up needs
-it fresh. After a partition heals, hivemind alone never reintroduces the two sides: the
+asks; the view of the run's peers is read when a round needs it fresh, and by the heartbeat only
+when node/swarmpace.py says a decision could need it (otherwise the heartbeat reads the small
+``<run>/progress`` record, which the link writes a mark into at each commit and round start).
+After a partition heals, hivemind alone never reintroduces the two sides: the
 heartbeat asks node/reconnect.py to re-bootstrap towards peers that went missing.
 """
 
@@ -11,17 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 from lowcomm.protocol import PROTOCOL_VERSION
 from lowcomm.protocol.handshake import Identity
 
-from . import decisions
+from . import decisions, swarmpace
 from .config import Config
 from .globalstate import GlobalState
 from .metrics import NodeMetrics
 from .reconnect import Reconnector
 from .runstats import RunStats
 from .swarm import HivemindDHT, PeerRecord, SignedDHT, SwarmView, peers_key, read_swarm
+from .swarmpace import Mark, ViewPace, parse_marks, progress_key
 
 log = logging.getLogger("lowcomm.node")
 
@@ -41,7 +45,13 @@ class SwarmLink:
         self.stats = stats
         self.address = address  # "" in client mode: peers cannot call us
         self.view = SwarmView({}, {}, 0.0)
+        self.has_view = False  # a full read of the table succeeded once
         self.reconnecting: asyncio.Task | None = None
+        self.gossip = config.sync.mode == "gossip"
+        # Gossip mode catches up with a swarm a few steps ahead by mixing (node/catchup.py).
+        self.pace = ViewPace(self.peer_id, step_window=self._gossip_window() if self.gossip else None)
+        self.marks: frozenset[Mark] = frozenset()  # the progress record as last read
+        self._marked: dict[Mark, float] = {}  # marks this peer stands for -> when it wrote them (loop time)
 
     def record(self, leaving: bool = False) -> PeerRecord:
         step, digest = self.state.published()  # together: never a new step with the old hash
@@ -52,15 +62,52 @@ class SwarmLink:
             config_fingerprint=self.identity.config_fingerprint, phase=self.stats.phase, leaving=leaving,
         )
 
+    @staticmethod
+    def _gossip_window() -> int:
+        from .gossip_mode import STEP_WINDOW  # imported late: gossip_mode pulls torch and the codecs
+
+        return STEP_WINDOW
+
     async def publish_record(self, leaving: bool = False) -> None:
         ttl = 3 * self.config.node.heartbeat_interval
         await self.dht_client.store(peers_key(self.config.run.name), self.peer_id, self.record(leaving).to_value(), ttl)
+        if not leaving:
+            await self._publish_marks()
+
+    async def _publish_marks(self) -> None:
+        """Write the progress marks this peer stands for: once when it starts to, again at half
+        their TTL while it still does (a few stores per round, not one per heartbeat, so the
+        record's holders serve no N writes per beat)."""
+        wanted = swarmpace.marks_of(self.position(), self.stats.phase, self.gossip)
+        # Long enough for every peer to read it at a heartbeat while a round of that step lasts.
+        ttl = self.config.sync.matchmaking_timeout + 3 * self.config.node.heartbeat_interval
+        now = asyncio.get_running_loop().time()  # monotonic; virtual in tests
+        self._marked = {m: t for m, t in self._marked.items() if m in wanted}
+        for mark in wanted:
+            if now - self._marked.get(mark, -math.inf) >= ttl / 2 and await self.dht_client.store(
+                    progress_key(self.config.run.name), mark.subkey, mark.to_value(), ttl):
+                self._marked[mark] = now
+
+    async def read_marks(self) -> frozenset[Mark]:
+        self.marks = parse_marks(await self.dht_client.get(progress_key(self.config.run.name)))
+        return self.marks
 
     async def refresh_view(self) -> SwarmView:
+        marks = self.marks  # known before this read: the view accounts for them
         self.view = await read_swarm(self.dht_client, self.config.run.name, self.identity.config_fingerprint,
                                      PROTOCOL_VERSION)
+        self.has_view = True
+        self.pace.read_full(marks, self.position())
         self.metrics.swarm_peers.set(len(self.view.peers | {self.peer_id: None}))
         self.metrics.swarm_outer_step_max.set(max(self.view.max_step, self.state.step))
+        return self.view
+
+    async def current_view(self) -> SwarmView:
+        """A view that answers the catch-up as a fresh one would: the last one, unless the
+        progress record has a mark that could make us download (node/swarmpace.py)."""
+        marks = await self.read_marks()
+        if not self.has_view or swarmpace.fresh_needed(marks, self.position(), self.pace.step_window):
+            return await self.refresh_view()
         return self.view
 
     def last_view(self) -> SwarmView:
@@ -71,17 +118,23 @@ class SwarmLink:
         return decisions.Position(self.peer_id, step, digest)
 
     async def heartbeat(self) -> None:
-        """Forever: publish our record, read the view, re-bootstrap towards missing peers (in
-        ``reconnecting``, which the caller cancels with this task)."""
+        """Forever: publish our record, read the progress record and, when node/swarmpace.py says
+        so, the view, then re-bootstrap towards missing peers (in ``reconnecting``, which the
+        caller cancels with this task)."""
         while True:
             try:
                 await self.publish_record()
-                view = await self.refresh_view()
-                missing = self.reconnector.missing(view.peers.keys(), view.left)
-                # In a task of its own: pinging unreachable peers must never delay our record
-                # past its TTL (the others would think we left).
-                if self.reconnector.due(missing) and (self.reconnecting is None or self.reconnecting.done()):
-                    self.reconnecting = asyncio.create_task(self._reconnect(missing), name="dht-reconnect")
+                # A swarm that reads the table at every beat anyway needs no progress read.
+                every = swarmpace.full_read_every(len(self.view.peers))
+                marks = await self.read_marks() if every > 1 else self.marks
+                if self.pace.full_read_due(len(self.view.peers), self.has_view, self.position(), self.stats.phase,
+                                           marks) is not None:
+                    view = await self.refresh_view()
+                    missing = self.reconnector.missing(view.peers.keys(), view.left)
+                    # In a task of its own: pinging unreachable peers must never delay our record
+                    # past its TTL (the others would think we left).
+                    if self.reconnector.due(missing) and (self.reconnecting is None or self.reconnecting.done()):
+                        self.reconnecting = asyncio.create_task(self._reconnect(missing), name="dht-reconnect")
             except Exception:  # a heartbeat must survive any DHT hiccup
                 log.exception("heartbeat failed")
             await asyncio.sleep(self.config.node.heartbeat_interval)

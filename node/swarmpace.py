@@ -1,0 +1,149 @@
+"""The swarm's progress record, and when a peer must read the whole peer table (issue 15 item 4).
+
+Every decision of node/decisions.py runs on a ``SwarmView``: the records of all N peers under
+``<run>/peers``. Reading that table at every heartbeat costs N records per peer per heartbeat
+(~200 kB at N=1024) and puts N requests per heartbeat on the few DHT peers that hold the key.
+Most heartbeats learn nothing a decision would act on, so this module decides when a view
+older than one heartbeat still answers every decision as a fresh one would, from a small record:
+
+``<run>/progress``, subkey ``c/<step>/<hash>`` = "some peer committed ``step`` with ``hash``",
+``o/<step>/<hash>`` = "some peer is averaging at ``step`` from ``hash``". Every peer that commits
+a step, or opens a round, writes the same subkey with the same value (idempotent: the record
+holds a few subkeys per step, whatever N is). In gossip mode hashes differ by design, so the
+marks carry no hash (one subkey per step).
+
+What a stale view may miss, and the mark that says it changed:
+- ``behind`` / the catch-up target: a peer past our step (any mark at a later step), another
+  hash committed at our step (``c/<our step>/<other>``, the majority vote). Without such a mark a
+  fresh view would show no peer past our step and no other hash at it either, so the catch-up
+  takes no download: the stale view is enough (``fresh_needed``).
+- ``outpaced`` (the slow peer's cut of its inner phase): true only once peers at our step with
+  our hash are averaging, i.e. after ``o/<our step>/<our hash>`` appeared. While that mark lives
+  and we train, the heartbeat reads the table at every beat, as before (``ViewPace``).
+- the matchmaking's liveness (``RoundPeers.latest``) and the solo-step check read the
+  heartbeat's view while we average: full reads at every beat in that phase too.
+- liveness for the DHT re-bootstrap (node/reconnect.py), the swarm-size metrics and ``status``:
+  only from full reads, which come at least every ``ceil(n / VIEW_PEERS)`` heartbeats, each peer
+  at its own offset in that cycle, so the swarm as a whole reads about VIEW_PEERS records per
+  peer per heartbeat between rounds, whatever N is.
+The round start (node/averaging.py), the first catch-up and every read the matchmaker asks for
+stay fresh reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+from .decisions import Position
+
+VIEW_PEERS = 64  # records a peer reads per heartbeat on average between rounds: full table every ceil(n/64) beats
+COMMITTED, OPEN = "c", "o"
+
+
+def progress_key(run: str) -> str:
+    return f"{run}/progress"
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One subkey of ``<run>/progress``: a step committed (``c``) or a round opened (``o``)."""
+
+    kind: str  # COMMITTED or OPEN
+    step: int
+    params_sha256: str  # "" in gossip mode
+
+    @property
+    def subkey(self) -> str:
+        return f"{self.kind}/{self.step}/{self.params_sha256}"
+
+    def to_value(self) -> dict:
+        return {"kind": self.kind, "step": self.step, "params_sha256": self.params_sha256}
+
+    @classmethod
+    def parse(cls, subkey: str, value: dict) -> "Mark | None":
+        try:
+            mark = cls(str(value["kind"]), int(value["step"]), str(value.get("params_sha256", "")))
+        except (KeyError, TypeError, ValueError):
+            return None  # a stranger's malformed value must not break the heartbeat
+        # The subkey is what makes a mark idempotent: a value filed under another one is not ours.
+        return mark if mark.kind in (COMMITTED, OPEN) and mark.subkey == subkey else None
+
+
+def parse_marks(raw: dict[str, dict]) -> frozenset[Mark]:
+    return frozenset(m for subkey, value in raw.items() if (m := Mark.parse(subkey, value)) is not None)
+
+
+def marks_of(me: Position, phase: str, gossip: bool) -> list[Mark]:
+    """The marks a peer at ``me`` in ``phase`` stands for (the heartbeat writes each once)."""
+    digest = "" if gossip else me.params_hash
+    marks = [Mark(COMMITTED, me.step, digest)] if me.step > 0 else []  # step 0: nobody committed anything
+    if phase == "averaging" and not gossip:  # gossip never waits for a quorum: nothing to cut for
+        marks.append(Mark(OPEN, me.step, digest))
+    return marks
+
+
+def relevant(marks: Iterable[Mark], me: Position, step_window: int | None = None) -> frozenset[Mark]:
+    """The marks that could change a catch-up or ``behind`` decision for a peer at ``me``: a
+    later step (in gossip mode, ``step_window`` steps later), or another hash committed at ours."""
+    if step_window is not None:
+        return frozenset(m for m in marks if m.step > me.step + step_window)
+    return frozenset(m for m in marks if m.step > me.step or (
+        m.kind == COMMITTED and m.step == me.step and m.params_sha256 != me.params_hash))
+
+
+def fresh_needed(marks: Iterable[Mark], me: Position, step_window: int | None = None) -> bool:
+    """Whether a catch-up must read the table: only when some mark could make it download."""
+    return bool(relevant(marks, me, step_window))
+
+
+def round_open(marks: Iterable[Mark], me: Position) -> bool:
+    """Whether peers at our step with our hash are averaging (``outpaced`` may turn true)."""
+    return Mark(OPEN, me.step, me.params_hash) in set(marks)
+
+
+def full_read_every(peers: int) -> int:
+    """Heartbeats between two periodic full reads, for a swarm of ``peers`` peers."""
+    return max(1, math.ceil(peers / VIEW_PEERS))
+
+
+def beat_offset(peer_id: str, every: int) -> int:
+    """This peer's beat in the cycle of ``every``: spread evenly over the swarm by peer id, so the
+    table's holders serve about N / every reads per beat rather than N at once."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % every
+
+
+class ViewPace:
+    """Per heartbeat: read the whole table, or only the progress record (module docstring)."""
+
+    def __init__(self, peer_id: str, step_window: int | None = None) -> None:
+        self.peer_id = peer_id
+        self.step_window = step_window  # gossip mode: the steps it catches up with by mixing
+        self.beat = 0
+        self.seen: frozenset[Mark] = frozenset()  # relevant marks known when the last full read was made
+        self.full_reads = 0
+
+    def full_read_due(self, peers: int, has_view: bool, me: Position, phase: str, marks: Iterable[Mark]) -> str | None:
+        """Why this beat must read the table (``peers``: in the last full view), or None.
+        Call once per beat, with the marks read at this beat."""
+        beat, self.beat = self.beat, self.beat + 1
+        marks = frozenset(marks)
+        every = full_read_every(peers)
+        if not has_view:
+            return "no view yet"
+        if phase == "averaging":
+            return "averaging"  # the matchmaking waits on the heartbeat's view (RoundPeers.latest)
+        if phase == "training" and self.step_window is None and round_open(marks, me):
+            return "round open"  # outpaced() can turn true at any beat now
+        if relevant(marks, me, self.step_window) - self.seen:
+            return "progress"  # behind / a catch-up target changed since the last full read
+        if beat % every == beat_offset(self.peer_id, every):
+            return "periodic"  # liveness for reconnects and metrics, and any mark we could not see
+        return None
+
+    def read_full(self, marks: Iterable[Mark], me: Position) -> None:
+        """A full read was made, knowing ``marks``: they are accounted for by that view."""
+        self.seen = relevant(marks, me, self.step_window)
+        self.full_reads += 1

@@ -1,0 +1,205 @@
+"""When a peer reads the whole peer table (node/swarmpace.py, node/swarmlink.py), without sockets:
+the progress record's marks, the pacing of full reads, and that a stale view answers the
+catch-up as a fresh one would whenever the progress record says nothing moved."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from typing import Any
+
+import torch
+
+from lowcomm.node import decisions, swarmpace
+from lowcomm.node.config import Config
+from lowcomm.node.globalstate import GlobalState
+from lowcomm.node.metrics import NodeMetrics
+from lowcomm.node.reconnect import Reconnector
+from lowcomm.node.runstats import RunStats
+from lowcomm.node.swarm import PeerRecord, SwarmView, peers_key
+from lowcomm.node.swarmlink import SwarmLink
+from lowcomm.node.swarmpace import COMMITTED, OPEN, Mark, ViewPace
+from lowcomm.protocol import PROTOCOL_VERSION
+from lowcomm.protocol.handshake import Identity
+
+from .protocol_fakes import run_virtual
+
+ME = decisions.Position("me", 5, "aa")
+
+
+def record(peer: str, step: int, digest: str, phase: str = "training", fingerprint: str = "f") -> PeerRecord:
+    return PeerRecord(peer, f"10.0.0.1:{len(peer)}", step, digest, 1e6, 1.0, PROTOCOL_VERSION, fingerprint, phase)
+
+
+def test_marks_round_trip_and_refuse_what_is_not_a_mark():
+    mark = Mark(COMMITTED, 3, "ab")
+    assert mark.subkey == "c/3/ab" and Mark.parse(mark.subkey, mark.to_value()) == mark
+    assert Mark.parse("c/4/ab", mark.to_value()) is None  # filed under another subkey: not idempotent
+    assert Mark.parse("x/3/ab", {"kind": "x", "step": 3, "params_sha256": "ab"}) is None
+    assert Mark.parse("c/3/ab", {"kind": "c", "step": "three"}) is None
+    assert swarmpace.parse_marks({"c/3/ab": mark.to_value(), "junk": {"a": 1}}) == {mark}
+
+
+def test_a_peer_marks_its_commits_and_its_open_rounds_and_gossip_marks_carry_no_hash():
+    assert swarmpace.marks_of(decisions.Position("p", 0, "aa"), "training", False) == []
+    assert swarmpace.marks_of(ME, "training", False) == [Mark(COMMITTED, 5, "aa")]
+    assert swarmpace.marks_of(ME, "averaging", False) == [Mark(COMMITTED, 5, "aa"), Mark(OPEN, 5, "aa")]
+    assert swarmpace.marks_of(ME, "averaging", True) == [Mark(COMMITTED, 5, "")]
+
+
+def test_only_a_later_step_or_another_committed_hash_at_ours_needs_a_fresh_view():
+    assert swarmpace.fresh_needed([Mark(COMMITTED, 6, "bb")], ME)  # somebody is past us: behind
+    assert swarmpace.fresh_needed([Mark(OPEN, 6, "aa")], ME)
+    assert swarmpace.fresh_needed([Mark(COMMITTED, 5, "bb")], ME)  # the majority vote at our step
+    assert not swarmpace.fresh_needed([Mark(COMMITTED, 5, "aa"), Mark(OPEN, 5, "bb"), Mark(COMMITTED, 4, "cc")], ME)
+    # Gossip mode mixes with a swarm up to the window ahead: only beyond it is a download possible.
+    assert not swarmpace.fresh_needed([Mark(COMMITTED, 9, "")], ME, step_window=4)
+    assert swarmpace.fresh_needed([Mark(COMMITTED, 10, "")], ME, step_window=4)
+
+
+def test_without_a_relevant_mark_the_catch_up_of_a_fresh_view_downloads_nothing():
+    """The claim the stale catch-up view rests on: a view whose peers all wrote their marks (a
+    commit mark per (step, hash) they hold) gives no catch-up target when ``fresh_needed`` is
+    False, in 2,000 random swarms around our step (both modes)."""
+    rng = random.Random(0)
+    checked = Counter()
+    for _ in range(2000):
+        gossip = rng.random() < 0.3
+        peers = {}
+        for i in range(rng.randint(0, 12)):
+            step = ME.step + rng.choice([-2, -1, 0, 0, 0, 1, 2, 6])
+            digest = rng.choice(["aa", "aa", "bb", "cc"])
+            peers[f"p{i}"] = record(f"p{i}", step, digest)
+        view = SwarmView(peers, {}, 0.0)
+        marks = [Mark(COMMITTED, p.outer_step, "" if gossip else p.params_sha256) for p in peers.values()]
+        window = 4 if gossip else None
+        fresh = swarmpace.fresh_needed(marks, ME, window)
+        target = decisions.catch_up_target(view, ME, gossip_window=window)
+        if not fresh:
+            assert target is None, (view, marks)
+            assert gossip or not decisions.behind(view, ME)
+        checked[fresh, target is not None] += 1
+    assert checked[True, True] > 100 and checked[False, False] > 100  # both sides were exercised
+
+
+def test_the_pace_reads_the_table_when_decisions_need_it_and_otherwise_once_a_cycle():
+    every = swarmpace.full_read_every(1024)
+    assert every == 16 and swarmpace.full_read_every(64) == 1 and swarmpace.full_read_every(0) == 1
+    pace = ViewPace("me")
+    assert pace.full_read_due(1024, False, ME, "training", []) == "no view yet"
+    reasons = [pace.full_read_due(1024, True, ME, "training", []) for _ in range(3 * every)]
+    assert reasons.count("periodic") == 3 and reasons.count(None) == 3 * every - 3
+    assert pace.full_read_due(1024, True, ME, "averaging", []) == "averaging"
+    assert pace.full_read_due(1024, True, ME, "training", [Mark(OPEN, 5, "aa")]) == "round open"
+    assert pace.full_read_due(1024, True, ME, "training", [Mark(OPEN, 5, "aa")]) == "round open"  # every beat
+    ahead = [Mark(COMMITTED, 6, "bb")]
+    due = [pace.full_read_due(1024, True, ME, "training", ahead) for _ in range(every)]
+    assert due[0] == "progress" and "progress" in due  # noticed at the first beat that saw it
+    pace.read_full(ahead, ME)  # ... and once a full read accounted for it, only the cycle reads
+    assert "progress" not in [pace.full_read_due(1024, True, ME, "training", ahead) for _ in range(every)]
+
+
+def test_the_swarm_spreads_its_periodic_reads_over_the_cycle():
+    every = swarmpace.full_read_every(1024)
+    per_beat = Counter(swarmpace.beat_offset(f"peer-{i}", every) for i in range(1024))
+    assert set(per_beat) == set(range(every)) and max(per_beat.values()) <= 2 * 1024 // every
+
+
+class CountingDHT:
+    """The two DHT calls of node/swarm.py in memory, counting calls and records returned per key."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, dict[str, dict]] = {}
+        self.stores: Counter = Counter()
+        self.gets: Counter = Counter()
+        self.records: Counter = Counter()
+
+    async def store(self, key: str, subkey: str, value: dict, ttl: float) -> bool:
+        self.stores[key] += 1
+        self.data.setdefault(key, {})[subkey] = value
+        return True
+
+    async def get(self, key: str) -> dict[str, dict]:
+        self.gets[key] += 1
+        found = dict(self.data.get(key, {}))
+        self.records[key] += len(found)
+        return found
+
+
+def make_link(others: int = 0) -> tuple[SwarmLink, CountingDHT, GlobalState, RunStats]:
+    config = Config.model_validate({"node": {"heartbeat_interval": 1.0}})
+    state = GlobalState.fresh(torch.zeros(4), 0.7, 0.9)
+    stats = RunStats(phase="training")
+    dht: Any = CountingDHT()
+    fingerprint = config.run_fingerprint()
+    for i in range(others):
+        dht.data.setdefault(peers_key(config.run.name), {})[f"other-{i}"] = record(
+            f"other-{i}", 0, state.params_hash, fingerprint=fingerprint).to_value()
+    link = SwarmLink(config, Identity("me", fingerprint, "{}"), state, dht_client=dht,
+                     reconnector=Reconnector(dht, "me", [], 10.0), metrics=NodeMetrics(), stats=stats)
+    return link, dht, state, stats
+
+
+def test_the_link_writes_each_mark_once_and_the_catch_up_reuses_its_view_until_one_matters():
+    link, dht, state, stats = make_link(others=3)
+    run = link.config.run.name
+    table, progress = peers_key(run), swarmpace.progress_key(run)
+
+    async def main(loop) -> None:
+        await link.refresh_view()
+        state.params += 1.0
+        state.commit()
+        await link.publish_record()
+        await link.publish_record()  # the next heartbeat: the record again, not the mark
+        assert dht.stores[progress] == 1 and set(dht.data[progress]) == {f"c/1/{state.params_hash}"}
+        stats.phase = "averaging"
+        await link.publish_record()
+        assert set(dht.data[progress]) == {f"c/1/{state.params_hash}", f"o/1/{state.params_hash}"}
+
+        reads = dht.gets[table]
+        view = await link.current_view()  # our own marks: nothing to catch up with
+        assert view is link.view and dht.gets[table] == reads
+        other = Mark(COMMITTED, 1, "ff" * 32)  # another hash committed at our step: the vote may go against us
+        dht.data[progress][other.subkey] = other.to_value()
+        await link.current_view()
+        assert dht.gets[table] == reads + 1
+
+    run_virtual(main)
+
+
+def test_a_large_swarm_heartbeat_reads_the_table_once_a_cycle_and_at_every_beat_of_a_round():
+    link, dht, state, stats = make_link(others=255)
+    every = swarmpace.full_read_every(256)
+    table = peers_key(link.config.run.name)
+    beats = 10 * every
+
+    async def main(loop) -> None:
+        beat = asyncio.create_task(link.heartbeat())
+        await asyncio.sleep(beats - 0.5)  # heartbeats at t = 0, 1, ..., beats - 1
+        training = dht.gets[table]
+        stats.phase = "averaging"
+        await asyncio.sleep(every)
+        averaging = dht.gets[table] - training
+        beat.cancel()
+        await asyncio.gather(beat, return_exceptions=True)
+        # The first beat (no view yet), then one per cycle; at every beat while averaging.
+        assert training in (beats // every + 1, beats // every + 2), training
+        assert averaging == every
+
+    run_virtual(main)
+    assert dht.records[table] < (beats // every + 2 + every) * 256  # vs beats * 256 before
+
+
+def test_a_small_swarm_heartbeat_reads_the_table_at_every_beat_and_no_progress_record():
+    link, dht, _, _ = make_link(others=10)
+    run = link.config.run.name
+
+    async def main(loop) -> None:
+        beat = asyncio.create_task(link.heartbeat())
+        await asyncio.sleep(4.5)
+        beat.cancel()
+        await asyncio.gather(beat, return_exceptions=True)
+
+    run_virtual(main)
+    assert dht.gets[peers_key(run)] == 5 and dht.gets[swarmpace.progress_key(run)] == 0
