@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 
 from lowcomm.protocol import PROTOCOL_VERSION
 from lowcomm.protocol.handshake import Identity
@@ -51,7 +50,7 @@ class SwarmLink:
         # Gossip mode catches up with a swarm a few steps ahead by mixing (node/catchup.py).
         self.pace = ViewPace(self.peer_id, step_window=self._gossip_window() if self.gossip else None)
         self.marks: frozenset[Mark] = frozenset()  # the progress record as last read
-        self._marked: dict[Mark, float] = {}  # marks this peer stands for -> when it wrote them (loop time)
+        self.mark_writer = swarmpace.MarkWriter(self.gossip)
 
     def record(self, leaving: bool = False) -> PeerRecord:
         step, digest = self.state.published()  # together: never a new step with the old hash
@@ -75,18 +74,12 @@ class SwarmLink:
             await self._publish_marks()
 
     async def _publish_marks(self) -> None:
-        """Write the progress marks this peer stands for: once when it starts to, again at half
-        their TTL while it still does (a few stores per round, not one per heartbeat, so the
-        record's holders serve no N writes per beat)."""
-        wanted = swarmpace.marks_of(self.position(), self.stats.phase, self.gossip)
-        # Long enough for every peer to read it at a heartbeat while a round of that step lasts.
-        ttl = self.config.sync.matchmaking_timeout + 3 * self.config.node.heartbeat_interval
+        """Store the progress marks this peer stands for that are due (swarmpace.MarkWriter)."""
+        ttl = swarmpace.mark_ttl(self.config.sync.matchmaking_timeout, self.config.node.heartbeat_interval)
         now = asyncio.get_running_loop().time()  # monotonic; virtual in tests
-        self._marked = {m: t for m, t in self._marked.items() if m in wanted}
-        for mark in wanted:
-            if now - self._marked.get(mark, -math.inf) >= ttl / 2 and await self.dht_client.store(
-                    progress_key(self.config.run.name), mark.subkey, mark.to_value(), ttl):
-                self._marked[mark] = now
+        for mark in self.mark_writer.due(self.position(), self.stats.phase, now, ttl):
+            if await self.dht_client.store(progress_key(self.config.run.name), mark.subkey, mark.to_value(), ttl):
+                self.mark_writer.stored(mark, now)
 
     async def read_marks(self) -> frozenset[Mark]:
         self.marks = parse_marks(await self.dht_client.get(progress_key(self.config.run.name)))

@@ -115,6 +115,28 @@ def beat_offset(peer_id: str, every: int) -> int:
     return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % every
 
 
+class MarkWriter:
+    """Which marks a peer must store now: each mark it stands for once when it starts to, and
+    again at half its TTL while it still does (a few stores per round, never one per beat)."""
+
+    def __init__(self, gossip: bool) -> None:
+        self.gossip = gossip
+        self.written: dict[Mark, float] = {}  # marks we stand for -> when we stored them
+
+    def due(self, me: Position, phase: str, now: float, ttl: float) -> list[Mark]:
+        wanted = marks_of(me, phase, self.gossip)
+        self.written = {m: t for m, t in self.written.items() if m in wanted}  # a mark stood for again is new
+        return [m for m in wanted if now - self.written.get(m, -math.inf) >= ttl / 2]
+
+    def stored(self, mark: Mark, now: float) -> None:
+        self.written[mark] = now
+
+
+def mark_ttl(matchmaking_timeout: float, heartbeat: float) -> float:
+    """Long enough for every peer to read a mark at a heartbeat while a round of its step lasts."""
+    return matchmaking_timeout + 3 * heartbeat
+
+
 class ViewPace:
     """Per heartbeat: read the whole table, or only the progress record (module docstring)."""
 

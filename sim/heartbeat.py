@@ -1,0 +1,95 @@
+"""The paced heartbeat of node/swarmlink.py in the simulator (issue 15 item 4, the peer table).
+
+``PacedPeer`` is sim/peer.py's ``SimPeer`` with what node/swarmlink.py does since the progress
+record (node/swarmpace.py): its record's publication also stores the progress marks that are due
+(``MarkWriter``), the heartbeat reads ``<run>/progress`` and the whole peer table only when
+``ViewPace`` says so, and the loop's catch-up reuses the last view unless a mark could make it
+download (``fresh_needed``). The round start and the matchmaker's looks stay fresh reads, as in
+node/averaging.py. The decisions are the real ones, called on whatever view this leaves.
+
+Until sim/peer.py takes this heartbeat itself, ``python -m sim.heartbeat`` runs ``python -m sim``
+(same options) with ``PacedPeer`` in place of ``SimPeer``, so that both can be measured on the
+same code: the DHT figures (records read per peer, the busiest holder) of a run of each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from lowcomm.node import swarmpace
+from lowcomm.node.swarm import SwarmView
+from lowcomm.node.swarmpace import Mark, MarkWriter, ViewPace, parse_marks, progress_key
+
+from .peer import SimPeer
+
+
+class PacedPeer(SimPeer):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        gossip = self.gossip is not None
+        self.pace = ViewPace(self.peer_id, step_window=self.world.gossip_window if gossip else None)
+        self.mark_writer = MarkWriter(gossip)
+        self.marks: frozenset[Mark] = frozenset()
+        self.has_view = False
+        self._catching_up = False  # the next refresh_view is the loop catch-up's (node/catchup.py)
+
+    async def publish_record(self, leaving: bool = False) -> None:
+        await super().publish_record(leaving)
+        if leaving:
+            return
+        cfg = self.world.config
+        ttl = swarmpace.mark_ttl(cfg.matchmaking_timeout, cfg.heartbeat)
+        now = asyncio.get_running_loop().time()
+        for mark in self.mark_writer.due(self.position(), self.phase, now, ttl):
+            if await self.dht.store(progress_key(cfg.run), mark.subkey, mark.to_value(), ttl):
+                self.mark_writer.stored(mark, now)
+
+    async def read_marks(self) -> frozenset[Mark]:
+        self.marks = parse_marks(await self.dht.get(progress_key(self.world.config.run)))
+        return self.marks
+
+    async def _full_read(self) -> SwarmView:
+        marks = self.marks  # known before this read: the view accounts for them
+        view = await super().refresh_view()
+        self.has_view = True
+        self.pace.read_full(marks, self.position())
+        return view
+
+    async def refresh_view(self) -> SwarmView:
+        if self._catching_up:  # SwarmLink.current_view
+            self._catching_up = False
+            marks = await self.read_marks()
+            if self.has_view and not swarmpace.fresh_needed(marks, self.position(), self.pace.step_window):
+                return self.view
+        return await self._full_read()
+
+    async def catch_up(self) -> None:
+        # The node's initial catch-up (a joiner's, here: not caught up yet) reads afresh.
+        self._catching_up = self.caught_up
+        try:
+            await super().catch_up()
+        finally:
+            self._catching_up = False
+
+    async def heartbeat(self) -> None:
+        while True:
+            await self.publish_record()
+            every = swarmpace.full_read_every(len(self.view.peers))
+            marks = await self.read_marks() if every > 1 else self.marks
+            if self.pace.full_read_due(len(self.view.peers), self.has_view, self.position(), self.phase,
+                                       marks) is not None:
+                await self._full_read()
+            await asyncio.sleep(self.world.config.heartbeat)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from . import __main__ as cli
+    from . import engine
+
+    engine.SimPeer = PacedPeer  # the World spawns engine.SimPeer
+    return cli.main(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
