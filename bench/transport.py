@@ -66,20 +66,25 @@ def link_delta(after: list[dict] | None, before: list[dict] | None) -> dict:
             "tbf_drops": total["tbf_drops"]}
 
 
-def packets_like_a_router(net, peers: int, segment: bool) -> None:
-    """Every peer's TCP sends wire-sized packets (``segment``) or 64 kB GSO super-packets (the
-    veth default) into its caps.
+SEGMENT_BELOW_MBIT = 1000.0  # caps below this get wire-sized packets with --queue router
 
-    A veth hands the qdisc whole GSO packets of up to 64 kB, so a tbf queue of 50 ms at 20 Mbit/s
-    (125 kB + the 64 kB burst) holds three of them, and one overflow drops ~44 segments at once:
-    a queue of a few packets, which punishes any burst far more than a home router's (which
-    queues the same bytes as ~130 packets of 1.5 kB, the NIC having segmented them). With
-    ``segment`` the peers' eth0 builds packets of one MTU (gso_max_size), as on a real uplink."""
+
+def set_cap(net, mbit: float | None, queue: str) -> None:
+    """Cap every peer at ``mbit`` both ways (tbf as netns_cluster sets it: 50 ms queue, a burst
+    of at least 64 kB); ``queue`` says what packets reach the caps.
+
+    ``gso``: a veth hands tbf whole GSO super-packets of up to 64 kB, so the 50 ms queue at
+    20 Mbit/s (125 kB + the burst) holds three of them and one overflow drops ~44 segments at
+    once: a queue of a few packets, which punishes any burst far more than a home router's (it
+    queues the same bytes as ~130 packets of 1.5 kB, the NIC having cut them). ``router``: below
+    SEGMENT_BELOW_MBIT the peers' TCP builds wire-sized packets (gso_max_size 1500), which the
+    caps queue and drop one by one; at 1 Gbit/s no queue builds (no drops, no retransmissions in
+    any run) and segmenting in the stack would only cost CPU that a real NIC saves."""
+    net.set_cap(mbit)
     if net.kind != "netns":
         return
-    size = 1500 if segment else 65536
-    for i in range(peers):
-        peer = net.state.peers[i]
+    size = 1500 if queue == "router" and mbit is not None and mbit < SEGMENT_BELOW_MBIT else 65536
+    for peer in net.state.peers:
         subprocess.run(["ip", "-n", peer.netns, "link", "set", "dev", "eth0", "gso_max_size", str(size)],
                        check=True, capture_output=True)
 
@@ -166,7 +171,7 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
         step = 0
         for mbit in args.caps:
             if net.kind == "netns":
-                net.set_cap(mbit)
+                set_cap(net, mbit, args.queue)
             for n in args.peers:
                 members = agents[:n]
                 _ask(members, {"cmd": "setup", "numel": WARMUP_NUMEL}, "setup_done", 60)
@@ -251,7 +256,7 @@ def sweep_hivemind(net, args, out: Path, run_id: str, logdir: Path) -> None:
             agent.wait_event("ready", 120)
         for number, (n, size, mbit) in enumerate(sorted(configs, key=lambda c: (c[2], c[0], c[1]))):
             if net.kind == "netns":
-                net.set_cap(mbit)
+                set_cap(net, mbit, args.queue)
             else:
                 mbit = None  # loopback: no cap, no bound
             members = agents[:n]
@@ -312,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedule", choices=["staggered", "all"], default="staggered",
                         help="lowcomm's upload/result order (protocol/schedule.py) or everything at once")
     parser.add_argument("--queue", choices=["router", "gso"], default="router",
-                        help="router: the caps queue MTU-sized packets, as a home router does; gso: 64 kB "
-                             "GSO packets (the veth default, the runs before issue 17 item 4)")
+                        help="router: below 1 Gbit/s the caps queue and drop wire-sized packets, as a home "
+                             "router does; gso: whole 64 kB GSO packets (the runs before issue 17)")
     parser.add_argument("--prefix", default="lct")
     parser.add_argument("--json-out", type=Path, default=OUT / "transport.jsonl")
     args = parser.parse_args(argv)
@@ -328,7 +333,6 @@ def main(argv: list[str] | None = None) -> int:
     peers_max = max([*args.peers, *(int(c.split("x")[0]) for c in args.hivemind.split(",") if c.strip())])
     started = time.monotonic()
     with network(args.network, peers_max, prefix=args.prefix) as net:
-        packets_like_a_router(net, peers_max, args.queue == "router")
         logdir = args.json_out.parent / "logs" / f"transport-{run_id}"
         logdir.mkdir(parents=True, exist_ok=True)
         sweeps = [("lowcomm", sweep_lowcomm)] if args.peers and args.sizes_mb else []
