@@ -57,8 +57,9 @@ class GrpcReduceTransport:
     async def reduce(self, address: str, requests: AsyncIterator[averaging_pb2.ReduceMessage],
                      timeout: float) -> AsyncIterator[averaging_pb2.ReduceMessage]:
         # Not the generated stub: chunks go out and come in as views, without protobuf's copies (wire.py).
-        call = self._channel_for(address).stream_stream(
-            REDUCE_METHOD, request_serializer=wire.serialize, response_deserializer=wire.parse)(requests, timeout=timeout)
+        reduce = self._channel_for(address).stream_stream(
+            REDUCE_METHOD, request_serializer=wire.serialize, response_deserializer=wire.parse)
+        call = reduce(requests, timeout=timeout)
         try:
             async for message in call:
                 yield message
