@@ -59,27 +59,54 @@ def summary(by_seed: dict[int, dict[str, Any]], seeds: list[int] | None = None) 
 
 
 def choose(runs: dict[Key, dict[int, dict[str, Any]]], default: Key) -> tuple[str, Key | None]:
-    """The module docstring's rule: (the sentence that says what it decided, the key to adopt or None)."""
+    """The module docstring's rule: (the sentence that says what it decided, the key to adopt or None).
+
+    The default's seeds S (at least MIN_SEEDS) are the comparison set. A configuration with a loss
+    at or above the default's lowest on S can never have its range below the default's, whatever
+    its other seeds give: it is out without them. One measured on all of S replaces the default if
+    it passes the rule; any other one is pending (it needs the rest of S)."""
     base = runs.get(default, {})
-    candidates = {k: v for k, v in runs.items() if k[1] == DEFAULT_H and k[0] == default[0] and len(v) >= MIN_SEEDS}
     if len(base) < MIN_SEEDS:
         return f"not decided: the default has {len(base)} seed(s), the rule needs {MIN_SEEDS}.", None
-    scored = []
-    for key, by_seed in candidates.items():
-        seeds = sorted(set(by_seed) & set(base))
-        if len(seeds) >= MIN_SEEDS and key != default:
-            scored.append((summary(by_seed, seeds), summary(base, seeds), key))
-    if not scored:
-        return "not decided: no other configuration has the default's seeds.", None
-    best, ref, key = min(scored, key=lambda item: item[0]["mean"])
-    name = f"outer lr {key[2]:g}, momentum {key[3]:g}"
-    numbers = (f"{name}: mean {best['mean']:.4f} (range {best['min']:.4f}–{best['max']:.4f}) against the default's "
-               f"{ref['mean']:.4f} ({ref['min']:.4f}–{ref['max']:.4f}) on seeds {', '.join(map(str, best['seeds']))}")
-    if best["mean"] < ref["mean"] and best["max"] < ref["min"]:
-        return f"**changed**: {numbers}; the ranges do not overlap.", key
-    if best["mean"] < ref["mean"]:
-        return f"**kept**: the best other configuration is {numbers}, lower on the mean but the ranges overlap.", None
-    return f"**kept**: no configuration beats it; the nearest is {numbers}.", None
+    seeds = sorted(base)
+    ref = summary(base, seeds)
+    passed, pending, nearest = [], [], None
+    for key, by_seed in runs.items():
+        if key == default or key[:2] != default[:2]:
+            continue
+        common = [s for s in seeds if s in by_seed]
+        mine = summary(by_seed, common)
+        if mine is None:
+            continue
+        theirs = summary(base, common)
+        if nearest is None or mine["mean"] / theirs["mean"] < nearest[1]["mean"] / nearest[2]["mean"]:
+            nearest = (key, mine, theirs)
+        if mine["max"] >= ref["min"]:
+            continue  # out: its range cannot end below the default's
+        if len(common) == len(seeds):
+            passed.append((mine["mean"], key, mine))
+        else:
+            pending.append(key)
+
+    def name(key: Key) -> str:
+        return f"outer lr {key[2]:g}, momentum {key[3]:g}"
+
+    if passed:
+        _, key, mine = min(passed)
+        return (f"**changed** to {name(key)}: mean {mine['mean']:.4f} (range {mine['min']:.4f}–{mine['max']:.4f}) "
+                f"against the default's {ref['mean']:.4f} ({ref['min']:.4f}–{ref['max']:.4f}) on seeds "
+                f"{', '.join(map(str, seeds))}; the ranges do not overlap.", key)
+    if pending:
+        return ("not decided: " + "; ".join(name(k) for k in pending) + f" stay below the default's lowest seed "
+                f"({ref['min']:.4f}) on the seeds measured so far and need the others.", None)
+    near = ""
+    if nearest is not None:
+        key, mine, theirs = nearest
+        near = (f" The nearest is {name(key)}: {mine['mean']:.4f} against the default's {theirs['mean']:.4f} on "
+                f"seed(s) {', '.join(map(str, mine['seeds']))} ({(mine['mean'] / theirs['mean'] - 1) * 100:+.1f} %).")
+    return (f"**kept**: every other configuration has a seed at or above the default's lowest ({ref['min']:.4f}, "
+            f"seeds {', '.join(map(str, seeds))}: mean {ref['mean']:.4f}), so none can have its range below the "
+            f"default's whatever its other seeds give." + near, None)
 
 
 def results_section(records: list[dict[str, Any]], long_records: list[dict[str, Any]],

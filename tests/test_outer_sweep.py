@@ -153,11 +153,15 @@ def test_section_changes_the_default_only_when_the_ranges_do_not_overlap() -> No
     overlapping = [fake_record(0.45, 0.55, s, loss) for s, loss in enumerate([1.80, 1.84, 1.82])]
     separate = [fake_record(0.65, 0.25, s, loss) for s, loss in enumerate([1.78, 1.80, 1.79])]
     one_seed = [fake_record(0.35, 0.15, 0, 1.50)]  # lowest of all, but one seed: never chosen
-    decision, key = section.choose(section.group_runs(default + overlapping + one_seed), ("int8", 50, lr, momentum))
-    assert key is None and decision.startswith("**kept**") and "ranges overlap" in decision
-    decision, key = section.choose(section.group_runs(default + overlapping + separate + one_seed),
-                                   ("int8", 50, lr, momentum))
-    assert key == ("int8", 50, 0.65, 0.25) and decision.startswith("**changed**")
+    default_key = ("int8", 50, lr, momentum)
+    decision, key = section.choose(section.group_runs(default + overlapping), default_key)
+    assert key is None and decision.startswith("**kept**"), decision  # 1.84 >= the default's lowest 1.83
+    decision, key = section.choose(section.group_runs(default + overlapping + one_seed), default_key)
+    assert key is None and decision.startswith("not decided") and "outer lr 0.35, momentum 0.15" in decision
+    decision, key = section.choose(section.group_runs(default + overlapping + separate + one_seed), default_key)
+    assert key == ("int8", 50, 0.65, 0.25) and decision.startswith("**changed**"), decision
+    decision, key = section.choose(section.group_runs(default[:2] + separate), default_key)
+    assert key is None and decision.startswith("not decided: the default has 2 seed(s)")
     real = [{"method": "diloco-int8-H50", "seed": 0, "final_eval_loss": 1.832, "run_id": "R", "ok": True}]
     lines = section.results_section(default + separate, real, {"ddp": {"mean": 1.69}})
     text = "\n".join(lines)
