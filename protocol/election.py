@@ -353,10 +353,10 @@ class Election:
                 if lonely and differs:
                     current.lonely = True
                     return True
+                if top_by is not None and self.clock.monotonic() >= top_by:
+                    return True  # the coordinator closes soon: bring what we have (perhaps only us)
                 if top_by is not None:
                     close_at = min(close_at, top_by)
-                    if self.clock.monotonic() >= close_at and len(joined) > 1:
-                        return True  # the coordinator closes soon: bring what we have
             await self._wait(current, min(POLL_SECONDS, max(0.0, close_at - self.clock.monotonic())))
 
     def _close(self: "Matchmaker", current: _Round, me: averaging_pb2.Member,

@@ -12,7 +12,7 @@ import pytest
 from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
 from lowcomm.protocol.buckets import BUCKET_SHARE, RoundPeers, bucket_count, bucket_key, bucket_label
 from lowcomm.protocol.layout import close_groups, groups_of_step, split_into_groups
-from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError, round_key
+from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError, PlanClosed, round_key
 
 from .protocol_fakes import FakeDHT, FakeNet, VirtualTimeLoop, run_virtual
 from .test_matchmaking_unit import NUMEL, expecting, make_peer
@@ -160,3 +160,24 @@ def test_peers_whose_views_give_another_bucket_count_still_meet_the_coordinator(
     placed = {m.peer_id for sg in outcomes[0][0].step_groups for m in sg.members}
     assert {"peer-98", "peer-99"} <= placed and len(placed) == 18
     assert max(t for _, t in outcomes) < BUCKET_SHARE * TIMEOUT + TIMEOUT / 2
+
+
+def test_a_bucket_that_comes_after_the_plan_closed_fails_its_round_and_makes_no_second_plan():
+    """Members of one bucket start when the others' plan is already made: they are told so
+    (PlanClosed, a MatchmakingError) within their deadline, and no second plan of the step exists."""
+    async def scenario(loop: VirtualTimeLoop):
+        net, dht = FakeNet(), FakeDHT(loop)
+        group = swarm(net, dht, loop, 32)
+        view = {m.peer_id for m in group}
+        late_label = bucket_label(7, "peer-31", 8)
+        late = [m for m in group if bucket_label(7, m.peer_id, 8) == late_label]
+        early = [m for m in group if m not in late]
+        first = await asyncio.gather(*(form(m, 7, view, timeout=6.0) for m in early))
+        # The late bucket still sees everybody at the step (their records lag), so B = 8 for it too.
+        second = await asyncio.gather(*(form(m, 7, view, timeout=6.0) for m in late))
+        return first, second, len(late)
+
+    first, second, late = run_virtual(scenario)
+    assert late >= 2 and len(plans(first)) == 1
+    assert all(isinstance(g, PlanClosed) for g, _ in second), [g for g, _ in second]
+    assert max(t for _, t in second) <= max(t for _, t in first) + 6.0  # within their own deadline
