@@ -138,14 +138,17 @@ def results_section(records: list[dict[str, Any]], long_records: list[dict[str, 
     for seed, r in sorted(runs.get(default, {}).items()):
         if seed in real:
             diff = r["final_eval_loss"] - real[seed]["final_eval_loss"]
+            theirs = {p["outer_step"]: p["eval_loss"] for p in real[seed]["curve"]}
+            steps = [abs(p["eval_loss"] - theirs[p["outer_step"]]) for p in r["curve"] if p["outer_step"] in theirs]
             rows.append([str(seed), f"{r['final_eval_loss']:.4f}", f"{real[seed]['final_eval_loss']:.4f}",
-                         f"{diff:+.4f}"])
+                         f"{diff:+.4f}", f"{max(steps):.4f} ({len(steps)})" if steps else "–"])
     if rows:
         spread = [real[s]["final_eval_loss"] for s in real]
         lines += [f"**Emulator vs the real node** (diloco-{codec}-H{DEFAULT_H}, outer lr {lr:g}, momentum {momentum:g}, "
                   f"final eval loss; real: the long benchmark's run {next(iter(real.values())).get('run_id')}, whose "
                   f"seeds span {min(spread):.4f}–{max(spread):.4f}):", "",
-                  "| seed | emulator | real node | difference |", "|---|---:|---:|---:|",
+                  "| seed | emulator | real node | difference | largest difference at any outer step (steps compared) |",
+                  "|---|---:|---:|---:|---:|",
                   *("| " + " | ".join(row) + " |" for row in rows), ""]
     ddp = (long_methods.get("ddp") or {}).get("mean")
     base = runs.get(default, {})

@@ -162,8 +162,10 @@ def test_section_changes_the_default_only_when_the_ranges_do_not_overlap() -> No
     assert key == ("int8", 50, 0.65, 0.25) and decision.startswith("**changed**"), decision
     decision, key = section.choose(section.group_runs(default[:2] + separate), default_key)
     assert key is None and decision.startswith("not decided: the default has 2 seed(s)")
-    real = [{"method": "diloco-int8-H50", "seed": 0, "final_eval_loss": 1.832, "run_id": "R", "ok": True}]
+    default[0]["curve"] = [{"outer_step": 1, "eval_loss": 2.7}, {"outer_step": 20, "eval_loss": 1.83}]
+    real = [{"method": "diloco-int8-H50", "seed": 0, "final_eval_loss": 1.832, "run_id": "R", "ok": True,
+             "curve": [{"outer_step": 1, "eval_loss": 2.705}, {"outer_step": 20, "eval_loss": 1.832}]}]
     lines = section.results_section(default + separate, real, {"ddp": {"mean": 1.69}})
     text = "\n".join(lines)
-    assert "| 0 | 1.8300 | 1.8320 | -0.0020 |" in text  # emulator vs real node, seed 0
+    assert "| 0 | 1.8300 | 1.8320 | -0.0020 | 0.0050 (2) |" in text  # emulator vs real node, seed 0
     assert "| int8-H50 | 0.65 | 0.25 | 0, 1, 2 | 1.7900 | 1.7800 – 1.8000 | -3.2 % | +5.9 % |" in text
