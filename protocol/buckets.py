@@ -109,6 +109,26 @@ class TopWatch:
 class BucketLevel:
     """The Matchmaker's two-level path (mixed into Matchmaker; it uses election.py's methods)."""
 
+    @staticmethod
+    def _joined(current: _Round) -> set[str]:
+        """Who is in if the leader closed now: its followers and the buckets they (and it) bring."""
+        joined = set(current.followers)
+        joined.update(m.member.peer_id for m in current.carried)
+        for follower in current.followers.values():
+            joined.update(m.member.peer_id for m in follower.request.bucket_members)
+        return joined
+
+    @staticmethod
+    def _waiting_for(current: _Round, expected: set[str]) -> set[str]:
+        """The expected peers still to be waited for: those whose bucket has not reported yet
+        (a bucket leader brings everybody of its bucket who came; the others will not come)."""
+        reported = {f.request.closed_bucket for f in current.followers.values() if f.request.closed_bucket}
+        if current.own_bucket:
+            reported.add(current.own_bucket)
+        if not reported:
+            return expected
+        return {p for p in expected if current.labels.get(p) not in reported}
+
     async def _form_bucketed(self: "Matchmaker", current: _Round, me: averaging_pb2.Member,
                              request: averaging_pb2.JoinRequest, registration: dict, ttl: float,
                              peers: RoundPeers, buckets: int, deadline: float, timeout: float) -> averaging_pb2.Group:

@@ -31,6 +31,7 @@ from .layout import close_groups, split_into_groups
 from .transport import CallFailed, Code, Refused
 
 if TYPE_CHECKING:
+    from .buckets import TopWatch
     from .matchmaking import Matchmaker
 
 log = logging.getLogger("lowcomm.protocol.matchmaking")
@@ -111,14 +112,8 @@ class _Round:
     # coordinator must close (our bucket must be there before), and whether our view's B differs
     # from the other buckets' (then, with nobody in our bucket, we close it ``lonely``: without
     # covering anybody else of its label).
-    watch: "TopView | None" = None
+    watch: "TopWatch | None" = None
     lonely: bool = False
-
-
-class TopView(Protocol):
-    async def look(self) -> tuple[float | None, bool]:
-        """(the latest time to reach the top level on our clock or None, whether our view's B differs)."""
-        ...
 
 
 class Election:
@@ -276,26 +271,6 @@ class Election:
         if await self._gather(current, expected_peers, deadline, unreachable, fixed_expected):
             return self._close(current, me, my_bandwidth)
         return None
-
-    @staticmethod
-    def _joined(current: _Round) -> set[str]:
-        """Who is in if the leader closed now: its followers and the buckets they (and it) bring."""
-        joined = set(current.followers)
-        joined.update(m.member.peer_id for m in current.carried)
-        for follower in current.followers.values():
-            joined.update(m.member.peer_id for m in follower.request.bucket_members)
-        return joined
-
-    @staticmethod
-    def _waiting_for(current: _Round, expected: set[str]) -> set[str]:
-        """The expected peers still to be waited for: those whose bucket has not reported yet
-        (a bucket leader brings everybody of its bucket who came; the others will not come)."""
-        reported = {f.request.closed_bucket for f in current.followers.values() if f.request.closed_bucket}
-        if current.own_bucket:
-            reported.add(current.own_bucket)
-        if not reported:
-            return expected
-        return {p for p in expected if current.labels.get(p) not in reported}
 
     async def _gather(self: "Matchmaker", current: _Round, expected_peers: ExpectedPeers, deadline: float,
                       unreachable: set[str], fixed_expected: set[str] | None = None) -> bool:
