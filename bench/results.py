@@ -348,6 +348,7 @@ def real_swarm_lines(path: Path) -> list[str]:
 
 SCALE_CURRENT = ("allreduce-g16", "allreduce-g64", "gossip-k2")  # the protocol now (buckets for large steps)
 SCALE_BEFORE = ("single-level-g16", "single-level-g64")  # one leader per (step, hash): bench/out/scale/single-level/
+SCALE_WHATIF = ("allreduce-g16-catchup",)  # labelled what-ifs of sim/whatif.py
 
 
 def _round_means(path: Path) -> dict[str, float]:
@@ -429,7 +430,7 @@ def scale_section(sweep: Path, goals: list[str]) -> list[str]:
     from sim.sweep import table as sweep_table  # the simulator's own table: one definition of the columns
 
     before = sweep.parent / "single-level" / "sweep.jsonl"
-    sources = [sweep, before] if before.exists() else [sweep]
+    sources = [before, sweep] if before.exists() else [sweep]  # later rows win: a re-run replaces the old sweep's
     rows: dict[tuple[str, int], dict] = {}
     for path in sources:
         for r in read_jsonl(path):
@@ -444,8 +445,10 @@ def scale_section(sweep: Path, goals: list[str]) -> list[str]:
               "residential 10–100 Mbit/s up, 20 % datacenter) and 5 %/hour churn; tensors replaced by sizes (25 M "
               "parameters, int8, H=50). Means over the rounds after the first; what each column means: "
               "sim/README.md. `single-level-*`: the protocol before buckets (one leader per step and hash, "
-              "bench/out/scale/single-level/, the sweep of commit ce0badd), for comparison.", "",
-              _drop_rows(sweep_table(*sources, variants=set(SCALE_CURRENT + SCALE_BEFORE)), shown), ""]
+              "bench/out/scale/single-level/, the sweep of commit ce0badd; the `single-level-g16` rows with a "
+              "*share in majority* were re-run on the current code with `--single-level`), for comparison. "
+              "`allreduce-g16-catchup`: a what-if (sim/whatif.py), not the node's behaviour.", "",
+              _drop_rows(sweep_table(*sources, variants=set(SCALE_CURRENT + SCALE_BEFORE + SCALE_WHATIF)), shown), ""]
     if stale:
         lines += ["Not re-run with buckets yet: " + ", ".join(f"{v} N={n}" for v, n in sorted(stale)) + ".", ""]
     if (sweep.parent / "scale.png").exists():

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Collection
 
 from ._pb.lowcomm.v1 import averaging_pb2
-from .election import PLAN_CLOSED, REPLY_MARGIN, MatchmakingError, _Round, round_key
+from .election import PLAN_CLOSED, REPLY_MARGIN, ExpectedPeers, MatchmakingError, PlanClosed, _Round, round_key
 from .layout import groups_of_step
 
 if TYPE_CHECKING:
@@ -157,7 +157,6 @@ class BucketLevel:
                 label(peer)  # the top level's coverage by reported buckets reads ``labels``
             return expected
 
-
         async def to_top(bucket: _Round) -> averaging_pb2.Group:
             return await self._through_top(bucket, me, request, registration, ttl, all_peers, labels,
                                            deadline - margin, deadline)
@@ -169,7 +168,7 @@ class BucketLevel:
 
     async def _through_top(self: "Matchmaker", bucket: _Round, me: averaging_pb2.Member,
                            request: averaging_pb2.JoinRequest, registration: dict, ttl: float,
-                           all_peers: Callable, labels: dict[str, str], close_by: float,
+                           all_peers: ExpectedPeers, labels: dict[str, str], close_by: float,
                            deadline: float) -> averaging_pb2.Group:
         """Our bucket closed with us as its leader: bring it to the step coordinator (or be it),
         then answer the bucket's members with their groups of the one step plan."""
@@ -206,12 +205,13 @@ class BucketLevel:
         except TimeoutError:
             if not stop.expired():
                 raise
+        except PlanClosed:
+            self._answer(waiting, PLAN_CLOSED)  # our members give up too: no second plan for the step
+            raise
         finally:
             self._release(top)
         if group is None:
-            for follower in waiting.values():  # our members give up too (no second plan for the step)
-                if not follower.reply.done():
-                    follower.reply.set_result(PLAN_CLOSED)
+            self._answer(waiting, PLAN_CLOSED)  # their deadline is near: they give up rather than lead alone
             raise MatchmakingError(f"the step coordinator of step {bucket.step} did not answer in time "
                                    f"(this peer led bucket {bucket.bucket} of {len(waiting) + 1})")
         log.info("bucket %s of step %d: %d member(s) in the step's plan of %d group(s)", bucket.bucket, bucket.step,
@@ -223,3 +223,9 @@ class BucketLevel:
             if not follower.reply.done():
                 follower.reply.set_result(answers.get(peer))  # None: left out (refused, fails its round)
         return group
+
+    @staticmethod
+    def _answer(waiting: dict, answer: object) -> None:
+        for follower in waiting.values():
+            if not follower.reply.done():
+                follower.reply.set_result(answer)

@@ -18,9 +18,10 @@ PANELS = [("mean_form_p95_s", "group formation p95 (s)"), ("mean_share_averaged"
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m sim.plot")
     parser.add_argument("--sweep", type=Path, nargs="+",
-                        default=[Path("bench/out/scale/sweep.jsonl"), Path("bench/out/scale/single-level/sweep.jsonl")])
+                        default=[Path("bench/out/scale/single-level/sweep.jsonl"), Path("bench/out/scale/sweep.jsonl")],
+                        help="later files win for the same variant and N")
     parser.add_argument("--variants", nargs="+", default=["allreduce-g16", "allreduce-g64", "gossip-k2",
-                                                          "single-level-g16", "single-level-g64"],
+                                                          "single-level-g16", "single-level-g64", "allreduce-g16-catchup"],
                         help="variants drawn (the prototype rows of the first sweep are left out by default)")
     parser.add_argument("--out", type=Path, default=Path("bench/out/scale/scale.png"))
     args = parser.parse_args()
