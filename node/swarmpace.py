@@ -28,6 +28,27 @@ What a stale view may miss, and the mark that says it changed:
   peer per heartbeat between rounds, whatever N is.
 The round start (node/averaging.py), the first catch-up and every read the matchmaker asks for
 stay fresh reads.
+
+What this does not bound (measured with ``python -m sim.heartbeat``, which prints the full reads
+by reason): the round start's read and the reads at every beat while averaging or while a round
+is open at our step are still N records each, and every peer reads ``<run>/progress`` at each
+beat, so the busiest holder still serves O(N) requests per beat. The next stage, designed here
+and not built (it changes protocol/buckets.py's ``RoundPeers``):
+- **Records per bucket of the next step.** A peer that committed step r as a member of a step
+  plan of n_r members knows B_{r+1} = bucket_count(n_r, group_size) and its bucket label at
+  r+1, and publishes its record (with its phase) under ``<run>/peers/<r+1>/<label>`` besides the
+  table (which it then refreshes at the slow cycle only). The commit mark carries n_r. The round
+  start of a bucketed step reads its bucket key (~group_size records) and the progress record:
+  B from n_r, ``RoundPeers`` gets the bucket's expected peers and B instead of the whole
+  expected set, and the heartbeat's reads while averaging or while the round is open (the
+  bucket leader's liveness, ``outpaced`` over the bucket, whose leader closes on the bucket's
+  quorum anyway) read the bucket key. Each bucket key has its own holders: ~group_size readers.
+- **Progress shards.** ``<run>/progress/<k>``, k = hash(peer id) mod ceil(N/64): a peer writes
+  and reads its own shard. A step committed by one plan reaches every shard (n_r writers spread
+  over N/64 shards); a hash held by a few peers may miss some, and that is no loss: only steps
+  ahead of ours and hashes held by a majority change a decision.
+- Joiners, peers that missed a step's plan and peers whose bucket key is empty read the whole
+  table (rare): the decisions then run on the full view, as now.
 """
 
 from __future__ import annotations

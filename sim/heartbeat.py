@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections import Counter
 
 from lowcomm.node import swarmpace
 from lowcomm.node.swarm import SwarmView
 from lowcomm.node.swarmpace import Mark, MarkWriter, ViewPace, parse_marks, progress_key
 
 from .peer import SimPeer
+
+
+FULL_READS: Counter = Counter()  # full reads of the table by why they were made, over every PacedPeer of the process
 
 
 class PacedPeer(SimPeer):
@@ -49,7 +53,8 @@ class PacedPeer(SimPeer):
         self.marks = parse_marks(await self.dht.get(progress_key(self.world.config.run)))
         return self.marks
 
-    async def _full_read(self) -> SwarmView:
+    async def _full_read(self, why: str) -> SwarmView:
+        FULL_READS[why] += 1
         marks = self.marks  # known before this read: the view accounts for them
         view = await super().refresh_view()
         self.has_view = True
@@ -61,8 +66,10 @@ class PacedPeer(SimPeer):
             self._catching_up = False
             marks = await self.read_marks()
             if self.has_view and not swarmpace.fresh_needed(marks, self.position(), self.pace.step_window):
+                FULL_READS["catch-up: last view reused"] += 1
                 return self.view
-        return await self._full_read()
+            return await self._full_read("catch-up")
+        return await self._full_read("round start, matchmaker, joiner")
 
     async def catch_up(self) -> None:
         # The node's initial catch-up (a joiner's, here: not caught up yet) reads afresh.
@@ -77,9 +84,11 @@ class PacedPeer(SimPeer):
             await self.publish_record()
             every = swarmpace.full_read_every(len(self.view.peers))
             marks = await self.read_marks() if every > 1 else self.marks
-            if self.pace.full_read_due(len(self.view.peers), self.has_view, self.position(), self.phase,
-                                       marks) is not None:
-                await self._full_read()
+            why = self.pace.full_read_due(len(self.view.peers), self.has_view, self.position(), self.phase, marks)
+            if why is not None:
+                await self._full_read(f"heartbeat: {why}")
+            else:
+                FULL_READS["heartbeat: progress record only"] += 1
             await asyncio.sleep(self.world.config.heartbeat)
 
 
@@ -88,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     from . import engine
 
     engine.SimPeer = PacedPeer  # the World spawns engine.SimPeer
-    return cli.main(sys.argv[1:] if argv is None else argv)
+    code = cli.main(sys.argv[1:] if argv is None else argv)
+    print("full reads of the peer table, by reason (and the reads they were spared):", file=sys.stderr)
+    for why, count in FULL_READS.most_common():
+        print(f"  {count:8d}  {why}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

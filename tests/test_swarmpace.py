@@ -203,3 +203,17 @@ def test_a_small_swarm_heartbeat_reads_the_table_at_every_beat_and_no_progress_r
 
     run_virtual(main)
     assert dht.gets[peers_key(run)] == 5 and dht.gets[swarmpace.progress_key(run)] == 0
+
+
+def test_a_mark_is_stored_once_then_again_at_half_its_ttl_while_the_peer_stands_for_it():
+    writer = swarmpace.MarkWriter(gossip=False)
+    committed, opened = Mark(COMMITTED, 5, "aa"), Mark(OPEN, 5, "aa")
+    assert writer.due(ME, "averaging", 0.0, 40.0) == [committed, opened]
+    writer.stored(committed, 0.0)  # the store of the open mark failed: it is due again at the next beat
+    assert writer.due(ME, "averaging", 5.0, 40.0) == [opened]
+    writer.stored(opened, 5.0)
+    assert writer.due(ME, "averaging", 19.0, 40.0) == []
+    assert writer.due(ME, "averaging", 20.0, 40.0) == [committed]  # refreshed before it expires
+    writer.stored(committed, 20.0)
+    assert writer.due(ME, "training", 21.0, 40.0) == []  # the round closed: the open mark is let expire
+    assert writer.due(ME, "averaging", 22.0, 40.0) == [opened]  # a retried round at the step opens it anew
