@@ -48,9 +48,10 @@ class SwarmLink:
         self.reconnecting: asyncio.Task | None = None
         self.gossip = config.sync.mode == "gossip"
         # Gossip mode catches up with a swarm a few steps ahead by mixing (node/catchup.py).
-        self.pace = ViewPace(self.peer_id, step_window=self._gossip_window() if self.gossip else None)
+        self.pace = ViewPace(self.peer_id, config.sync.quorum, step_window=self._gossip_window() if self.gossip else None)
         self.marks: frozenset[Mark] = frozenset()  # the progress record as last read
-        self.mark_writer = swarmpace.MarkWriter(self.gossip)
+        self.mark_writer = swarmpace.MarkWriter(self.gossip, config.sync.matchmaking_timeout,
+                                                config.node.heartbeat_interval)
 
     def record(self, leaving: bool = False) -> PeerRecord:
         step, digest = self.state.published()  # together: never a new step with the old hash
@@ -75,10 +76,10 @@ class SwarmLink:
 
     async def _publish_marks(self) -> None:
         """Store the progress marks this peer stands for that are due (swarmpace.MarkWriter)."""
-        ttl = swarmpace.mark_ttl(self.config.sync.matchmaking_timeout, self.config.node.heartbeat_interval)
         now = asyncio.get_running_loop().time()  # monotonic; virtual in tests
-        for mark in self.mark_writer.due(self.position(), self.stats.phase, now, ttl):
-            if await self.dht_client.store(progress_key(self.config.run.name), mark.subkey, mark.to_value(), ttl):
+        for mark in self.mark_writer.due(self.position(), self.stats.phase, now):
+            if await self.dht_client.store(progress_key(self.config.run.name), mark.subkey, mark.to_value(),
+                                           self.mark_writer.ttl(mark)):
                 self.mark_writer.stored(mark, now)
 
     async def read_marks(self) -> frozenset[Mark]:
@@ -120,8 +121,11 @@ class SwarmLink:
                 # A swarm that reads the table at every beat anyway needs no progress read.
                 every = swarmpace.full_read_every(len(self.view.peers))
                 marks = await self.read_marks() if every > 1 else self.marks
-                if self.pace.full_read_due(len(self.view.peers), self.has_view, self.position(), self.stats.phase,
-                                           marks) is not None:
+                me = self.position()
+                same = sum(p.outer_step == me.step and p.params_sha256 == me.params_hash and p.peer_id != me.peer_id
+                           for p in self.view.peers.values())
+                if self.pace.full_read_due(len(self.view.peers), self.has_view, me, self.stats.phase, marks,
+                                           same) is not None:
                     view = await self.refresh_view()
                     missing = self.reconnector.missing(view.peers.keys(), view.left)
                     # In a task of its own: pinging unreachable peers must never delay our record

@@ -7,19 +7,23 @@ Most heartbeats learn nothing a decision would act on, so this module decides wh
 older than one heartbeat still answers every decision as a fresh one would, from a small record:
 
 ``<run>/progress``, subkey ``c/<step>/<hash>`` = "some peer committed ``step`` with ``hash``",
-``o/<step>/<hash>`` = "some peer is averaging at ``step`` from ``hash``". Every peer that commits
-a step, or opens a round, writes the same subkey with the same value (idempotent: the record
-holds a few subkeys per step, whatever N is). In gossip mode hashes differ by design, so the
-marks carry no hash (one subkey per step).
+``o/<step>/<hash>/<slot>`` = "a peer of that slot is averaging at ``step`` from ``hash``", slot =
+sha256(peer id) mod OPEN_SLOTS. Every peer that commits a step, or opens a round, writes the
+same subkey with the same value as the others (idempotent: the record holds at most
+1 + OPEN_SLOTS subkeys per (step, hash), whatever N is). How many slots are filled estimates
+how many peers are averaging (linear counting). In gossip mode hashes differ by design, so
+the marks carry no hash and no round opens (one subkey per step).
 
 What a stale view may miss, and the mark that says it changed:
 - ``behind`` / the catch-up target: a peer past our step (any mark at a later step), another
   hash committed at our step (``c/<our step>/<other>``, the majority vote). Without such a mark a
   fresh view would show no peer past our step and no other hash at it either, so the catch-up
   takes no download: the stale view is enough (``fresh_needed``).
-- ``outpaced`` (the slow peer's cut of its inner phase): true only once peers at our step with
-  our hash are averaging, i.e. after ``o/<our step>/<our hash>`` appeared. While that mark lives
-  and we train, the heartbeat reads the table at every beat, as before (``ViewPace``).
+- ``outpaced`` (the slow peer's cut of its inner phase): true only once a quorum of the peers at
+  our step with our hash (as many as in the last full view) are averaging. While the open marks
+  at our step and hash say that at least half of that many may be averaging (``near_quorum``,
+  which over-counts rather than under-counts), the heartbeat reads the table at every beat and
+  ``outpaced`` decides on the fresh view, as before (``ViewPace``).
 - the matchmaking's liveness (``RoundPeers.latest``) and the solo-step check read the
   heartbeat's view while we average: full reads at every beat in that phase too.
 - liveness for the DHT re-bootstrap (node/reconnect.py), the swarm-size metrics and ``status``:
@@ -61,6 +65,7 @@ from typing import Iterable
 from .decisions import Position
 
 VIEW_PEERS = 64  # records a peer reads per heartbeat on average between rounds: full table every ceil(n/64) beats
+OPEN_SLOTS = 64  # open-mark slots per (step, hash): linear counting of averaging peers, ~±15 % up to ~150
 COMMITTED, OPEN = "c", "o"
 
 
@@ -75,22 +80,26 @@ class Mark:
     kind: str  # COMMITTED or OPEN
     step: int
     params_sha256: str  # "" in gossip mode
+    slot: int = 0  # OPEN marks: the writer's slot (open_slot); 0 for COMMITTED ones
 
     @property
     def subkey(self) -> str:
-        return f"{self.kind}/{self.step}/{self.params_sha256}"
+        tail = f"/{self.slot}" if self.kind == OPEN else ""
+        return f"{self.kind}/{self.step}/{self.params_sha256}{tail}"
 
     def to_value(self) -> dict:
-        return {"kind": self.kind, "step": self.step, "params_sha256": self.params_sha256}
+        return {"kind": self.kind, "step": self.step, "params_sha256": self.params_sha256, "slot": self.slot}
 
     @classmethod
     def parse(cls, subkey: str, value: dict) -> "Mark | None":
         try:
-            mark = cls(str(value["kind"]), int(value["step"]), str(value.get("params_sha256", "")))
+            mark = cls(str(value["kind"]), int(value["step"]), str(value.get("params_sha256", "")),
+                       int(value.get("slot", 0)))
         except (KeyError, TypeError, ValueError):
             return None  # a stranger's malformed value must not break the heartbeat
         # The subkey is what makes a mark idempotent: a value filed under another one is not ours.
-        return mark if mark.kind in (COMMITTED, OPEN) and mark.subkey == subkey else None
+        valid = mark.kind == COMMITTED and mark.slot == 0 or mark.kind == OPEN and 0 <= mark.slot < OPEN_SLOTS
+        return mark if valid and mark.subkey == subkey else None
 
 
 def parse_marks(raw: dict[str, dict]) -> frozenset[Mark]:
@@ -102,17 +111,22 @@ def marks_of(me: Position, phase: str, gossip: bool) -> list[Mark]:
     digest = "" if gossip else me.params_hash
     marks = [Mark(COMMITTED, me.step, digest)] if me.step > 0 else []  # step 0: nobody committed anything
     if phase == "averaging" and not gossip:  # gossip never waits for a quorum: nothing to cut for
-        marks.append(Mark(OPEN, me.step, digest))
+        marks.append(Mark(OPEN, me.step, digest, open_slot(me.peer_id)))
     return marks
+
+
+def open_slot(peer_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"open/{peer_id}".encode()).digest()[:4], "big") % OPEN_SLOTS
 
 
 def relevant(marks: Iterable[Mark], me: Position, step_window: int | None = None) -> frozenset[Mark]:
     """The marks that could change a catch-up or ``behind`` decision for a peer at ``me``: a
-    later step (in gossip mode, ``step_window`` steps later), or another hash committed at ours."""
+    later step committed (in gossip mode, ``step_window`` steps later), or another hash committed
+    at ours. Open marks add nothing here: a peer averaging at a later step committed it first."""
+    committed = [m for m in marks if m.kind == COMMITTED]
     if step_window is not None:
-        return frozenset(m for m in marks if m.step > me.step + step_window)
-    return frozenset(m for m in marks if m.step > me.step or (
-        m.kind == COMMITTED and m.step == me.step and m.params_sha256 != me.params_hash))
+        return frozenset(m for m in committed if m.step > me.step + step_window)
+    return frozenset(m for m in committed if m.step > me.step or (m.step == me.step and m.params_sha256 != me.params_hash))
 
 
 def fresh_needed(marks: Iterable[Mark], me: Position, step_window: int | None = None) -> bool:
@@ -120,9 +134,20 @@ def fresh_needed(marks: Iterable[Mark], me: Position, step_window: int | None = 
     return bool(relevant(marks, me, step_window))
 
 
-def round_open(marks: Iterable[Mark], me: Position) -> bool:
-    """Whether peers at our step with our hash are averaging (``outpaced`` may turn true)."""
-    return Mark(OPEN, me.step, me.params_hash) in set(marks)
+def averaging_estimate(marks: Iterable[Mark], me: Position) -> float:
+    """About how many peers are averaging at our step from our hash (linear counting over the
+    filled open slots; infinite once every slot is filled)."""
+    filled = len({m.slot for m in marks if m.kind == OPEN and m.step == me.step and m.params_sha256 == me.params_hash})
+    return math.inf if filled >= OPEN_SLOTS else -OPEN_SLOTS * math.log1p(-filled / OPEN_SLOTS)
+
+
+def near_quorum(marks: Iterable[Mark], me: Position, same: int, quorum: float) -> bool:
+    """Whether ``decisions.outpaced`` may be true: the peers averaging at our step and hash may
+    number half of those it needs, ``same`` being the other peers at our step with our hash in the
+    last full view. Half, so that the estimate's error and the view's age never hide a quorum."""
+    estimate = averaging_estimate(marks, me)
+    needed = max(1, math.ceil(quorum * (same + 1)) - 1)
+    return estimate > 0 and estimate >= needed / 2
 
 
 def full_read_every(peers: int) -> int:
@@ -140,37 +165,43 @@ class MarkWriter:
     """Which marks a peer must store now: each mark it stands for once when it starts to, and
     again at half its TTL while it still does (a few stores per round, never one per beat)."""
 
-    def __init__(self, gossip: bool) -> None:
+    def __init__(self, gossip: bool, matchmaking_timeout: float, heartbeat: float) -> None:
         self.gossip = gossip
+        self.matchmaking_timeout = matchmaking_timeout
+        self.heartbeat = heartbeat
         self.written: dict[Mark, float] = {}  # marks we stand for -> when we stored them
 
-    def due(self, me: Position, phase: str, now: float, ttl: float) -> list[Mark]:
+    def ttl(self, mark: Mark) -> float:
+        """A commit mark: long enough for every peer to read it at a heartbeat while a round of
+        its step lasts. An open mark: the matchmaking timeout, so a failed round's marks do not
+        keep the slower peers reading the table long after it."""
+        return self.matchmaking_timeout + (3 * self.heartbeat if mark.kind == COMMITTED else 0.0)
+
+    def due(self, me: Position, phase: str, now: float) -> list[Mark]:
         wanted = marks_of(me, phase, self.gossip)
         self.written = {m: t for m, t in self.written.items() if m in wanted}  # a mark stood for again is new
-        return [m for m in wanted if now - self.written.get(m, -math.inf) >= ttl / 2]
+        return [m for m in wanted if now - self.written.get(m, -math.inf) >= self.ttl(m) / 2]
 
     def stored(self, mark: Mark, now: float) -> None:
         self.written[mark] = now
 
 
-def mark_ttl(matchmaking_timeout: float, heartbeat: float) -> float:
-    """Long enough for every peer to read a mark at a heartbeat while a round of its step lasts."""
-    return matchmaking_timeout + 3 * heartbeat
-
-
 class ViewPace:
     """Per heartbeat: read the whole table, or only the progress record (module docstring)."""
 
-    def __init__(self, peer_id: str, step_window: int | None = None) -> None:
+    def __init__(self, peer_id: str, quorum: float, step_window: int | None = None) -> None:
         self.peer_id = peer_id
+        self.quorum = quorum  # [sync] quorum, as outpaced() reads it
         self.step_window = step_window  # gossip mode: the steps it catches up with by mixing
         self.beat = 0
         self.seen: frozenset[Mark] = frozenset()  # relevant marks known when the last full read was made
         self.full_reads = 0
 
-    def full_read_due(self, peers: int, has_view: bool, me: Position, phase: str, marks: Iterable[Mark]) -> str | None:
-        """Why this beat must read the table (``peers``: in the last full view), or None.
-        Call once per beat, with the marks read at this beat."""
+    def full_read_due(self, peers: int, has_view: bool, me: Position, phase: str, marks: Iterable[Mark],
+                      same: int = 0) -> str | None:
+        """Why this beat must read the table, or None. Call once per beat, with the marks read
+        at this beat; ``peers``: in the last full view, ``same``: those of them (but us) at our
+        step with our hash."""
         beat, self.beat = self.beat, self.beat + 1
         marks = frozenset(marks)
         every = full_read_every(peers)
@@ -178,8 +209,8 @@ class ViewPace:
             return "no view yet"
         if phase == "averaging":
             return "averaging"  # the matchmaking waits on the heartbeat's view (RoundPeers.latest)
-        if phase == "training" and self.step_window is None and round_open(marks, me):
-            return "round open"  # outpaced() can turn true at any beat now
+        if phase == "training" and self.step_window is None and near_quorum(marks, me, same, self.quorum):
+            return "near quorum"  # outpaced() can turn true at any beat now
         if relevant(marks, me, self.step_window) - self.seen:
             return "progress"  # behind / a catch-up target changed since the last full read
         if beat % every == beat_offset(self.peer_id, every):

@@ -32,8 +32,9 @@ class PacedPeer(SimPeer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         gossip = self.gossip is not None
-        self.pace = ViewPace(self.peer_id, step_window=self.world.gossip_window if gossip else None)
-        self.mark_writer = MarkWriter(gossip)
+        self.pace = ViewPace(self.peer_id, self.world.config.quorum,
+                             step_window=self.world.gossip_window if gossip else None)
+        self.mark_writer = MarkWriter(gossip, self.world.config.matchmaking_timeout, self.world.config.heartbeat)
         self.marks: frozenset[Mark] = frozenset()
         self.has_view = False
         self._catching_up = False  # the next refresh_view is the loop catch-up's (node/catchup.py)
@@ -42,11 +43,10 @@ class PacedPeer(SimPeer):
         await super().publish_record(leaving)
         if leaving:
             return
-        cfg = self.world.config
-        ttl = swarmpace.mark_ttl(cfg.matchmaking_timeout, cfg.heartbeat)
         now = asyncio.get_running_loop().time()
-        for mark in self.mark_writer.due(self.position(), self.phase, now, ttl):
-            if await self.dht.store(progress_key(cfg.run), mark.subkey, mark.to_value(), ttl):
+        for mark in self.mark_writer.due(self.position(), self.phase, now):
+            if await self.dht.store(progress_key(self.world.config.run), mark.subkey, mark.to_value(),
+                                    self.mark_writer.ttl(mark)):
                 self.mark_writer.stored(mark, now)
 
     async def read_marks(self) -> frozenset[Mark]:
@@ -84,7 +84,12 @@ class PacedPeer(SimPeer):
             await self.publish_record()
             every = swarmpace.full_read_every(len(self.view.peers))
             marks = await self.read_marks() if every > 1 else self.marks
-            why = self.pace.full_read_due(len(self.view.peers), self.has_view, self.position(), self.phase, marks)
+            me = self.position()
+            # The others at our step with our hash, from the view's counts (sim/dht.py) rather than O(N).
+            same = sum(n for (step, digest, _), n in self.view_tags.items() if step == me.step and digest == me.params_hash)
+            same -= me.peer_id in self.view.peers and self.view.peers[me.peer_id].outer_step == me.step \
+                and self.view.peers[me.peer_id].params_sha256 == me.params_hash
+            why = self.pace.full_read_due(len(self.view.peers), self.has_view, me, self.phase, marks, same)
             if why is not None:
                 await self._full_read(f"heartbeat: {why}")
             else:

@@ -5,6 +5,7 @@ catch-up as a fresh one would whenever the progress record says nothing moved.""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections import Counter
 from typing import Any
@@ -19,13 +20,14 @@ from lowcomm.node.reconnect import Reconnector
 from lowcomm.node.runstats import RunStats
 from lowcomm.node.swarm import PeerRecord, SwarmView, peers_key
 from lowcomm.node.swarmlink import SwarmLink
-from lowcomm.node.swarmpace import COMMITTED, OPEN, Mark, ViewPace
+from lowcomm.node.swarmpace import COMMITTED, OPEN, OPEN_SLOTS, Mark, ViewPace, open_slot
 from lowcomm.protocol import PROTOCOL_VERSION
 from lowcomm.protocol.handshake import Identity
 
 from .protocol_fakes import run_virtual
 
 ME = decisions.Position("me", 5, "aa")
+MY_OPEN = Mark(OPEN, 5, "aa", open_slot("me"))
 
 
 def record(peer: str, step: int, digest: str, phase: str = "training", fingerprint: str = "f") -> PeerRecord:
@@ -38,21 +40,25 @@ def test_marks_round_trip_and_refuse_what_is_not_a_mark():
     assert Mark.parse("c/4/ab", mark.to_value()) is None  # filed under another subkey: not idempotent
     assert Mark.parse("x/3/ab", {"kind": "x", "step": 3, "params_sha256": "ab"}) is None
     assert Mark.parse("c/3/ab", {"kind": "c", "step": "three"}) is None
+    opened = Mark(OPEN, 3, "ab", 7)
+    assert opened.subkey == "o/3/ab/7" and Mark.parse(opened.subkey, opened.to_value()) == opened
+    outside = Mark(OPEN, 3, "ab", OPEN_SLOTS)
+    assert Mark.parse(outside.subkey, outside.to_value()) is None  # a slot past the count would inflate it
     assert swarmpace.parse_marks({"c/3/ab": mark.to_value(), "junk": {"a": 1}}) == {mark}
 
 
 def test_a_peer_marks_its_commits_and_its_open_rounds_and_gossip_marks_carry_no_hash():
     assert swarmpace.marks_of(decisions.Position("p", 0, "aa"), "training", False) == []
     assert swarmpace.marks_of(ME, "training", False) == [Mark(COMMITTED, 5, "aa")]
-    assert swarmpace.marks_of(ME, "averaging", False) == [Mark(COMMITTED, 5, "aa"), Mark(OPEN, 5, "aa")]
+    assert swarmpace.marks_of(ME, "averaging", False) == [Mark(COMMITTED, 5, "aa"), MY_OPEN]
     assert swarmpace.marks_of(ME, "averaging", True) == [Mark(COMMITTED, 5, "")]
 
 
 def test_only_a_later_step_or_another_committed_hash_at_ours_needs_a_fresh_view():
     assert swarmpace.fresh_needed([Mark(COMMITTED, 6, "bb")], ME)  # somebody is past us: behind
-    assert swarmpace.fresh_needed([Mark(OPEN, 6, "aa")], ME)
+    assert not swarmpace.fresh_needed([Mark(OPEN, 6, "aa", 3)], ME)  # whoever averages there committed it first
     assert swarmpace.fresh_needed([Mark(COMMITTED, 5, "bb")], ME)  # the majority vote at our step
-    assert not swarmpace.fresh_needed([Mark(COMMITTED, 5, "aa"), Mark(OPEN, 5, "bb"), Mark(COMMITTED, 4, "cc")], ME)
+    assert not swarmpace.fresh_needed([Mark(COMMITTED, 5, "aa"), Mark(OPEN, 5, "bb", 1), Mark(COMMITTED, 4, "cc")], ME)
     # Gossip mode mixes with a swarm up to the window ahead: only beyond it is a download possible.
     assert not swarmpace.fresh_needed([Mark(COMMITTED, 9, "")], ME, step_window=4)
     assert swarmpace.fresh_needed([Mark(COMMITTED, 10, "")], ME, step_window=4)
@@ -86,18 +92,39 @@ def test_without_a_relevant_mark_the_catch_up_of_a_fresh_view_downloads_nothing(
 def test_the_pace_reads_the_table_when_decisions_need_it_and_otherwise_once_a_cycle():
     every = swarmpace.full_read_every(1024)
     assert every == 16 and swarmpace.full_read_every(64) == 1 and swarmpace.full_read_every(0) == 1
-    pace = ViewPace("me")
+    pace = ViewPace("me", quorum=2 / 3)
     assert pace.full_read_due(1024, False, ME, "training", []) == "no view yet"
     reasons = [pace.full_read_due(1024, True, ME, "training", []) for _ in range(3 * every)]
     assert reasons.count("periodic") == 3 and reasons.count(None) == 3 * every - 3
     assert pace.full_read_due(1024, True, ME, "averaging", []) == "averaging"
-    assert pace.full_read_due(1024, True, ME, "training", [Mark(OPEN, 5, "aa")]) == "round open"
-    assert pace.full_read_due(1024, True, ME, "training", [Mark(OPEN, 5, "aa")]) == "round open"  # every beat
+    # 9 others at our step and hash: outpaced needs 6 of them averaging; from 3 on, every beat reads.
+    one, four = [Mark(OPEN, 5, "aa", 0)], [Mark(OPEN, 5, "aa", slot) for slot in range(4)]
+    assert pace.full_read_due(1024, True, ME, "training", one, same=9) in (None, "periodic")
+    assert pace.full_read_due(1024, True, ME, "training", four, same=9) == "near quorum"
+    assert pace.full_read_due(1024, True, ME, "training", four, same=9) == "near quorum"  # at every beat
+    assert pace.full_read_due(1024, True, ME, "training", [Mark(OPEN, 5, "bb", s) for s in range(9)],
+                              same=9) in (None, "periodic")  # a round from other parameters
     ahead = [Mark(COMMITTED, 6, "bb")]
     due = [pace.full_read_due(1024, True, ME, "training", ahead) for _ in range(every)]
     assert due[0] == "progress" and "progress" in due  # noticed at the first beat that saw it
     pace.read_full(ahead, ME)  # ... and once a full read accounted for it, only the cycle reads
     assert "progress" not in [pace.full_read_due(1024, True, ME, "training", ahead) for _ in range(every)]
+
+
+def test_the_open_slots_count_the_averaging_peers_and_never_hide_a_quorum():
+    """Linear counting over OPEN_SLOTS slots: close for tens of peers, and never below half of
+    the true count (what near_quorum relies on) up to saturation, where it says infinity."""
+    for m in (1, 10, 50, 100, 200, 400, 2000):
+        marks = {Mark(OPEN, 5, "aa", open_slot(f"peer-{m}-{i}")) for i in range(m)}
+        estimate = swarmpace.averaging_estimate(marks, ME)
+        assert estimate >= m / 2, (m, estimate)
+        if m <= 100:
+            assert abs(estimate - m) <= 0.25 * m + 1, (m, estimate)
+        for same in range(0, 3 * min(m, 400), 7):  # a real quorum is never hidden
+            if m >= max(1, math.ceil(2 / 3 * (same + 1)) - 1):
+                assert swarmpace.near_quorum(marks, ME, same, quorum=2 / 3), (m, same)
+    assert swarmpace.averaging_estimate([], ME) == 0 and not swarmpace.near_quorum([], ME, same=0, quorum=2 / 3)
+    assert swarmpace.near_quorum([MY_OPEN], ME, same=1, quorum=2 / 3)  # one other peer: one averaging is a quorum
 
 
 def test_the_swarm_spreads_its_periodic_reads_over_the_cycle():
@@ -155,7 +182,7 @@ def test_the_link_writes_each_mark_once_and_the_catch_up_reuses_its_view_until_o
         assert dht.stores[progress] == 1 and set(dht.data[progress]) == {f"c/1/{state.params_hash}"}
         stats.phase = "averaging"
         await link.publish_record()
-        assert set(dht.data[progress]) == {f"c/1/{state.params_hash}", f"o/1/{state.params_hash}"}
+        assert set(dht.data[progress]) == {f"c/1/{state.params_hash}", f"o/1/{state.params_hash}/{open_slot('me')}"}
 
         reads = dht.gets[table]
         view = await link.current_view()  # our own marks: nothing to catch up with
@@ -206,14 +233,16 @@ def test_a_small_swarm_heartbeat_reads_the_table_at_every_beat_and_no_progress_r
 
 
 def test_a_mark_is_stored_once_then_again_at_half_its_ttl_while_the_peer_stands_for_it():
-    writer = swarmpace.MarkWriter(gossip=False)
-    committed, opened = Mark(COMMITTED, 5, "aa"), Mark(OPEN, 5, "aa")
-    assert writer.due(ME, "averaging", 0.0, 40.0) == [committed, opened]
+    writer = swarmpace.MarkWriter(False, matchmaking_timeout=40.0, heartbeat=0.0)
+    committed, opened = Mark(COMMITTED, 5, "aa"), MY_OPEN
+    assert writer.ttl(committed) == 40.0 and swarmpace.MarkWriter(False, 30.0, 5.0).ttl(committed) == 45.0
+    assert swarmpace.MarkWriter(False, 30.0, 5.0).ttl(opened) == 30.0  # a failed round's marks go soon
+    assert writer.due(ME, "averaging", 0.0) == [committed, opened]
     writer.stored(committed, 0.0)  # the store of the open mark failed: it is due again at the next beat
-    assert writer.due(ME, "averaging", 5.0, 40.0) == [opened]
+    assert writer.due(ME, "averaging", 5.0) == [opened]
     writer.stored(opened, 5.0)
-    assert writer.due(ME, "averaging", 19.0, 40.0) == []
-    assert writer.due(ME, "averaging", 20.0, 40.0) == [committed]  # refreshed before it expires
+    assert writer.due(ME, "averaging", 19.0) == []
+    assert writer.due(ME, "averaging", 20.0) == [committed]  # refreshed before it expires
     writer.stored(committed, 20.0)
-    assert writer.due(ME, "training", 21.0, 40.0) == []  # the round closed: the open mark is let expire
-    assert writer.due(ME, "averaging", 22.0, 40.0) == [opened]  # a retried round at the step opens it anew
+    assert writer.due(ME, "training", 21.0) == []  # the round closed: the open mark is let expire
+    assert writer.due(ME, "averaging", 22.0) == [opened]  # a retried round at the step opens it anew
