@@ -141,6 +141,9 @@ class Election:
             raise Refused(Code.ABORTED, f"not matchmaking for step {request.step} (this peer is at step {have})")
         if request.params_sha256 != current.params_hash:
             raise Refused(Code.ABORTED, f"this peer's parameters at step {request.step} differ from the caller's")
+        if request.bucket and request.bucket == current.own_bucket and current.role == "closed" and current.planned:
+            # We led the caller's bucket into the step's plan, which is made: it is too late.
+            raise Refused(Code.ABORTED, f"the plan of step {request.step} {CLOSED} (this peer led bucket {request.bucket})")
         if request.bucket != current.bucket:
             # A bucket that closed (its leader went to the top level), or another bucket.
             raise Refused(Code.ABORTED, f"not matchmaking at {request.bucket or 'the top level'} of step "
