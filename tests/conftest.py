@@ -10,10 +10,12 @@ import pytest
 from lowcomm.node.localswarm import NodeProcess, peer_args
 
 # Small, fast settings for CLI swarms on 2 cores: short inner phases, short deadlines, and a
-# heartbeat that spreads news of steps quickly.
+# heartbeat that spreads news of steps quickly. The multi-process tests are CPU-bound, and the
+# inner phase is most of a round's CPU: 4 sequences per step cost a solo node 0.5-0.6 CPU-s per
+# round instead of 1.0-1.4 s with 8. The tests wait for rounds, never for an amount of training.
 FAST = [
     "--set", "train.inner_steps=20",
-    "--set", "train.batch_size=8",
+    "--set", "train.batch_size=4",
     "--set", "sync.matchmaking_timeout=15",
     "--set", "sync.reduce_timeout=8",
     "--set", "node.heartbeat_interval=1",

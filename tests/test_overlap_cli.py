@@ -14,7 +14,7 @@ from .test_swarm_cli import ROUND_WAIT, hash_at
 pytestmark = pytest.mark.multiprocess
 
 
-TOKENS_PER_STEP = 8 * 128  # FAST: batch_size 8, the default seq_len 128
+TOKENS_PER_STEP = 4 * 128  # FAST: batch_size 4, the default seq_len 128
 INNER_STEPS = 20  # FAST
 
 
