@@ -79,7 +79,13 @@ def set_cap(net, mbit: float | None, queue: str) -> None:
     queues the same bytes as ~130 packets of 1.5 kB, the NIC having cut them). ``router``: below
     SEGMENT_BELOW_MBIT the peers' TCP builds wire-sized packets (gso_max_size 1500), which the
     caps queue and drop one by one; at 1 Gbit/s no queue builds (no drops, no retransmissions in
-    any run) and segmenting in the stack would only cost CPU that a real NIC saves."""
+    any run) and segmenting in the stack would only cost CPU that a real NIC saves.
+
+    ``gso`` stays the default: ``router`` cuts the retransmissions (4×4 MB at 20 Mbit/s: 10 % →
+    2 %) but is slower here, even at N=2 where nothing is lost (bench/analysis.md). Probably
+    because the upload cap sits in the sender's own qdisc, where TCP Small Queues let a socket
+    keep only ~2 small packets queued, so a sender descheduled on a loaded machine leaves the
+    link idle; a router's queue is not limited that way, and neither mode emulates it exactly."""
     net.set_cap(mbit)
     if net.kind != "netns":
         return
@@ -114,7 +120,8 @@ def lowcomm_round(agents: list[Proc], addresses: list[str], numel: int, codec_id
     # Per member: its stage timestamps (transport_agent.Trace), counted from the round's start.
     trace = {f"agent-{i}": [[round(d["t_start"] - start + t, 4), *rest] for t, *rest in d.get("trace", [])]
              for i, d in enumerate(done)}
-    return {"seconds": seconds, "trace": trace, "phases": phases(trace, seconds), "bytes_sent": statistics.fmean(d["bytes_sent"] for d in done),
+    return {"seconds": seconds, "trace": trace, "phases": phases(trace, seconds),
+            "bytes_sent": statistics.fmean(d["bytes_sent"] for d in done),
             "skipped_shards": sum(d["skipped"] for d in done),
             # CPU seconds all agents spent in the round per second of it: 2.0 = both cores busy.
             "cpu_cores_busy": sum(d["cpu_seconds"] for d in done) / seconds if seconds > 0 else None,
@@ -316,9 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--network", choices=["netns", "loopback"], default="netns")
     parser.add_argument("--schedule", choices=["staggered", "all"], default="staggered",
                         help="lowcomm's upload/result order (protocol/schedule.py) or everything at once")
-    parser.add_argument("--queue", choices=["router", "gso"], default="router",
-                        help="router: below 1 Gbit/s the caps queue and drop wire-sized packets, as a home "
-                             "router does; gso: whole 64 kB GSO packets (the runs before issue 17)")
+    parser.add_argument("--queue", choices=["router", "gso"], default="gso",
+                        help="gso: the caps queue whole 64 kB GSO packets (netns_cluster's tbf); router: below "
+                             "1 Gbit/s wire-sized packets, as a home router sees them (see set_cap)")
     parser.add_argument("--prefix", default="lct")
     parser.add_argument("--json-out", type=Path, default=OUT / "transport.jsonl")
     args = parser.parse_args(argv)

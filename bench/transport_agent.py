@@ -11,7 +11,7 @@ namespace, so no command crosses the capped links):
     lowcomm   {"cmd": "setup", "numel": n}            -> {"event": "setup_done"}
               {"cmd": "round", "group": {...}}        -> {"event": "round_done", "t_start", "t_end",
                                                           "cpu_seconds", "bytes_sent", "bytes_received",
-                                                          "skipped"}
+                                                          "skipped", "trace": [[t, stage, shard, peer]]}
     hivemind  {"cmd": "setup", "numel": n, "group_size": N, "prefix": P}  -> {"event": "setup_done"}
               {"cmd": "round", "timeout": s}          -> {"event": "round_done", "t_start", "t_end",
                                                           "group_size"}
@@ -160,8 +160,9 @@ async def run_lowcomm(args: argparse.Namespace) -> None:
 
     channels = ChannelPool()
     transport = TracingTransport(GrpcReduceTransport(channels))
-    server, port = create_server(args.host, args.port, AveragingServicer(None, TracingRegistry(registry, transport)), None,
-                                 NodeInfoServicer(no_status), health.aio.HealthServicer())
+    servicer = AveragingServicer(None, TracingRegistry(registry, transport))
+    server, port = create_server(args.host, args.port, servicer, None, NodeInfoServicer(no_status),
+                                 health.aio.HealthServicer())
     await server.start()
     emit(event="ready", address=f"{args.host}:{port}", peer_id=peer_id)
     queue = commands()
