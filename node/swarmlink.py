@@ -48,7 +48,8 @@ class SwarmLink:
         self.reconnecting: asyncio.Task | None = None
         self.gossip = config.sync.mode == "gossip"
         # Gossip mode catches up with a swarm a few steps ahead by mixing (node/catchup.py).
-        self.pace = ViewPace(self.peer_id, config.sync.quorum, step_window=self._gossip_window() if self.gossip else None)
+        self.pace = ViewPace(self.peer_id, config.sync.quorum,
+                             step_window=self._gossip_window() if self.gossip else None)
         self.marks: frozenset[Mark] = frozenset()  # the progress record as last read
         self.mark_writer = swarmpace.MarkWriter(self.gossip, config.sync.matchmaking_timeout,
                                                 config.node.heartbeat_interval)

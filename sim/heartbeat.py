@@ -86,7 +86,8 @@ class PacedPeer(SimPeer):
             marks = await self.read_marks() if every > 1 else self.marks
             me = self.position()
             # The others at our step with our hash, from the view's counts (sim/dht.py) rather than O(N).
-            same = sum(n for (step, digest, _), n in self.view_tags.items() if step == me.step and digest == me.params_hash)
+            same = sum(n for (step, digest, _), n in self.view_tags.items()
+                       if step == me.step and digest == me.params_hash)
             same -= me.peer_id in self.view.peers and self.view.peers[me.peer_id].outer_step == me.step \
                 and self.view.peers[me.peer_id].params_sha256 == me.params_hash
             why = self.pace.full_read_due(len(self.view.peers), self.has_view, me, self.phase, marks, same)
