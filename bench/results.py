@@ -386,7 +386,7 @@ def _scale_goals(rows: dict[tuple[str, int], dict], variant: str, out_dir: Path)
     share_ok, rpc_ok = big["mean_share_averaged"] >= 0.95, ratio("mean_busiest_peer_rpcs") <= 2
     line = (f"- Scale (simulated, {variant}, N=16 → N={n}): **formation p95 within 2×: "
             f"{verdict(ratio('mean_form_p95_s') <= 2)}** ({small['mean_form_p95_s']:.1f} → {big['mean_form_p95_s']:.1f} s; "
-            f"near the 30 s matchmaking timeout at every N). **≥95 % of live peers average: {verdict(share_ok)}** "
+            f"a plan closes by its earliest member's matchmaking deadline, 30 s). **≥95 % of live peers average: {verdict(share_ok)}** "
             f"({big['mean_share_averaged']:.2f}, min {big['min_share_averaged']:.2f})")
     if not share_ok and p:
         line += (f": per round {p['failed_behind']:.0f} of {p['live']:.0f} live peers found the swarm past their step "
@@ -401,8 +401,11 @@ def _scale_goals(rows: dict[tuple[str, int], dict], variant: str, out_dir: Path)
              f"{verdict(rpc_ok)}** ({small['mean_busiest_peer_rpcs']:.0f} → {big['mean_busiest_peer_rpcs']:.0f}; "
              f"JoinGroup {small['mean_busiest_peer_joins']:.0f} → {big['mean_busiest_peer_joins']:.0f})")
     if not rpc_ok and p:
-        line += (f": besides ≤ group size + B JoinGroup calls, a team reducer of a step split into "
-                 f"G = {p['groups']:.0f} groups receives G − 1 stage-2 Reduce streams (crossgroup.py)")
+        line += (f": a bucket leader receives about group size JoinGroup calls and the step coordinator about "
+                 f"B − 1, plus one refused call from each bucket that comes after the plan closed; the other "
+                 f"{p['busiest_peer_rpcs'] - p['busiest_peer_joins']:.0f} calls are the all-reduce's (about "
+                 f"2·(group size − 1) Reduce and ReportShards inside a group, and G − 1 stage-2 streams at a team "
+                 f"reducer of a step split into G = {p['groups']:.0f} groups, crossgroup.py); profile in sim/README.md")
     line += (f". **Bytes per peer flat (≤1.25×): {verdict(ratio('mean_bytes_per_peer_mb') <= 1.25)}** "
              f"({ratio('mean_bytes_per_peer_mb'):.2f}×).")
     return [line]
@@ -832,7 +835,8 @@ def main(argv: list[str] | None = None) -> int:
     goals: list[str] = []
     long_run = newest(read_jsonl(args.in_dir / "convergence_long.jsonl"))
     body = (convergence_section(conv, plot_dir, goals) + long_convergence_section(long_run, goals)
-            + outer_sweep_section(read_jsonl(args.in_dir / "outer_sweep.jsonl"), long_run, seed_summary(long_run)[1])
+            + outer_sweep_section(read_jsonl(args.in_dir / "outer_sweep.jsonl"), long_run, seed_summary(long_run)[1],
+                                  read_jsonl(args.in_dir / "outer_sweep_confirm.jsonl"))
             + slow_links_section(slow, plot_dir, goals)
             + transport_section(trans, slow, plot_dir, goals) + codecs_section(cod)
             + overlap_section(over, plot_dir, goals, other_overlap) + soak_section(soak_run)
