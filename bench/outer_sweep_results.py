@@ -5,9 +5,9 @@ the newest long-benchmark run and that run's per-method summary (results.seed_su
 the emulator is shown next to the real node for the same seeds and every row next to ddp.
 
 The rule that may change the node's defaults (issue 16 item 5, as the lead's brief states it): a
-configuration measured on at least 3 seeds replaces the default (H=50, outer lr and momentum of
-node/config_sections.py) only if its mean over the same seeds is lower *and* its whole range lies
-below the default's (the seed ranges do not overlap). Otherwise the defaults stay.
+configuration measured on the default's seeds (at least 3) replaces the default (H=50, outer lr
+and momentum of node/config_sections.py) only if it beats the default's mean over those seeds by
+more than the overlap of the two seed ranges. Otherwise the defaults stay.
 """
 
 from __future__ import annotations
@@ -16,6 +16,11 @@ import statistics
 from typing import Any
 
 DEFAULT_H = 50  # the node's [train] inner_steps
+# The node's outer lr and momentum before this sweep: the long benchmark's run used them, and the
+# sweep compares every configuration with them.
+BASELINE = (0.7, 0.9)
+GRID_LR = (0.4, 0.7, 1.0)  # issue 16 item 5's grid at H=50
+GRID_MOMENTUM = (0.0, 0.5, 0.9)
 MIN_SEEDS = 3
 
 
@@ -61,65 +66,66 @@ def summary(by_seed: dict[int, dict[str, Any]], seeds: list[int] | None = None) 
 def choose(runs: dict[Key, dict[int, dict[str, Any]]], default: Key) -> tuple[str, Key | None]:
     """The module docstring's rule: (the sentence that says what it decided, the key to adopt or None).
 
-    The default's seeds S (at least MIN_SEEDS) are the comparison set. A configuration with a loss
-    at or above the default's lowest on S can never have its range below the default's, whatever
-    its other seeds give: it is out without them. One measured on all of S replaces the default if
-    it passes the rule; any other one is pending (it needs the rest of S)."""
+    Compared on the default's seeds S (at least MIN_SEEDS): a configuration measured on all of S
+    beats the default when its mean is lower by more than the overlap of the two seed ranges
+    (the length of the interval both ranges cover; 0 when they are apart). Of those that beat
+    it, the lowest mean is adopted. Configurations with fewer seeds are not candidates."""
     base = runs.get(default, {})
     if len(base) < MIN_SEEDS:
         return f"not decided: the default has {len(base)} seed(s), the rule needs {MIN_SEEDS}.", None
     seeds = sorted(base)
     ref = summary(base, seeds)
-    passed, pending, nearest = [], [], None
+    scored, partial = [], []
     for key, by_seed in runs.items():
         if key == default or key[:2] != default[:2]:
             continue
-        common = [s for s in seeds if s in by_seed]
-        mine = summary(by_seed, common)
-        if mine is None:
+        if not set(seeds) <= set(by_seed):
+            partial.append(key)
             continue
-        theirs = summary(base, common)
-        if nearest is None or mine["mean"] / theirs["mean"] < nearest[1]["mean"] / nearest[2]["mean"]:
-            nearest = (key, mine, theirs)
-        if mine["max"] >= ref["min"]:
-            continue  # out: its range cannot end below the default's
-        if len(common) == len(seeds):
-            passed.append((mine["mean"], key, mine))
-        else:
-            pending.append(key)
+        mine = summary(by_seed, seeds)
+        overlap = max(0.0, min(mine["max"], ref["max"]) - max(mine["min"], ref["min"]))
+        scored.append((mine["mean"], key, mine, overlap))
 
     def name(key: Key) -> str:
         return f"outer lr {key[2]:g}, momentum {key[3]:g}"
 
-    if passed:
-        _, key, mine = min(passed)
-        return (f"**changed** to {name(key)}: mean {mine['mean']:.4f} (range {mine['min']:.4f}–{mine['max']:.4f}) "
-                f"against the default's {ref['mean']:.4f} ({ref['min']:.4f}–{ref['max']:.4f}) on seeds "
-                f"{', '.join(map(str, seeds))}; the ranges do not overlap.", key)
-    if pending:
-        return ("not decided: " + "; ".join(name(k) for k in pending) + f" stay below the default's lowest seed "
-                f"({ref['min']:.4f}) on the seeds measured so far and need the others.", None)
-    near = ""
-    if nearest is not None:
-        key, mine, theirs = nearest
-        near = (f" The nearest is {name(key)}: {mine['mean']:.4f} against the default's {theirs['mean']:.4f} on "
-                f"seed(s) {', '.join(map(str, mine['seeds']))} ({(mine['mean'] / theirs['mean'] - 1) * 100:+.1f} %).")
-    return (f"**kept**: every other configuration has a seed at or above the default's lowest ({ref['min']:.4f}, "
-            f"seeds {', '.join(map(str, seeds))}: mean {ref['mean']:.4f}), so none can have its range below the "
-            f"default's whatever its other seeds give." + near, None)
+    fewer = (f" Measured on fewer seeds, so not candidates: {'; '.join(name(k) for k in sorted(partial))}."
+             if partial else "")
+    if not scored:
+        return "**kept**: no other configuration has the default's seeds." + fewer, None
+    mean, key, mine, overlap = min(scored)
+    by_seed_of = runs
+    numbers = (f"{name(key)}: mean {mine['mean']:.4f} (range {mine['min']:.4f}–{mine['max']:.4f}) against the "
+               f"default's {ref['mean']:.4f} ({ref['min']:.4f}–{ref['max']:.4f}) on seeds {', '.join(map(str, seeds))}, "
+               f"{ref['mean'] - mine['mean']:.4f} lower on the mean, ranges overlapping by {overlap:.4f}"
+               + (", lower on every seed" if all(by_seed_of[key][s]["final_eval_loss"] < base[s]["final_eval_loss"]
+                                                 for s in seeds) else ""))
+    if ref["mean"] - mine["mean"] > overlap:
+        return f"**changed** to {numbers}." + fewer, key
+    return f"**kept**: the best other configuration is {numbers}." + fewer, None
+
+
+def _outer_sets(record: dict[str, Any]) -> tuple[float, float]:
+    """(outer lr, momentum) a real-node record ran with: its --set flags, else BASELINE (the defaults
+    the long benchmark's run had)."""
+    sets = dict(item.split("=", 1) for item in record.get("node_sets") or [] if "=" in item)
+    return float(sets.get("sync.outer_lr", BASELINE[0])), float(sets.get("sync.outer_momentum", BASELINE[1]))
 
 
 def results_section(records: list[dict[str, Any]], long_records: list[dict[str, Any]],
-                    long_methods: dict[str, dict]) -> list[str]:
+                    long_methods: dict[str, dict], confirm_records: list[dict[str, Any]] = ()) -> list[str]:
+    """``confirm_records``: real-node runs of the long benchmark with the chosen settings
+    (bench/out/outer_sweep_confirm.jsonl), shown next to the emulator's number."""
     lines = ["## 1c. Outer optimizer sweep on the in-process emulator (`python bench/outer_sweep.py`)", ""]
     runs = group_runs(records)
     if not runs:
         return lines + ["Not run.", ""]
     lr, momentum = node_defaults()
     codec = "int8"
-    default = (codec, DEFAULT_H, lr, momentum)
+    default = (codec, DEFAULT_H, *BASELINE)
+    current = (codec, DEFAULT_H, lr, momentum)
     ours = [r for by_seed in runs.values() for r in by_seed.values()]
-    commands = sorted({r["command"] for r in ours})
+    commands = sorted({r["command"].replace("python bench/outer_sweep.py", "").strip() for r in ours})
     loads = [r["machine"]["loadavg_at_start"][0] for r in ours if r.get("machine")]
     lines += [
         "The node's round arithmetic in one process (bench/outer_sweep.py): 4 replicas of the node's `Trainer` "
@@ -130,10 +136,10 @@ def results_section(records: list[dict[str, Any]], long_records: list[dict[str, 
         "phases, no failed rounds, no bandwidth-sized shards). One torch thread, runs one after the other with "
         f"`nice -n 19` ({len(ours)} runs, {statistics.fmean(r['wall_seconds'] for r in ours) / 60:.1f} min each on "
         f"average, 1-minute load average {min(loads):.1f}–{max(loads):.1f} when they started). Commands: "
-        + ", ".join(f"`{c}`" for c in commands) + ".", ""]
+        "`python bench/outer_sweep.py` with " + ", ".join(f"`{c}`" for c in commands) + ".", ""]
     # Validation: the emulator against the real node, same seed and configuration.
     real = {r.get("seed"): r for r in long_records
-            if r.get("method") == f"diloco-{codec}-H{DEFAULT_H}" and r.get("ok", True) and not r.get("node_sets")}
+            if r.get("method") == f"diloco-{codec}-H{DEFAULT_H}" and r.get("ok", True) and _outer_sets(r) == BASELINE}
     rows = []
     for seed, r in sorted(runs.get(default, {}).items()):
         if seed in real:
@@ -144,10 +150,10 @@ def results_section(records: list[dict[str, Any]], long_records: list[dict[str, 
                          f"{diff:+.4f}", f"{max(steps):.4f} ({len(steps)})" if steps else "–"])
     if rows:
         spread = [real[s]["final_eval_loss"] for s in real]
-        lines += [f"**Emulator vs the real node** (diloco-{codec}-H{DEFAULT_H}, outer lr {lr:g}, momentum {momentum:g}, "
-                  f"final eval loss; real: the long benchmark's run {next(iter(real.values())).get('run_id')}, whose "
-                  f"seeds span {min(spread):.4f}–{max(spread):.4f}):", "",
-                  "| seed | emulator | real node | difference | largest difference at any outer step (steps compared) |",
+        lines += [f"**Emulator vs the real node** (diloco-{codec}-H{DEFAULT_H}, outer lr {BASELINE[0]:g}, momentum "
+                  f"{BASELINE[1]:g}, final eval loss; real: the long benchmark's run "
+                  f"{next(iter(real.values())).get('run_id')}, whose seeds span {min(spread):.4f}–{max(spread):.4f}):",
+                  "", "| seed | emulator | real node | difference | largest difference at any outer step (steps compared) |",
                   "|---|---:|---:|---:|---:|",
                   *("| " + " | ".join(row) + " |" for row in rows), ""]
     ddp = (long_methods.get("ddp") or {}).get("mean")
@@ -157,18 +163,41 @@ def results_section(records: list[dict[str, Any]], long_records: list[dict[str, 
         s = summary(runs[key])
         ref = summary(base, s["seeds"]) if base else None
         same = ref is not None and ref["seeds"] == s["seeds"]
-        rows.append([f"{key[0]}-H{key[1]}", f"{key[2]:g}", f"{key[3]:g}" + (" (default)" if key == default else ""),
+        mark = " (old default)" if key == default else " (node default)" if key == current else ""
+        rows.append([f"{key[0]}-H{key[1]}", f"{key[2]:g}", f"{key[3]:g}" + mark,
                      ", ".join(map(str, s["seeds"])), f"{s['mean']:.4f}", f"{s['min']:.4f} – {s['max']:.4f}",
                      f"{(s['mean'] / ref['mean'] - 1) * 100:+.1f} %" if same and key != default else "–",
                      f"{(s['mean'] / ddp - 1) * 100:+.1f} %" if ddp else "–"])
+    missing = [f"{g_lr:g} / {g_m:g}" for g_lr in GRID_LR for g_m in GRID_MOMENTUM
+               if (codec, DEFAULT_H, g_lr, g_m) not in runs]
     tokens = next(iter(next(iter(runs.values())).values()))["tokens"]
     lines += [f"Final eval loss at {tokens:,} tokens (every run ends there), mean and range over the seeds; "
-              "*vs default*: against the default (H=50, the node's outer lr and momentum) on the same seeds; "
-              "*vs ddp*: against ddp's mean in the long benchmark (section 1b).", ""]
-    lines += ["| codec, H | outer lr | momentum | seeds | eval loss (mean) | range | vs default | vs ddp |",
+              f"*vs old default*: against int8-H{DEFAULT_H} with outer lr {BASELINE[0]:g} and momentum {BASELINE[1]:g} "
+              "(the defaults before this sweep) on the same seeds; *vs ddp*: against ddp's mean in the long "
+              "benchmark (section 1b).", ""]
+    lines += ["| codec, H | outer lr | momentum | seeds | eval loss (mean) | range | vs old default | vs ddp |",
               "|---|---:|---:|---|---:|---:|---:|---:|", *("| " + " | ".join(row) + " |" for row in rows), ""]
+    if missing:
+        lines += [f"Not run (the issue's H={DEFAULT_H} grid, outer lr / momentum): {', '.join(missing)}.", ""]
     decision, adopted = choose(runs, default)
-    lines += [f"**Default outer optimizer** (node/config_sections.py: outer_lr {lr:g}, outer_momentum {momentum:g}; "
-              f"rule: another configuration must be lower on the mean of ≥{MIN_SEEDS} seeds with its range entirely "
-              f"below the default's): {decision}", ""]
+    verdict = adopted or default
+    agrees = (verdict[2], verdict[3]) == (lr, momentum)
+    lines += [f"**Default outer optimizer** (rule: a configuration must beat the old default's mean over the same "
+              f"≥{MIN_SEEDS} seeds by more than the overlap of their seed ranges): {decision} node/config_sections.py "
+              f"has outer_lr {lr:g}, outer_momentum {momentum:g}"
+              + ("." if agrees else f": **it does not match the rule's outcome ({verdict[2]:g}, {verdict[3]:g})**."), ""]
+    confirm = [r for r in confirm_records if r.get("ok") and r.get("final_eval_loss") is not None]
+    if confirm:
+        lines += [f"**The chosen default on the real node** (`{confirm[-1]['command']}`):", ""]
+        for r in confirm:
+            olr, om = _outer_sets(r)
+            emu = runs.get((codec, DEFAULT_H, olr, om), {}).get(r.get("seed"))
+            old = real.get(r.get("seed"))
+            lines.append(f"- outer lr {olr:g}, momentum {om:g}, seed {r.get('seed')} ({r.get('date')}, load average "
+                         f"{r['machine']['loadavg_at_start'][0]:.1f}): real node {r['final_eval_loss']:.4f}"
+                         + (f", emulator {emu['final_eval_loss']:.4f}" if emu else "")
+                         + (f"; the old default on the real node {old['final_eval_loss']:.4f}" if old else "")
+                         + (f"; vs ddp's mean {(r['final_eval_loss'] / ddp - 1) * 100:+.1f} %" if ddp else "")
+                         + (f". Notes: {'; '.join(r['notes'])}" if r.get("notes") else "") + ".")
+        lines.append("")
     return lines

@@ -41,7 +41,7 @@ log_level = "warning"
     cfg = load_config(path, flags=flags, overrides=["node.max_rounds=10"], environ=env)
     assert cfg.sync.codec == "int4"  # file over default
     assert cfg.sync.group_size == 4
-    assert cfg.sync.outer_lr == 0.7  # default kept
+    assert cfg.sync.outer_lr == 1.0  # default kept
     assert cfg.node.grpc_port == 1111  # file; the None flag does not override
     assert cfg.node.log_level == "warning"
     assert cfg.node.metrics_port == 2222  # env over file

@@ -145,27 +145,34 @@ def fake_record(lr: float, momentum: float, seed: int, loss: float, h: int = 50)
             "command": "python bench/outer_sweep.py", "wall_seconds": 150.0, "machine": {"loadavg_at_start": [3.0]}}
 
 
-def test_section_changes_the_default_only_when_the_ranges_do_not_overlap() -> None:
+def test_section_changes_the_default_only_beyond_the_range_overlap() -> None:
     import outer_sweep_results as section
 
-    lr, momentum = section.node_defaults()
+    lr, momentum = section.BASELINE  # the defaults before the sweep: what every row is compared with
     default = [fake_record(lr, momentum, s, loss) for s, loss in enumerate([1.83, 1.87, 1.85])]
-    overlapping = [fake_record(0.45, 0.55, s, loss) for s, loss in enumerate([1.80, 1.84, 1.82])]
-    separate = [fake_record(0.65, 0.25, s, loss) for s, loss in enumerate([1.78, 1.80, 1.79])]
-    one_seed = [fake_record(0.35, 0.15, 0, 1.50)]  # lowest of all, but one seed: never chosen
+    # Mean 0.02 lower, ranges overlap by 1.84 - 1.83 = 0.01: beats it.
+    beats = [fake_record(0.65, 0.25, s, loss) for s, loss in enumerate([1.80, 1.84, 1.85])]
+    # Mean 0.01 lower, ranges overlap by 1.86 - 1.83 = 0.03: does not.
+    close = [fake_record(0.45, 0.55, s, loss) for s, loss in enumerate([1.86, 1.83, 1.84])]
+    one_seed = [fake_record(0.35, 0.15, 0, 1.50)]  # lowest of all, but one seed: never a candidate
     default_key = ("int8", 50, lr, momentum)
-    decision, key = section.choose(section.group_runs(default + overlapping), default_key)
-    assert key is None and decision.startswith("**kept**"), decision  # 1.84 >= the default's lowest 1.83
-    decision, key = section.choose(section.group_runs(default + overlapping + one_seed), default_key)
-    assert key is None and decision.startswith("not decided") and "outer lr 0.35, momentum 0.15" in decision
-    decision, key = section.choose(section.group_runs(default + overlapping + separate + one_seed), default_key)
+    decision, key = section.choose(section.group_runs(default + close + one_seed), default_key)
+    assert key is None and decision.startswith("**kept**"), decision
+    assert "overlapping by 0.0300" in decision and "not candidates: outer lr 0.35, momentum 0.15" in decision
+    decision, key = section.choose(section.group_runs(default + close + beats + one_seed), default_key)
     assert key == ("int8", 50, 0.65, 0.25) and decision.startswith("**changed**"), decision
-    decision, key = section.choose(section.group_runs(default[:2] + separate), default_key)
+    decision, key = section.choose(section.group_runs(default[:2] + beats), default_key)
     assert key is None and decision.startswith("not decided: the default has 2 seed(s)")
+    separate = beats
     default[0]["curve"] = [{"outer_step": 1, "eval_loss": 2.7}, {"outer_step": 20, "eval_loss": 1.83}]
     real = [{"method": "diloco-int8-H50", "seed": 0, "final_eval_loss": 1.832, "run_id": "R", "ok": True,
              "curve": [{"outer_step": 1, "eval_loss": 2.705}, {"outer_step": 20, "eval_loss": 1.832}]}]
-    lines = section.results_section(default + separate, real, {"ddp": {"mean": 1.69}})
+    confirm = [{"ok": True, "final_eval_loss": 1.835, "seed": 0, "date": "D", "command": "python bench/convergence.py",
+                "machine": {"loadavg_at_start": [2.0]}, "node_sets": ["sync.outer_lr=0.65", "sync.outer_momentum=0.25"]}]
+    lines = section.results_section(default + separate, real, {"ddp": {"mean": 1.69}}, confirm)
     text = "\n".join(lines)
     assert "| 0 | 1.8300 | 1.8320 | -0.0020 | 0.0050 (2) |" in text  # emulator vs real node, seed 0
-    assert "| int8-H50 | 0.65 | 0.25 | 0, 1, 2 | 1.7900 | 1.7800 – 1.8000 | -3.2 % | +5.9 % |" in text
+    assert "| int8-H50 | 0.65 | 0.25 | 0, 1, 2 | 1.8300 | 1.8000 – 1.8500 | -1.1 % | +8.3 % |" in text
+    assert "real node 1.8350, emulator 1.8000; the old default on the real node 1.8320" in text
+    current = section.node_defaults()
+    assert f"node/config_sections.py has outer_lr {current[0]:g}, outer_momentum {current[1]:g}" in text

@@ -219,7 +219,7 @@ def test_method_sets_codec_and_outer_rule_and_explicit_tuning_wins():
     assert (tuned.outer_lr, tuned.aggregation) == (0.8, "mean")
     assert load_config(overrides=["sync.method=sparseloco", "sync.codec=sparseloco"], environ={}).sync.codec == "sparseloco"
     default = load_config(environ={}).sync
-    assert (default.method, default.codec, default.outer_momentum, default.outer_lr) == ("diloco", "int8", 0.9, 0.7)
+    assert (default.method, default.codec, default.outer_momentum, default.outer_lr) == ("diloco", "int8", 0.5, 1.0)
     a = load_config(overrides=["sync.method=sparseloco"], environ={})
     b = load_config(overrides=["sync.codec=sparseloco", "sync.outer_momentum=0", "sync.outer_lr=1.5",
                                "sync.aggregation=clipped_mean", "sync.clip_factor=1"], environ={})
