@@ -51,22 +51,29 @@ def test_three_peers_train_in_sync_and_a_late_joiner_catches_up(swarm):
     step = joined["outer_step"]
     assert {hash_at(node, step) for node in trio} == {joined["params_sha256"]}
 
-    # `status --json` reports the same state through the real CLI.
+    # `status --json`, `status` and `healthcheck` report the same state through the real CLI
+    # (started together: each spends seconds importing, and they do not depend on each other).
     grpc_address = first.ready()["grpc_address"]
-    out = subprocess.run([*node_command(), "status", "--target", grpc_address, "--json"],
-                         capture_output=True, text=True, timeout=30, check=True)
-    status = json.loads(out.stdout)
+    commands = {name: subprocess.Popen([*node_command(), *args, "--target", grpc_address], stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+                for name, args in (("json", ["status", "--json"]), ("human", ["status"]),
+                                   ("health", ["healthcheck"]))}
+    try:
+        out = {name: (proc.communicate(timeout=60)[0], proc.returncode) for name, proc in commands.items()}
+    finally:
+        for proc in commands.values():
+            if proc.poll() is None:
+                proc.kill()
+    assert out["json"][1] == 0 and out["human"][1] == 0, out
+    status = json.loads(out["json"][0])
     for key in ("peer_id", "outer_step", "params_sha256", "swarm_peers", "loss", "tokens_total"):
         assert key in status
     assert status["swarm_peers"] >= 3 and status["tokens_total"] > 0
     assert status["outer_step"] >= step
-    human = subprocess.run([*node_command(), "status", "--target", grpc_address],
-                           capture_output=True, text=True, timeout=30, check=True).stdout
+    human = out["human"][0]
     assert status["peer_id"] in human and "swarm" in human
     assert sum(1 for line in human.splitlines() if "tok/s" in line and "lag" in line) >= 3  # one line per peer
-    health = subprocess.run([*node_command(), "healthcheck", "--target", grpc_address],
-                            capture_output=True, text=True, timeout=30)
-    assert health.returncode == 0 and "SERVING" in health.stdout
+    assert out["health"][1] == 0 and "SERVING" in out["health"][0]
 
     # Training helps: the global model's eval loss is below the initial one.
     assert first.rounds()[-1]["eval_loss"] < initial_eval
