@@ -2,7 +2,7 @@
 
 Three real `lowcomm-node join` processes, each under another ``ATEN_CPU_CAPABILITY`` (generic,
 AVX2, AVX-512 kernels where this CPU has them) and another ``--torch-threads``, average for five
-rounds (int8 codec, outer lr 0.7 and momentum 0.9, the defaults). Before the outer step rounded
+rounds (int8 codec and the default outer step). Before the outer step rounded
 every operation on its own, the peer on the generic kernels committed another hash at the first
 averaged step, found itself in a minority and re-downloaded the state every round; here every
 step has one hash and nobody downloads after joining.
