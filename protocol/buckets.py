@@ -1,7 +1,8 @@
 """Two-level matchmaking of a large step: buckets, then the step coordinator (issue 15 item 4).
 
 With one leader per (step, params hash), that leader receives the JoinGroup of the whole swarm.
-When the peers a peer expects at step r number n ≥ 2·group_size, it matchmakes in two levels:
+When the peers a peer expects at step r number n ≥ 4·group_size (``MIN_BUCKETS``; issue 15
+proposed 2·group_size, see ``bucket_count``), it matchmakes in two levels:
 
 1. **Buckets.** B = 2^⌊log₂(n / group_size)⌋ (a power of two, so peers whose views differ a
    little still agree on B); a peer's bucket is sha256(r, peer id) mod B, re-mixed every step.
@@ -54,9 +55,16 @@ TOP_SLACK = 0.1  # share of the timeout for a top registration's staleness, the 
 TOP_RESERVE = 0.25  # share of the timeout a bucket keeps before its members give up: the top level and the answers
 
 
+MIN_BUCKETS = 4  # fewer buckets save the coordinator little and cost a second level (small swarms stay single-level)
+
+
 def bucket_count(expected: int, group_size: int) -> int:
-    """B for ``expected`` peers at a step: 1 below two groups' worth, else a power of two."""
-    if group_size < 1 or expected < 2 * group_size:
+    """B for ``expected`` peers at a step: 2^⌊log₂(n / group_size)⌋ (a power of two, so slightly
+    different views agree), or 1 below MIN_BUCKETS groups' worth of peers. With B = 2 the
+    coordinator would receive one bucket call instead of about two groups' JoinGroup calls, and
+    six real nodes in groups of three (B = 2) showed that views which disagree on B near that
+    threshold can close two plans of one step; the single level has neither cost."""
+    if group_size < 1 or expected < MIN_BUCKETS * group_size:
         return 1
     return 2 ** int(math.floor(math.log2(expected / group_size)))
 

@@ -10,7 +10,7 @@ member list and shard layout. When more peers came than ``group_size`` allows, t
 them into balanced groups by a per-step hash of their ids (Moshpit-style re-mixing: partners
 change every round, so information spreads through a large swarm in a few rounds), and gives
 every group the same step plan, so that all groups end the step with one average
-(crossgroup.py). A step that expects at least two groups' worth of peers matchmakes in two
+(crossgroup.py). A step that expects at least four groups' worth of peers matchmakes in two
 levels, buckets and then a step coordinator, so that no peer receives every JoinGroup of the
 swarm (buckets.py). A stable group meets directly, without DHT reads (direct.py).
 
@@ -123,7 +123,7 @@ class Matchmaker(Election, BucketLevel, DirectPath):
         ``numel`` is the length of what this round averages (a fragment of the model, or all
         of it by default); the leader's shard layout covers it. ``expected_peers()``: the peers
         a leader waits for (it may read the DHT; called at every look). ``round_peers``: what
-        the round-start view expects and who is alive (no DHT read); when it expects two
+        the round-start view expects and who is alive (no DHT read); when it expects four
         groups' worth of peers or more, the step matchmakes in buckets (buckets.py), otherwise
         (and without it) exactly as a single level."""
         current = _Round(step, params_hash, self.numel if numel is None else numel,

@@ -49,8 +49,8 @@ def plans(outcomes) -> Counter:
                    for g, _ in outcomes if isinstance(g, averaging_pb2.Group))
 
 
-def test_the_bucket_count_is_one_below_two_groups_and_a_power_of_two_above():
-    assert [bucket_count(n, 16) for n in (1, 31, 32, 63, 64, 100, 1024)] == [1, 1, 2, 2, 4, 4, 64]
+def test_the_bucket_count_is_one_below_four_groups_and_a_power_of_two_above():
+    assert [bucket_count(n, 16) for n in (1, 31, 32, 63, 64, 100, 1024)] == [1, 1, 1, 1, 4, 4, 64]
     labels = {bucket_label(3, f"p{i}", 4) for i in range(64)}
     assert labels == {"b4.0", "b4.1", "b4.2", "b4.3"}
     assert [bucket_label(s, "p1", 4) for s in range(8)] != [bucket_label(0, "p1", 4)] * 8  # re-mixed every step
@@ -97,7 +97,7 @@ def test_a_large_step_forms_one_step_plan_and_nobody_receives_every_join():
 def test_a_small_step_with_round_peers_is_the_single_level_path_unchanged():
     async def scenario(loop: VirtualTimeLoop, with_view: bool):
         net, dht = FakeNet(), FakeDHT(loop)
-        group = swarm(net, dht, loop, 7)  # 7 < 2 x 4: B = 1
+        group = swarm(net, dht, loop, 15)  # 15 < 4 x 4: B = 1
         view = {m.peer_id for m in group}
         made = await asyncio.gather(*(
             m.form_group(2, 1.0, 1e6, expecting(view), TIMEOUT, params_hash="ab" * 32,
