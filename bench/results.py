@@ -450,7 +450,9 @@ def scale_section(sweep: Path, goals: list[str]) -> list[str]:
               "sim/README.md. `single-level-*`: the protocol before buckets (one leader per step and hash, "
               "bench/out/scale/single-level/, the sweep of commit ce0badd; the `single-level-g16` rows with a "
               "*share in majority* were re-run on the current code with `--single-level`), for comparison. "
-              "`allreduce-g16-catchup`: a what-if (sim/whatif.py), not the node's behaviour.", "",
+              "`allreduce-g16-catchup`: a what-if (sim/whatif.py), not the node's behaviour. The `allreduce-*` "
+              "rows use buckets; the node does so only with `[sync] matchmaking_buckets = true`, off by default "
+              "because of the lower *share in majority* below (its default is the `single-level` protocol).", "",
               _drop_rows(sweep_table(*sources, variants=set(SCALE_CURRENT + SCALE_BEFORE + SCALE_WHATIF)), shown), ""]
     if stale:
         lines += ["Not re-run with buckets yet: " + ", ".join(f"{v} N={n}" for v, n in sorted(stale)) + ".", ""]

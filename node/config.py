@@ -94,7 +94,7 @@ class Config(ConfigSection):
 
         # ``method`` is a shorthand for keys that are in here already: leaving it out keeps the
         # fingerprints (and checkpoints) of runs made before it existed, and of equivalent spellings.
-        sync = self.sync.model_dump(exclude={"matchmaking_timeout", "reduce_timeout", "quorum", "straggler_wait",
+        sync = self.sync.model_dump(exclude={"matchmaking_timeout", "matchmaking_buckets", "reduce_timeout", "quorum", "straggler_wait",
                                              "method"})
         # Keys added later enter the fingerprint only when set: runs without them keep theirs.
         if not sync["state_sync"]:

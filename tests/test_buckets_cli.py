@@ -1,5 +1,5 @@
-"""Eight real `lowcomm-node` processes with `[sync] group_size = 2`: a step that expects eight
-peers matchmakes in B = 4 buckets (protocol/buckets.py), whose leaders meet the step
+"""Eight real `lowcomm-node` processes with `[sync] group_size = 2` and `matchmaking_buckets =
+true`: a step that expects eight peers matchmakes in B = 4 buckets (protocol/buckets.py), whose leaders meet the step
 coordinator, and the step's four groups of two still commit one params hash (one step plan,
 crossgroup.py), with no state download after a node's first round."""
 
@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.multiprocess
 
 PEERS, GROUP, STEPS = 8, 2, 2
-SPLIT = ["--set", f"sync.group_size={GROUP}", "--set", "train.inner_steps=10"]
+SPLIT = ["--set", f"sync.group_size={GROUP}", "--set", "sync.matchmaking_buckets=true", "--set", "train.inner_steps=10"]
 WAIT = 240  # seconds, for eight processes to start, catch up and run the steps on 2 loaded cores
 
 
