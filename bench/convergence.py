@@ -17,6 +17,8 @@ batch). The global model is evaluated on the node's fixed held-out batches. Meth
                            (with `--set sync.method=sparseloco`: SparseLoCo's outer rule too),
                            h inner steps per round, steps/h rounds (--max-rounds)
     sparseloco-H<h>        the node's `[sync] method = "sparseloco"` (codec and outer rule), h inner steps
+    desloc-H<h>, mtdao-H<h>  the node's `[sync] method = "desloc"` / `"mtdao"` (optimizer-state sync,
+                           the int8 codec, the outer defaults), h inner steps
     hivemind[-H<h>]        hivemind.Optimizer, local updates, 8-bit averaging every h steps (50)
 
 ``--seeds`` repeats every method for each seed (initial weights and data order; every method of
@@ -44,11 +46,14 @@ from runners import run_ddp, run_diloco, run_hivemind, run_single
 
 STANDARD = ("single,ddp,diloco-fp32-H50,diloco-int8-H50,diloco-int4-H50,diloco-topk-H50,"
             "diloco-int8-H10,diloco-int8-H200,hivemind")
-LONG = "ddp,single,diloco-int8-H50,diloco-int4-H50,sparseloco-H20,hivemind"
+LONG = "ddp,single,diloco-int8-H50,diloco-int4-H50,sparseloco-H20,desloc-H50,mtdao-H50,hivemind"
 LONG_STEPS = 1000
 LONG_SEEDS = "0,1,2"
 METHOD_RE = re.compile(r"^(single|ddp|hivemind(?:-H(\d+))?|diloco-(fp32|fp16|bf16|int8|int4|topk|sparseloco)-H(\d+)"
-                       r"|sparseloco-H(\d+))$")
+                       r"|(sparseloco|desloc|mtdao)-H(\d+))$")
+# The named node methods ([sync] method) and the codec each runs with: sparseloco's is its own,
+# desloc and mtdao change the inner optimizer and its state sync, not the parameters' codec.
+NAMED_CODEC = {"sparseloco": "sparseloco", "desloc": "int8", "mtdao": "int8"}
 
 
 def parse_methods(text: str) -> list[str]:
@@ -56,7 +61,7 @@ def parse_methods(text: str) -> list[str]:
     bad = [m for m in methods if not METHOD_RE.match(m)]
     if bad:
         raise SystemExit(f"unknown method(s) {bad}; expected single, ddp, hivemind[-H<h>], diloco-<codec>-H<h>, "
-                         "sparseloco-H<h>")
+                         "sparseloco-H<h>, desloc-H<h>, mtdao-H<h>")
     return methods
 
 
@@ -73,16 +78,27 @@ def run_method(method: str, work, net, logdir: Path, time_limit: float, target: 
         sync_every = int(match.group(2) or 50)
         return run_hivemind(work, net, logdir / method, sync_every=sync_every, steps=max_steps, target=target,
                             time_limit=time_limit, **(hivemind or {}))
-    if match.group(5):  # the named method: its codec and its outer rule together
-        codec, h, node_sets = "sparseloco", int(match.group(5)), ["sync.method=sparseloco", *node_sets]
+    if match.group(5):  # a named method: [sync] method sets its codec, outer rule and state sync together
+        name = match.group(5)
+        codec, h, node_sets = NAMED_CODEC[name], int(match.group(6)), [f"sync.method={name}", *node_sets]
     else:
         codec, h = match.group(3), int(match.group(4))
     if work.steps % h:
         raise SystemExit(f"{method}: --steps {work.steps} is not a multiple of H={h} (tokens would differ)")
+    outer = node_outer(work, codec, h, list(node_sets))  # before the run: a bad --set fails at once
     record = run_diloco(work, net, logdir / method, codec, h, rounds=(max_steps or work.steps) // h, target=target,
                         time_limit=time_limit, extra_sets=list(node_sets))
     record["method"] = method
+    record.update(outer)
     return record
+
+
+def node_outer(work, codec: str, h: int, node_sets: list[str]) -> dict:
+    """The sync method and outer optimizer the nodes run with, as the node's own config resolves
+    them from the workload and ``--set`` flags (so a record says which defaults it had: they
+    changed from 0.7 / 0.9 to 1.0 / 0.5 on 2026-12-01, bench/results.py labels the rows by them)."""
+    sync = work.config(extra=[f"train.inner_steps={h}", f"sync.codec={codec}", *node_sets]).sync
+    return {"sync_method": sync.method, "outer_lr": sync.outer_lr, "outer_momentum": sync.outer_momentum}
 
 
 def hivemind_args(parser) -> None:
