@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 
 STYLE = {"single": ("black", ":"), "ddp": ("tab:blue", "-"), "hivemind": ("tab:red", "-")}
 DILOCO_COLORS = ["tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray"]
@@ -159,3 +160,62 @@ def overlap(records: list[dict], outdir: Path) -> list[Path]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return [path]
+
+
+def _seed_band(records: list[dict], x_of) -> tuple[list[float], list[float], list[float], list[float]] | None:
+    """(x, mean, min, max) of eval loss over the seeds' curves: each curve interpolated on the union
+    of their token points where all of them have data; x is ``x_of`` (tokens or payload bytes per
+    peer) averaged over the seeds at those tokens."""
+    curves = []
+    for record in records:
+        points = sorted((p["tokens"], p["eval_loss"], x_of(p)) for p in record["curve"]
+                        if p.get("eval_loss") is not None and x_of(p) is not None)
+        if len(points) >= 2:
+            curves.append(np.array(points, dtype=float))
+    if not curves:
+        return None
+    low, high = max(c[0, 0] for c in curves), min(c[-1, 0] for c in curves)
+    grid = np.unique(np.concatenate([c[:, 0] for c in curves]))
+    grid = grid[(grid >= low) & (grid <= high)]
+    if grid.size < 2:
+        return None
+    losses = np.stack([np.interp(grid, c[:, 0], c[:, 1]) for c in curves])
+    xs = np.stack([np.interp(grid, c[:, 0], c[:, 2]) for c in curves]).mean(axis=0)
+    return list(xs), list(losses.mean(axis=0)), list(losses.min(axis=0)), list(losses.max(axis=0))
+
+
+def long_convergence(groups: dict[str, list[dict]], outdir: Path) -> list[Path]:
+    """The long benchmark (bench/RESULTS.md section 1b): eval loss vs tokens and vs payload bytes
+    per peer (log x), one colour per row of the table (``groups``: row -> its seeds' records),
+    the mean over the seeds as a line and their range as a band."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    specs = [("long_convergence_tokens.png", "tokens (all peers)", lambda p: p["tokens"], "linear"),
+             ("long_convergence_bytes.png", "payload bytes sent per peer, log scale",
+              lambda p: p.get("app_bytes_sent") or None, "log")]  # single sends nothing: not on a log axis
+    colors = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors  # 18 distinct colours
+    peers = max((r.get("peers") or 0 for rs in groups.values() for r in rs), default=0)
+    paths = []
+    for name, xlabel, x_of, scale in specs:
+        fig, ax = plt.subplots(figsize=(9, 5.5))
+        for index, (row, records) in enumerate(groups.items()):
+            band = _seed_band(records, x_of)
+            if band is None:
+                continue
+            xs, mean, low, high = band
+            color = colors[index % len(colors)]
+            seeds = f"{len(records)} seed" + ("" if len(records) == 1 else "s")
+            ax.plot(xs, mean, color=color, linewidth=1.4, label=f"{row} ({seeds})")
+            ax.fill_between(xs, low, high, color=color, alpha=0.2, linewidth=0)
+        ax.set_xscale(scale)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("eval loss of the global model")
+        ax.set_title(f"long benchmark: tiny preset, {peers or '?'} peers; mean over seeds, band = range")
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:  # a plot without any curve keeps its axes, no empty legend
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = outdir / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -3,7 +3,8 @@
 
     python bench/results.py [--in-dir bench/out] [--out bench/RESULTS.md] [--plots bench/plots]
 
-Takes the newest run (``run_id``) of each benchmark in ``--in-dir`` (convergence.jsonl, convergence_long.jsonl, outer_sweep.jsonl (all of it),
+Takes the newest run (``run_id``) of each benchmark in ``--in-dir`` (convergence.jsonl, convergence_long.jsonl (all runs,
+newest per method, settings and seed: bench/long_records.py), outer_sweep.jsonl (all of it),
 slow_links.jsonl, transport.jsonl, codecs.jsonl, overlap.jsonl, soak.jsonl, standard.jsonl), writes the tables, checks
 the issue's goals against the numbers (met / missed, never asserted), draws the plots, and
 appends bench/analysis.md (the hand-written reading of the profile of the committed run).
@@ -16,9 +17,11 @@ import statistics
 import sys
 from pathlib import Path
 
+import long_records
 import plots
 from common import BENCH, OUT, now_iso, read_jsonl
 from data_memory import results_section as data_memory_section
+from outer_sweep_results import node_defaults
 from outer_sweep_results import results_section as outer_sweep_section
 from soak import soak_section
 
@@ -241,7 +244,8 @@ def seed_summary(records: list[dict]) -> tuple[float | None, dict[str, dict], li
     methods: dict[str, dict] = {}
     for r in ok:
         loss = loss_at([(p["tokens"], p["eval_loss"]) for p in r["curve"] if p.get("eval_loss") is not None], tokens)
-        m = methods.setdefault(r["method"], {"losses": [], "seeds": [], "app": [], "wire": []})
+        # A row is the record's label (method and settings, bench/long_records.py) where it has one.
+        m = methods.setdefault(r.get("label", r["method"]), {"losses": [], "seeds": [], "app": [], "wire": []})
         if loss is not None:
             m["losses"].append(loss)
             m["seeds"].append(r.get("seed", (r.get("workload") or {}).get("seed")))
@@ -257,22 +261,41 @@ def seed_summary(records: list[dict]) -> tuple[float | None, dict[str, dict], li
     return tokens, methods, short
 
 
-def long_convergence_section(records: list[dict], goals: list[str]) -> list[str]:
+def _seeds(n: int) -> str:
+    return f"{n} seed" + ("" if n == 1 else "s")
+
+
+def long_convergence_section(records: list[dict], goals: list[str], plot_dir: Path | None = None,
+                             current: tuple[float, float] | None = None) -> list[str]:
+    """``records``: the long benchmark's records combined across runs (long_records.combine: each
+    with its row in ``label``); ``current``: the node's outer defaults (the default method's row)."""
     lines = ["## 1b. Long convergence, mean and range over seeds (`python bench/convergence.py --long`)", ""]
     tokens, methods, short = seed_summary(records)
     if not methods:
         goals.append(f"- {LONG_DEFAULT_METHOD} within +2 % of ddp, sparseloco within +3 % at ≥1,000× fewer "
                      "bytes (long benchmark, 3 seeds): **not measured** (no run in bench/out/convergence_long.jsonl).")
         return lines + ["Not run.", "", *failures(records)]
+    current = current or node_defaults()
     first = next(r for r in records if r.get("workload"))
     w = first["workload"]
-    lines += [f"`{first['command']}`: {w['preset']} preset, {first.get('peers', 4)} peers, {w['steps']} steps per "
-              f"peer of {w['batch_size']} × {w['seq_len']} tokens; eval loss of the global model at "
-              f"{tokens:,.0f} tokens (equal for every method), mean and range over the seeds. A method meets a goal "
-              "only on the mean.", ""]
+    lines += [f"{w['preset']} preset, {first.get('peers', 4)} peers, {w['steps']} steps per peer of "
+              f"{w['batch_size']} × {w['seq_len']} tokens; eval loss of the global model at {tokens:,.0f} tokens "
+              "(equal for every method), mean and range over the seeds. A method meets a goal only on the mean. "
+              "The rows combine the runs below, the newest record per method, settings and seed. A node method's "
+              "row names the outer lr / momentum it ran with: records written before commit 2519153 carry none "
+              f"and ran with the defaults of then ({long_records.outer_text(long_records.OLD_OUTER)}); "
+              f"the node's defaults are {long_records.outer_text(current)} now.", ""]
+    for run in sorted({r.get("run_id") for r in records if r.get("run_id")}):
+        mine = [r for r in records if r.get("run_id") == run]
+        loads = [r["machine"]["loadavg_at_start"][0] for r in mine if (r.get("machine") or {}).get("loadavg_at_start")]
+        commands = "; ".join(f"`{c}`" for c in dict.fromkeys(r.get("command") for r in mine))
+        lines.append(f"- run {run}: {commands} ({len(mine)} record{'s' if len(mine) != 1 else ''}"
+                     + (f", 1-minute load average {min(loads):.1f}–{max(loads):.1f} at their starts" if loads else "")
+                     + ")")
+    lines.append("")
     ddp = methods.get("ddp", {})
     rows = []
-    for name, m in methods.items():
+    for name, m in sorted(methods.items(), key=lambda item: long_records.row_order(item[0])):
         vs = m["mean"] / ddp["mean"] - 1 if ddp.get("mean") and m["mean"] else None
         fewer = ddp["app_mean"] / m["app_mean"] if ddp.get("app_mean") and m["app_mean"] else None
         rows.append([name, ", ".join(str(s) for s in m["seeds"]), f(m["mean"], 4),
@@ -283,23 +306,38 @@ def long_convergence_section(records: list[dict], goals: list[str]) -> list[str]
                     "(wire)", "fewer payload bytes than ddp"], rows)
     for r in short:
         last = max(r["curve"], key=lambda p: p["tokens"])
-        lines.append(f"- Left out of the means: **{r['method']} seed {r.get('seed')}**, whose model ended with "
+        lines.append(f"- Left out of the means: **{r.get('label', r['method'])} seed {r.get('seed')}**, whose model ended with "
                      f"{last['tokens']:,.0f} of the {_nominal_tokens(r):,.0f} tokens its peers trained on (rounds "
                      f"that failed or were skipped); eval loss {f(last.get('eval_loss'), 4)} at that point.")
     lines += [""] if short else []
     lines += failures(records)
+    if plot_dir is not None:
+        used = [r for r in records if r.get("ok", True) and r.get("curve") and r not in short]
+        groups: dict[str, list[dict]] = {}
+        for r in used:
+            groups.setdefault(r.get("label", r["method"]), []).append(r)
+        lines += ["Eval loss vs tokens and vs payload bytes per peer (log scale): the mean over the seeds as a "
+                  "line, their range as a band.", "",
+                  *images(plots.long_convergence(dict(sorted(groups.items(), key=lambda g: long_records.row_order(g[0]))),
+                                                 plot_dir))]
 
     def gap(name: str) -> float | None:
         m = methods.get(name, {})
         return m["mean"] / ddp["mean"] - 1 if ddp.get("mean") and m.get("mean") else None
 
-    default_gap = gap(LONG_DEFAULT_METHOD)
+    default_row = f"{LONG_DEFAULT_METHOD} (default {long_records.outer_text(current)})"
+    old_row = f"{LONG_DEFAULT_METHOD} (old defaults {long_records.outer_text(long_records.OLD_OUTER)})"
+    old_gap = gap(old_row)
+    old_text = "" if old_gap is None else (f"; the old defaults {old_gap * 100:+.1f} % on "
+                                           f"{_seeds(len(methods[old_row]['losses']))}")
+    default_gap = gap(default_row)
     if default_gap is None:
-        goals.append(f"- {LONG_DEFAULT_METHOD} within +2 % of ddp (long, mean of seeds): **not measured**.")
+        goals.append(f"- {default_row} within +2 % of ddp (long, mean of seeds): **not measured**{old_text}.")
     else:
-        goals.append(f"- **{LONG_DEFAULT_METHOD} within +2 % of ddp (long benchmark, mean of "
-                     f"{len(methods[LONG_DEFAULT_METHOD]['losses'])} seeds): "
-                     f"{'met' if default_gap <= GOAL_LONG_DEFAULT else 'MISSED'}** ({default_gap * 100:+.1f} %).")
+        goals.append(f"- **{default_row} within +2 % of ddp (long benchmark, mean of "
+                     f"{_seeds(len(methods[default_row]['losses']))}): "
+                     f"{'met' if default_gap <= GOAL_LONG_DEFAULT else 'MISSED'}** ({default_gap * 100:+.1f} %"
+                     f"{old_text}).")
     sparse = next((n for n in methods if n.startswith("sparseloco")), None)
     sparse_gap = gap(sparse) if sparse else None
     if sparse_gap is None:
@@ -835,10 +873,19 @@ def main(argv: list[str] | None = None) -> int:
     soak_run = newest(read_jsonl(args.in_dir / "soak.jsonl"))  # summary and samples
     soak = [r for r in soak_run if r.get("kind") == "summary"]
     goals: list[str] = []
-    long_run = newest(read_jsonl(args.in_dir / "convergence_long.jsonl"))
-    body = (convergence_section(conv, plot_dir, goals) + long_convergence_section(long_run, goals)
-            + outer_sweep_section(read_jsonl(args.in_dir / "outer_sweep.jsonl"), long_run, seed_summary(long_run)[1],
-                                  read_jsonl(args.in_dir / "outer_sweep_confirm.jsonl"))
+    # The long benchmark: every run combined (newest per row and seed), with the outer sweep's
+    # real-node confirmation where it trained the same workload (bench/long_records.py).
+    confirm = read_jsonl(args.in_dir / "outer_sweep_confirm.jsonl")
+    long_all = read_jsonl(args.in_dir / "convergence_long.jsonl")
+    reference = next((r for r in long_all if r.get("workload")), None)
+    current = node_defaults()
+    long_run = long_records.combine(
+        long_all + [r for r in confirm if reference and long_records.same_workload(r, reference)], current)
+    # Section 1c compares the emulator with the real node's records of the old defaults.
+    old_default = [r for r in long_run if long_records.outer_settings(r) == long_records.OLD_OUTER]
+    body = (convergence_section(conv, plot_dir, goals) + long_convergence_section(long_run, goals, plot_dir, current)
+            + outer_sweep_section(read_jsonl(args.in_dir / "outer_sweep.jsonl"), old_default, seed_summary(long_run)[1],
+                                  confirm)
             + slow_links_section(slow, plot_dir, goals)
             + transport_section(trans, slow, plot_dir, goals) + codecs_section(cod)
             + overlap_section(over, plot_dir, goals, other_overlap) + soak_section(soak_run)
