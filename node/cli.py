@@ -299,7 +299,7 @@ def _print_status(info: dict[str, Any]) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     import grpc
 
-    from lowcomm.protocol.rpc import fetch_status
+    from lowcomm.protocol.channels import fetch_status
 
     try:
         status = asyncio.run(fetch_status(args.target, args.timeout, _client_tls(args)))
@@ -318,7 +318,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_healthcheck(args: argparse.Namespace) -> int:
     import grpc
 
-    from lowcomm.protocol.rpc import check_health
+    from lowcomm.protocol.channels import check_health
 
     try:
         state = asyncio.run(check_health(args.target, args.timeout, _client_tls(args)))

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from . import wire
 from ._pb.lowcomm.v1 import (
@@ -20,8 +20,12 @@ from ._pb.lowcomm.v1 import (
     state_pb2,
     state_pb2_grpc,
 )
-from .allreduce import CHUNK_BYTES, ReduceRegistry
+from .allreduce import ReduceRegistry
 from .auth import TLSConfig
+# Re-exported: the daemon and tests import them from here.
+from .channels import (  # noqa: F401
+    CHANNEL_OPTIONS, HEALTH_SERVICE, MAX_MESSAGE_BYTES, check_health, fetch_status, open_channel,
+)
 from .decode import StrictDecodeInterceptor
 from .grpc_transport import abort
 from .handshake import IncompatiblePeer
@@ -32,15 +36,6 @@ from .transport import Refused
 
 log = logging.getLogger(__name__)
 
-# Room for one 4 MiB chunk plus the message envelope.
-MAX_MESSAGE_BYTES = CHUNK_BYTES * 2 + 64 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-]
-HEALTH_SERVICE = ""  # the overall server health, as `grpc_health_probe` and our healthcheck ask
 
 
 class BindError(OSError):
@@ -139,15 +134,6 @@ def add_averaging_service(servicer: AveragingServicer, server: grpc.aio.Server) 
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("lowcomm.v1.Averaging", handlers),))
     server.add_registered_method_handlers("lowcomm.v1.Averaging", handlers)
-
-
-def open_channel(address: str, tls: TLSConfig | None = None,
-                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> grpc.aio.Channel:
-    """A channel to ``address``: over TLS trusting ``tls.cert_chain`` when given (see auth.py)."""
-    if tls is None:
-        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=list(interceptors) or None)
-    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS + tls.channel_options(),
-                                   interceptors=list(interceptors) or None)
 
 
 class ChannelPool:
@@ -279,17 +265,3 @@ def create_server(
     if bound == 0:
         raise BindError(f"cannot listen on {address}")
     return server, bound
-
-
-async def check_health(target: str, timeout: float, tls: TLSConfig | None = None) -> str:
-    """The serving status name of the node at ``target`` (raises grpc.aio.AioRpcError if unreachable)."""
-    async with open_channel(target, tls) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        response = await stub.Check(health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=timeout)
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
-
-
-async def fetch_status(target: str, timeout: float, tls: TLSConfig | None = None) -> node_pb2.NodeStatus:
-    async with open_channel(target, tls) as channel:
-        stub = node_pb2_grpc.NodeInfoStub(channel)
-        return await stub.GetStatus(node_pb2.StatusRequest(), timeout=timeout)

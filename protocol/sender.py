@@ -9,11 +9,12 @@ import numpy as np
 import torch
 
 from . import codecs, wire
+from .channels import STREAM_CHUNK_BYTES
 from ._pb.lowcomm.v1 import averaging_pb2
 from .transport import ReduceTransport
 from .validate import check_contribution
 
-CHUNK_BYTES = 2 * 2**20  # DESIGN: stream in 1-4 MiB messages
+CHUNK_BYTES = STREAM_CHUNK_BYTES
 
 
 def chunks(payload: bytes) -> list[bytes]:

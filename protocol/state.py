@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from ._pb.lowcomm.v1 import state_pb2, state_pb2_grpc
+from .channels import STREAM_CHUNK_BYTES
 from .handshake import Identity, IncompatiblePeer
 from .slots import DownloadSlots
 # The blob format; importers of these names from here (most of the code base) keep working.
@@ -39,7 +40,7 @@ from .snapshot import (  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 2 * 2**20
+CHUNK_BYTES = STREAM_CHUNK_BYTES
 RANGE_BYTES = 16 * 2**20  # one download request; several run in parallel across donors
 
 

@@ -1,0 +1,22 @@
+"""`lowcomm-node status` and `healthcheck` stay light: a container's health probe runs
+`healthcheck` every few seconds, and importing torch there cost ~1.8 CPU-seconds per call."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+PROBE = """
+import asyncio, sys
+from lowcomm.node import cli
+code = cli.main(["healthcheck", "--target", "127.0.0.1:1", "--timeout", "0.5"])
+heavy = sorted(m for m in ("torch", "hivemind", "numpy") if m in sys.modules)
+print("exit", code, "heavy", ",".join(heavy) or "-")
+"""
+
+
+def test_healthcheck_against_nobody_fails_cleanly_without_importing_torch() -> None:
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["exit", "1", "heavy", "-"], done.stdout + done.stderr
+    assert "no node answered at 127.0.0.1:1" in done.stderr
