@@ -3,8 +3,8 @@
 
     python bench/results.py [--in-dir bench/out] [--out bench/RESULTS.md] [--plots bench/plots]
 
-Takes the newest run (``run_id``) of each benchmark in ``--in-dir`` (convergence.jsonl, convergence_long.jsonl (all runs,
-newest per method, settings and seed: bench/long_records.py), outer_sweep.jsonl (all of it),
+Takes the newest run (``run_id``) of each benchmark in ``--in-dir`` (convergence.jsonl, convergence_long.jsonl
+(all runs, newest per method, settings and seed: bench/long_records.py), outer_sweep.jsonl (all of it),
 slow_links.jsonl, transport.jsonl, codecs.jsonl, overlap.jsonl, soak.jsonl, standard.jsonl), writes the tables, checks
 the issue's goals against the numbers (met / missed, never asserted), draws the plots, and
 appends bench/analysis.md (the hand-written reading of the profile of the committed run).
@@ -306,20 +306,18 @@ def long_convergence_section(records: list[dict], goals: list[str], plot_dir: Pa
                     "(wire)", "fewer payload bytes than ddp"], rows)
     for r in short:
         last = max(r["curve"], key=lambda p: p["tokens"])
-        lines.append(f"- Left out of the means: **{r.get('label', r['method'])} seed {r.get('seed')}**, whose model ended with "
-                     f"{last['tokens']:,.0f} of the {_nominal_tokens(r):,.0f} tokens its peers trained on (rounds "
-                     f"that failed or were skipped); eval loss {f(last.get('eval_loss'), 4)} at that point.")
+        lines.append(f"- Left out of the means: **{r.get('label', r['method'])} seed {r.get('seed')}**, whose model "
+                     f"ended with {last['tokens']:,.0f} of the {_nominal_tokens(r):,.0f} tokens its peers trained on "
+                     f"(rounds that failed or were skipped); eval loss {f(last.get('eval_loss'), 4)} at that point.")
     lines += [""] if short else []
     lines += failures(records)
     if plot_dir is not None:
         used = [r for r in records if r.get("ok", True) and r.get("curve") and r not in short]
         groups: dict[str, list[dict]] = {}
-        for r in used:
+        for r in sorted(used, key=lambda r: long_records.row_order(r.get("label", r["method"]))):
             groups.setdefault(r.get("label", r["method"]), []).append(r)
         lines += ["Eval loss vs tokens and vs payload bytes per peer (log scale): the mean over the seeds as a "
-                  "line, their range as a band.", "",
-                  *images(plots.long_convergence(dict(sorted(groups.items(), key=lambda g: long_records.row_order(g[0]))),
-                                                 plot_dir))]
+                  "line, their range as a band.", "", *images(plots.long_convergence(groups, plot_dir))]
 
     def gap(name: str) -> float | None:
         m = methods.get(name, {})
