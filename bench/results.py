@@ -298,7 +298,7 @@ def long_convergence_section(records: list[dict], goals: list[str], plot_dir: Pa
     for name, m in sorted(methods.items(), key=lambda item: long_records.row_order(item[0])):
         vs = m["mean"] / ddp["mean"] - 1 if ddp.get("mean") and m["mean"] else None
         fewer = ddp["app_mean"] / m["app_mean"] if ddp.get("app_mean") and m["app_mean"] else None
-        rows.append([name, ", ".join(str(s) for s in m["seeds"]), f(m["mean"], 4),
+        rows.append([name, ", ".join(str(s) for s in sorted(m["seeds"])), f(m["mean"], 4),
                      f"{f(m['min'], 4)} – {f(m['max'], 4)}", "–" if vs is None else f"{vs * 100:+.1f} %",
                      mb(m["app_mean"]) if m["app_mean"] is not None else "–", mb(m["wire_mean"]),
                      "–" if fewer is None else f"{fewer:,.0f}×"])
