@@ -290,7 +290,9 @@ def long_convergence_section(records: list[dict], goals: list[str], plot_dir: Pa
         loads = [r["machine"]["loadavg_at_start"][0] for r in mine if (r.get("machine") or {}).get("loadavg_at_start")]
         commands = "; ".join(f"`{c}`" for c in dict.fromkeys(r.get("command") for r in mine))
         lines.append(f"- run {run}: {commands} ({len(mine)} record{'s' if len(mine) != 1 else ''}"
-                     + (f", 1-minute load average {min(loads):.1f}–{max(loads):.1f} at their starts" if loads else "")
+                     + (f", 1-minute load average {min(loads):.1f}" + (f"–{max(loads):.1f} at their starts"
+                                                                        if max(loads) > min(loads) else " at its start")
+                        if loads else "")
                      + ")")
     lines.append("")
     ddp = methods.get("ddp", {})
