@@ -14,6 +14,14 @@ STYLE = {"single": ("black", ":"), "ddp": ("tab:blue", "-"), "hivemind": ("tab:r
 DILOCO_COLORS = ["tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray"]
 
 
+def _save(fig, path: Path) -> Path:
+    """Lay out, write and close one figure (every plot here ends this way)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _style(method: str, index: int) -> dict:
     color, line = STYLE.get(method, (DILOCO_COLORS[index % len(DILOCO_COLORS)], "--"))
     return {"color": color, "linestyle": line, "marker": "o", "markersize": 3, "linewidth": 1.4}
@@ -49,11 +57,7 @@ def convergence(records: list[dict], outdir: Path) -> list[Path]:
         ax.set_title(f"tiny preset, {peers or '?'} peers, equal tokens")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = outdir / name
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(fig, outdir / name))
     return paths
 
 
@@ -213,9 +217,5 @@ def long_convergence(groups: dict[str, list[dict]], outdir: Path) -> list[Path]:
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:  # a plot without any curve keeps its axes, no empty legend
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = outdir / name
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(fig, outdir / name))
     return paths
