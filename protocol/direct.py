@@ -29,9 +29,18 @@ from .transport import CallFailed, Code
 if TYPE_CHECKING:
     from .matchmaking import Matchmaker, _Round
 
+
 log = logging.getLogger(__name__)
 
 DIRECT_TIMEOUT = 3.0  # seconds of the direct path of a stable group before the DHT path takes over
+
+
+def raise_if_incompatible(err: CallFailed, peer: averaging_pb2.Redirect | averaging_pb2.Member, me: str) -> None:
+    """A JoinGroup refusal that means "we cannot average at all" (FAILED_PRECONDITION is used only
+    for incompatibility) becomes IncompatiblePeer; any other failure is left to the caller."""
+    if err.code == Code.FAILED_PRECONDITION:
+        raise IncompatiblePeer(f"peer {peer.peer_id} at {peer.address} refused to average with "
+                               f"this node ({me}): {err.detail}") from None
 
 
 class DirectPath:
@@ -98,9 +107,7 @@ class DirectPath:
         try:
             response = await self.transport.join(leader.address, direct, max(0.01, remaining))
         except CallFailed as err:
-            if err.code == Code.FAILED_PRECONDITION:  # used only for incompatibility
-                raise IncompatiblePeer(f"peer {leader.peer_id} at {leader.address} refused to average with "
-                                       f"this node ({self.peer_id}): {err.detail}") from None
+            raise_if_incompatible(err, leader, self.peer_id)
             log.debug("direct JoinGroup to %s failed: %s %s", leader.peer_id, err.code.name, err.detail)
             return None
         finally:

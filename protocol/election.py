@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, Callable, Protocol
 
 from ._pb.lowcomm.v1 import averaging_pb2
+from .direct import raise_if_incompatible
 from .handshake import IncompatiblePeer
 from .layout import close_groups, split_into_groups
 from .transport import CallFailed, Code, Refused
@@ -254,9 +255,7 @@ class Election:
             try:
                 response = await self.transport.join(target.address, request, max(0.01, remaining))
             except CallFailed as err:
-                if err.code == Code.FAILED_PRECONDITION:  # used only for incompatibility
-                    raise IncompatiblePeer(f"peer {target.peer_id} at {target.address} refused to average with "
-                                           f"this node ({self.peer_id}): {err.detail}") from None
+                raise_if_incompatible(err, target, self.peer_id)
                 log.debug("JoinGroup to %s failed: %s %s", target.peer_id, err.code.name, err.detail)
                 if current.one_plan and err.code == Code.ABORTED and CLOSED in err.detail:
                     raise PlanClosed(f"the plan of step {current.step} closed before this peer's bucket "
