@@ -29,7 +29,11 @@ there, and once the top level has registrants whose views gave another B (bucket
 register their B there) it goes up alone after the lonely-leader grace, without claiming its
 bucket closed, and still reaches the coordinator through the round key. If the top level does not answer in
 time, the bucket's members are refused (their round fails before their deadline, their Δ waits
-for the next round) rather than closing a second plan for the step.
+for the next round) rather than closing a second plan for the step. The peer that makes the plan
+announces it in its top registration (``"planned"``): a bucket that comes late but whose leader
+has a lower id than the coordinator would otherwise lead the top level anew and plan the step
+twice (two params hashes); whoever is about to plan reads the top key once more first, and a
+bucket still open that sees the announcement gives up at once (PlanClosed).
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Collection
 
 from ._pb.lowcomm.v1 import averaging_pb2
-from .election import PLAN_CLOSED, REPLY_MARGIN, ExpectedPeers, MatchmakingError, PlanClosed, _Round, round_key
+from .election import (
+    PLAN_CLOSED, REPLY_MARGIN, ExpectedPeers, MatchmakingError, PlanClosed, _Round, raise_if_planned, round_key,
+)
 from .layout import groups_of_step
 
 if TYPE_CHECKING:
@@ -106,12 +112,14 @@ class TopWatch:
         self.matchmaker, self.key, self.buckets = matchmaker, key, buckets
         self.slack = max(2 * REPLY_MARGIN, TOP_SLACK * timeout)
 
-    async def look(self) -> tuple[float | None, bool]:
+    async def look(self) -> tuple[float | None, bool, str]:
+        """(by when to go up, whether another B shows there, who announced the plan as made)."""
         m = self.matchmaker
         top = {pid: info for pid, info in (await m.dht.get(self.key)).items() if pid != m.peer_id and isinstance(info, dict)}
         ends = [float(at) for info in top.values() if isinstance(at := info.get("answer_at"), (int, float)) and math.isfinite(at)]
         by = m.clock.monotonic() + (min(ends) - m.wall_clock()) - self.slack if ends else None
-        return by, any(info.get("buckets", 1) != self.buckets for info in top.values())
+        planned = next((pid for pid, info in sorted(top.items()) if info.get("planned")), "")
+        return by, any(info.get("buckets", 1) != self.buckets for info in top.values()), planned
 
 
 class BucketLevel:
@@ -197,18 +205,20 @@ class BucketLevel:
         up.bucket, up.closed_bucket = "", "" if bucket.lonely else bucket.bucket
         up.bucket_members.extend(carried)
 
-        async def close(level: _Round) -> averaging_pb2.Group:
-            return self._close(level, me, request.bandwidth_bps)
+        top_registration = {**registration, "buckets": buckets}
 
+        async def close(level: _Round) -> averaging_pb2.Group:
+            return await self._close_plan(level, me, request.bandwidth_bps, {**top_registration, "answer_at": answer_at},
+                                          ttl)
+
+        answer_at = self.wall_clock() + answer_by - self.clock.monotonic()
         stop = asyncio.timeout(max(0.0, min(answer_by + REPLY_MARGIN / 4, deadline) - self.clock.monotonic()))
         group: averaging_pb2.Group | None = None
         try:
             async with stop:
                 # Our B and until when we wait here: the buckets still open close before the first
                 # of us gives up (TopWatch), so that they reach the plan.
-                answer_at = self.wall_clock() + answer_by - self.clock.monotonic()
-                await self.dht.store(top.key, self.peer_id, {**registration, "buckets": buckets, "answer_at": answer_at},
-                                     ttl=ttl)
+                await self.dht.store(top.key, self.peer_id, {**top_registration, "answer_at": answer_at}, ttl=ttl)
                 group = await self._elect(top, up, all_peers, answer_by, answer_by, set(), close)
         except TimeoutError:
             if not stop.expired():
@@ -230,6 +240,22 @@ class BucketLevel:
         for peer, follower in waiting.items():
             if not follower.reply.done():
                 follower.reply.set_result(answers.get(peer))  # None: left out (refused, fails its round)
+        return group
+
+    async def _close_plan(self: "Matchmaker", level: _Round, me: averaging_pb2.Member, bandwidth_bps: float,
+                          registration: dict, ttl: float) -> averaging_pb2.Group:
+        """Make the step's plan at its top key, unless somebody there announced it made already.
+
+        A coordinator that closed first may have a higher id than one that comes after it (a
+        bucket late by its members' start, not by its leader's id): without the announcement
+        the later one would lead and plan the step a second time. So the one that makes the
+        plan says so in its registration (``"planned"``, in the background: its members'
+        answers do not wait for the DHT), and whoever is about to plan reads the key once more
+        first; a peer at the top level or still in a bucket that sees it gives up (PlanClosed)."""
+        await self._reachable_registrants(level, set())
+        raise_if_planned(level)
+        group = self._close(level, me, bandwidth_bps)
+        self._register_soon(level.key, {**registration, "planned": True}, ttl)
         return group
 
     @staticmethod

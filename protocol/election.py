@@ -64,6 +64,23 @@ class PlanClosed(MatchmakingError):
     be at the next step once that plan commits, so this peer's step is about to be behind."""
 
 
+def planned_by(current: "_Round", registrants: dict[str, dict], me: str) -> str:
+    """The registrant (not ``me``) whose registration announces the step's plan as made, if
+    ``current`` must respect that: a one-plan level, or a registrant of a bucketed step (one
+    that says its B > 1), so that a peer whose view gave B = 1 does not plan the step twice either."""
+    for pid, info in sorted(registrants.items()):
+        if pid != me and isinstance(info, dict) and info.get("planned") and (
+                current.one_plan or (isinstance(b := info.get("buckets"), int) and b > 1)):
+            return pid
+    return ""
+
+
+def raise_if_planned(current: "_Round") -> None:
+    if current.plan_by:
+        raise PlanClosed(f"the plan of step {current.step} closed before this peer reached it "
+                         f"({current.plan_by} coordinated it)")
+
+
 def round_key(run: str, step: int, params_hash: str = "") -> str:
     """The top-level key of the round of ``step`` from ``params_hash`` (its buckets: buckets.py)."""
     key = f"{run}/round/{step}"
@@ -115,6 +132,9 @@ class _Round:
     # covering anybody else of its label).
     watch: "TopWatch | None" = None
     lonely: bool = False
+    # A registrant of this level that announced the step's plan as made (``"planned"`` in its
+    # registration, buckets.py): at a one-plan level, coming later must not make a second one.
+    plan_by: str = ""
 
 
 class Election:
@@ -205,6 +225,7 @@ class Election:
                     return await finish(current)
                 yielded = True
             registrants = await self._reachable_registrants(current, unreachable)
+            raise_if_planned(current)
             lowest = next(iter(registrants), None)
             if self.address and not yielded and (lowest is None or lowest > self.peer_id):
                 current.role = "leader"
@@ -226,6 +247,7 @@ class Election:
     async def _reachable_registrants(self: "Matchmaker", current: _Round, unreachable: set[str]) -> dict[str, str]:
         """Other registrants of this level that could lead (have an address), lowest id first."""
         registrants = await self.dht.get(current.key)
+        current.plan_by = current.plan_by or planned_by(current, registrants, self.peer_id)
         found = {
             pid: str(info["address"]) for pid, info in registrants.items()
             if isinstance(info, dict) and info.get("address") and pid not in unreachable and pid != self.peer_id
@@ -316,6 +338,7 @@ class Election:
             # after a short grace (in case that one cannot reach us), so that two leaders never
             # wait for each other until the deadline.
             others = await self._reachable_registrants(current, unreachable)
+            raise_if_planned(current)
             lower = [p for p in others if p < self.peer_id]
             if current.followers:
                 lonely_since = self.clock.monotonic()
@@ -326,7 +349,8 @@ class Election:
                 current.role = "undecided"
                 return False
             if current.watch is not None:
-                top_by, differs = await current.watch.look()
+                top_by, differs, current.plan_by = await current.watch.look()
+                raise_if_planned(current)
                 if lonely and differs:
                     current.lonely = True
                     return True

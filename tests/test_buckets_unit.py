@@ -102,9 +102,16 @@ def test_a_small_step_with_round_peers_is_the_single_level_path_unchanged():
         made = await asyncio.gather(*(
             m.form_group(2, 1.0, 1e6, expecting(view), TIMEOUT, params_hash="ab" * 32,
                          round_peers=knowing(view) if with_view else None) for m in group))
-        return [g.SerializeToString() for g in made], net.calls, dht.keys_read
+        planned = {pid for pid, (info, _) in dht.data[round_key("unit", 2, "ab" * 32)].items() if info.get("planned")}
+        return [g.SerializeToString() for g in made], net.calls, dht.keys_read, planned
 
-    assert run_virtual(lambda loop: scenario(loop, True)) == run_virtual(lambda loop: scenario(loop, False))
+    bucketed, single = run_virtual(lambda loop: scenario(loop, True)), run_virtual(lambda loop: scenario(loop, False))
+    assert bucketed[:2] == single[:2]  # the same groups through the same calls
+    # In a swarm that matchmakes in buckets the leader of a small step also looks once more at
+    # the key before it plans, and announces the plan (a bucketed peer must not plan it again).
+    key = round_key("unit", 2, "ab" * 32)
+    assert Counter(bucketed[2]) - Counter(single[2]) == Counter({key: 1}) and not Counter(single[2]) - Counter(bucketed[2])
+    assert bucketed[3] == {"peer-00"} and single[3] == set()
 
 
 @pytest.mark.parametrize("fault", ["down", "silent"])
@@ -181,3 +188,34 @@ def test_a_bucket_that_comes_after_the_plan_closed_fails_its_round_and_makes_no_
     assert late >= 2 and len(plans(first)) == 1
     assert all(isinstance(g, PlanClosed) for g, _ in second), [g for g, _ in second]
     assert max(t for _, t in second) <= max(t for _, t in first) + 6.0  # within their own deadline
+
+
+def test_a_lower_coordinator_that_comes_after_the_plan_was_made_does_not_plan_the_step_again():
+    """Two peers (not the lowest ids) reach the step 26 s before the other six (timeout 30 s):
+    their coordinator makes the step's plan near its deadline, with the late peers that reached
+    it by then. The lowest of the others would lead the top level (it sees no lower registrant)
+    and plan the step a second time (without the announcement: plans of 5 and 3 peers, two
+    params hashes). The first plan's announcement stops that: whoever is not in it gives up
+    (PlanClosed) within its deadline."""
+    async def scenario(loop: VirtualTimeLoop):
+        net, dht = FakeNet(), FakeDHT(loop)
+        group = [make_peer(net, dht, loop, f"peer-{i:02d}", group_size=2) for i in range(8)]
+        view = {m.peer_id for m in group}
+        early = {"peer-02", "peer-04"}
+
+        async def arrive(m: Matchmaker):
+            if m.peer_id not in early:
+                await asyncio.sleep(26.0)
+            return await form(m, 12, view, timeout=30.0)
+
+        return await asyncio.gather(*(arrive(m) for m in group))
+
+    outcomes = run_virtual(scenario)
+    assert bucket_count(8, 2) == 4
+    made = plans(outcomes)
+    assert len(made) == 1, made
+    planned = [g for g, _ in outcomes if isinstance(g, averaging_pb2.Group)]
+    assert {"peer-02", "peer-04"} <= {m.peer_id for g in planned for m in g.members}
+    left_out = [g for g, _ in outcomes if not isinstance(g, averaging_pb2.Group)]
+    assert left_out and all(isinstance(g, PlanClosed) for g in left_out), left_out
+    assert all(t <= 26.0 + 30.0 for _, t in outcomes)
