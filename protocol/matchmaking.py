@@ -35,7 +35,7 @@ from collections import deque
 from typing import Any, Callable
 
 from ._pb.lowcomm.v1 import averaging_pb2
-from .buckets import BucketLevel, RoundPeers, bucket_count
+from .buckets import BucketLevel, RoundPeers, bucket_count, bucket_key, bucket_label
 from .direct import DIRECT_TIMEOUT, DirectPath
 from .election import (  # noqa: F401 - re-exported: the names matchmaking has always offered
     LONELY_LEADER_GRACE, MAX_DIRECT_HOLD, MIN_FOLLOWER_WAIT, POLL_SECONDS, REPLY_MARGIN, Election, ExpectedPeers,
@@ -106,6 +106,7 @@ class Matchmaker(Election, BucketLevel, DirectPath):
         self._round_started = asyncio.Event()  # set (and replaced) whenever form_group starts a round
         self._registering: set[asyncio.Task] = set()  # background DHT registrations of the direct path
         self._open: list[_Round] = []  # the levels of the round in progress, released when it ends
+        self.last_buckets = 1  # B of our last round (buckets.py): where to look for the next round's registrants
 
     async def form_group(
         self,
@@ -134,6 +135,7 @@ class Matchmaker(Election, BucketLevel, DirectPath):
         self._round_started = asyncio.Event()
         self.led_last_group = False
         buckets = bucket_count(len(round_peers.expected), self.group_size) if round_peers is not None else 1
+        self.last_buckets = buckets
         direct_leader = self._direct_leader(step) if buckets == 1 else None
         deadline = self.clock.monotonic() + timeout
         me = averaging_pb2.Member(peer_id=self.peer_id, address=self.address, weight=weight)
@@ -196,7 +198,17 @@ class Matchmaker(Election, BucketLevel, DirectPath):
 
     async def others_registered(self, step: int, params_hash: str) -> int:
         """How many other peers registered for the round of ``step`` from ``params_hash``: peers
-        that finished the inner phase of that step and are forming its group right now."""
-        registrants = await self.dht.get(round_key(self.run, step, params_hash))
-        return sum(1 for pid in registrants if pid != self.peer_id)
+        that finished the inner phase of that step and are forming its group right now.
+
+        When our last round matchmade in buckets, the next one most likely does too (B changes
+        only when the swarm doubles or halves): its peers register under their buckets, and only
+        a closed bucket's leader at the top key, so we also read our own bucket's key there (B
+        as last time): its members are the ones we would meet first."""
+        keys = [round_key(self.run, step, params_hash)]
+        if self.last_buckets > 1:
+            keys.append(bucket_key(self.run, step, params_hash, bucket_label(step, self.peer_id, self.last_buckets)))
+        found: set[str] = set()
+        for key in keys:
+            found.update(pid for pid in await self.dht.get(key) if pid != self.peer_id)
+        return len(found)
 

@@ -219,3 +219,26 @@ def test_a_lower_coordinator_that_comes_after_the_plan_was_made_does_not_plan_th
     left_out = [g for g, _ in outcomes if not isinstance(g, averaging_pb2.Group)]
     assert left_out and all(isinstance(g, PlanClosed) for g in left_out), left_out
     assert all(t <= 26.0 + 30.0 for _, t in outcomes)
+
+
+def test_an_overlapped_peer_sees_the_next_round_start_in_its_own_bucket():
+    """After a bucketed round, ``others_registered`` (an overlapped peer cuts its inner phase on
+    it) also reads the peer's bucket of the next step: there its bucket's members register,
+    long before a bucket leader reaches the top key."""
+    async def scenario(loop: VirtualTimeLoop):
+        net, dht = FakeNet(), FakeDHT(loop)
+        group = swarm(net, dht, loop, 32)
+        view = {m.peer_id for m in group}
+        await asyncio.gather(*(form(m, 7, view) for m in group))
+        me = group[0]
+        label = bucket_label(8, me.peer_id, 8)
+        mate = next(m for m in group[1:] if bucket_label(8, m.peer_id, 8) == label)
+        stranger = next(m for m in group[1:] if bucket_label(8, m.peer_id, 8) != label)
+        before = await me.others_registered(8, "ab" * 32)
+        await dht.store(bucket_key("unit", 8, "ab" * 32, bucket_label(8, stranger.peer_id, 8)), stranger.peer_id,
+                        {"address": stranger.address}, ttl=60)
+        elsewhere = await me.others_registered(8, "ab" * 32)
+        await dht.store(bucket_key("unit", 8, "ab" * 32, label), mate.peer_id, {"address": mate.address}, ttl=60)
+        return me.last_buckets, before, elsewhere, await me.others_registered(8, "ab" * 32)
+
+    assert run_virtual(scenario) == (8, 0, 0, 1)
