@@ -30,6 +30,9 @@ seed:
   for its next Δ; results.py therefore compares the modes at equal ``tokens_in_model``
   (interpolated), not at equal outer steps.
   ``eval_loss``: after outer step ``--rounds``.
+* ``matchmaking_seconds_p50`` / ``_p95``: the nodes' ``round_done.matchmaking_seconds`` over
+  every round but each peer's first (nearest rank): how long a group that stays together takes
+  to meet again (the direct path of protocol/direct.py; the DHT path is its fallback).
 * ``round_late``: how often a node's training waited for a background round that was more than
   one inner phase late (the node's ``round_late`` event), per peer.
 
@@ -40,6 +43,7 @@ bench/results.py`` turns the newest run into the section "Overlap on 20 Mbit/s l
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -51,6 +55,13 @@ from runners import run_diloco
 MODES = ("none", "delayed", "eager")
 # Timeouts short enough that a failed round costs seconds, not the node's 30 s / 60 s defaults.
 SETTINGS = ["sync.matchmaking_timeout=20", "sync.reduce_timeout=20", "node.heartbeat_interval=1"]
+
+
+def _quantile(ordered: list[float], q: float) -> float | None:
+    """The q-quantile of sorted values (nearest rank), or None for none."""
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def summarize(record: dict, rounds: int) -> dict:
@@ -78,7 +89,14 @@ def summarize(record: dict, rounds: int) -> dict:
         running += added[step]
         tokens[step] = int(running)
     final_step = rounds if rounds in at_step else max(at_step, default=None)
+    # Matchmaking of a group that stays together (the direct path, protocol/direct.py): every
+    # round but a peer's first, which meets through the DHT like any newcomer's.
+    meets = sorted(e["matchmaking_seconds"] for events in peers for e in events[1:]
+                   if e.get("matchmaking_seconds") is not None)
     return {
+        "matchmaking_seconds_p50": _quantile(meets, 0.5),
+        "matchmaking_seconds_p95": _quantile(meets, 0.95),
+        "matchmaking_rounds": len(meets),
         "utilization_window_median": statistics.median(windows) if windows else None,
         "utilization_window_min": min(windows) if windows else None,
         "utilization_window_per_peer": windows,

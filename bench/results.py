@@ -13,6 +13,7 @@ appends bench/analysis.md (the hand-written reading of the profile of the commit
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -748,10 +749,24 @@ def overlap_summary(runs: list[dict], penalty: dict) -> list[str]:
                      f"{statistics.mean(pens) * 100:+.2f} %" if shown else "–",
                      f"{min(pens) * 100:+.2f} … {max(pens) * 100:+.2f} %" if shown else "–",
                      str(sum(sum(r.get("round_late") or []) for r in mine)),
-                     str(sum(sum(r.get("rounds_without_result") or []) for r in mine)), str(len(mine))])
+                     str(sum(sum(r.get("rounds_without_result") or []) for r in mine)),
+                     matchmaking_quantiles(mine), str(len(mine))])
     return lines + table(["overlap", "compute util. (window, mean over seeds)", "(lowest peer, any seed)",
                           "tokens/s, all peers (window, mean)", "eval-loss penalty vs none (mean)", "(range over seeds)", "round_late",
-                          "rounds without result", "runs"], rows)
+                          "rounds without result", "matchmaking s p50 / p95", "runs"], rows) + [
+        "*matchmaking s*: `round_done.matchmaking_seconds` of every round but each peer's first, all seeds "
+        "pooled (nearest rank): how long a group that stays together takes to meet again (protocol/direct.py).", ""]
+
+
+def matchmaking_quantiles(runs: list[dict]) -> str:
+    """p50 / p95 of the matchmaking seconds of every peer's rounds after its first, over ``runs``."""
+    meets = sorted(e["matchmaking_seconds"] for r in runs for events in r.get("peer_rounds") or []
+                   for e in events[1:] if e.get("matchmaking_seconds") is not None)
+    if not meets:
+        return "–"
+    def at(q: float) -> float:
+        return meets[min(len(meets) - 1, max(0, math.ceil(q * len(meets)) - 1))]
+    return f"{at(0.5):.3f} / {at(0.95):.3f}"
 
 
 def mode_numbers(runs: list[dict], mode: str, penalty: dict) -> tuple[list[dict], list[float], list[float]]:

@@ -349,7 +349,8 @@ def _diloco_record(method: str, net: Network, work: Workload, procs: list[Proc],
     # train_clock its wall-clock seconds since then, both taken at the end of its last inner phase.
     peer_rounds = [[{"outer_step": e["outer_step"], "wall": e["ts"] - t0, "eval_loss": e["eval_loss"],
                      "train_seconds": e.get("train_seconds"), "train_clock": e.get("train_clock"), "compute_utilization": e.get("compute_utilization"),
-                     "round_seconds": e.get("round_seconds"), "group_size": e.get("group_size"),
+                     "round_seconds": e.get("round_seconds"), "matchmaking_seconds": e.get("matchmaking_seconds"),
+                     "allreduce_seconds": e.get("allreduce_seconds"), "group_size": e.get("group_size"),
                      "tokens_total": e.get("tokens_total"), "tokens_averaged": e.get("tokens_averaged")}
                     for e in peer] for peer in rounds]
     late = [sum(1 for e in p.events if e.get("event") == "round_late") for p in procs]
