@@ -10,7 +10,7 @@ PEERS ?= 3
 ROUNDS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-tools bench proto clean
+.PHONY: install demo test test-slow test-tools bench proto clean
 
 $(BIN)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "lowcomm needs Python 3.11 or newer (set PYTHON=python3.11)")'
@@ -44,6 +44,12 @@ test-tools:
 
 test: install test-tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The slower suites `make test` leaves out (marker "slow", about 3 min): the benchmarks' smoke
+# runs (bench/*.py end to end on tiny settings) and the network-namespace clusters (root, ip, tc;
+# they skip with the reason elsewhere). CI runs it after `make test`.
+test-slow: install test-tools
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 
 # The standard benchmark set (bench/README.md): codecs, convergence, slow links and transport
 # (those two need root for network namespaces), then bench/RESULTS.md and bench/plots/.

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # make test-slow
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"

@@ -14,7 +14,7 @@ import pytest
 
 from .test_netns import assert_nothing_left, nc, netns_available, prefix  # noqa: F401 (fixtures)
 
-pytestmark = [pytest.mark.netns, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.netns, pytest.mark.multiprocess, pytest.mark.slow]  # make test-slow
 
 PEERS = 4
 JOIN = ["--torch-threads", "1", "--set", "train.inner_steps=10", "--set", "train.batch_size=8",
