@@ -190,9 +190,14 @@ class OverlappedLoop:
 
     def _watch_round_start(self, pending: Pending | None) -> "PhaseWatch | None":
         """The watcher of an overlapped inner phase: ends it (sets ``cut``) as soon as another
-        peer registered for the round that this phase leads to. Cutting costs no compute in
+        peer started the round that this phase leads to. Cutting costs no compute in
         overlapped mode (the next phase starts at once), and it keeps the swarm at the pace of
-        its fastest peer instead of having everybody wait for the slowest at every round."""
+        its fastest peer instead of having everybody wait for the slowest at every round.
+
+        A member of our last group that starts the round over the direct path tells us at once
+        (a round notice, protocol/direct.py): the phase ends within a round trip. The DHT
+        registrations, read every POLL_SECONDS, remain the fallback for rounds that notice
+        does not cover (a newcomer's, one formed through the DHT, an older peer's)."""
         d = self.driver
         watch_step = pending.step + 1 if pending is not None else d.state.step
         if watch_step in d.averager.tried:
@@ -200,9 +205,16 @@ class OverlappedLoop:
 
         async def watch(cut: threading.Event) -> None:
             while True:
-                await asyncio.sleep(POLL_SECONDS)
                 if d.state.step != watch_step:
-                    continue  # our background round is not done yet (or failed: then nothing to join)
+                    # Our background round is not done yet (or failed: then nothing to join). A
+                    # notice that comes meanwhile is kept, and seen at the first look after the commit.
+                    await asyncio.sleep(POLL_SECONDS)
+                    continue
+                if await d.averager.round_started(watch_step, d.state.params_hash, POLL_SECONDS):
+                    cut.set()
+                    return
+                if d.state.step != watch_step:
+                    continue
                 try:
                     if await d.averager.others_registered(watch_step, d.state.params_hash):
                         cut.set()

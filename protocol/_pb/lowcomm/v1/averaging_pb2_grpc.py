@@ -54,6 +54,11 @@ class AveragingStub:
                 request_serializer=lowcomm_dot_v1_dot_averaging__pb2.ShardReport.SerializeToString,
                 response_deserializer=lowcomm_dot_v1_dot_averaging__pb2.ShardReport.FromString,
                 _registered_method=True)
+        self.RoundStarted = channel.unary_unary(
+                '/lowcomm.v1.Averaging/RoundStarted',
+                request_serializer=lowcomm_dot_v1_dot_averaging__pb2.RoundNotice.SerializeToString,
+                response_deserializer=lowcomm_dot_v1_dot_averaging__pb2.RoundNoticeReply.FromString,
+                _registered_method=True)
 
 
 class AveragingServicer:
@@ -90,6 +95,17 @@ class AveragingServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RoundStarted(self, request, context):
+        """A member of the callee's last group reached its boundary of outer step `step` and started
+        that round over the direct path of the stable group: the callee's overlapped inner phase
+        can end now instead of at its next read of the DHT registrations. Sent once per round by
+        the first member to start it (to the other members of its last group), in the background;
+        an older peer answers UNIMPLEMENTED, which the caller ignores.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AveragingServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +123,11 @@ def add_AveragingServicer_to_server(servicer, server):
                     servicer.ReportShards,
                     request_deserializer=lowcomm_dot_v1_dot_averaging__pb2.ShardReport.FromString,
                     response_serializer=lowcomm_dot_v1_dot_averaging__pb2.ShardReport.SerializeToString,
+            ),
+            'RoundStarted': grpc.unary_unary_rpc_method_handler(
+                    servicer.RoundStarted,
+                    request_deserializer=lowcomm_dot_v1_dot_averaging__pb2.RoundNotice.FromString,
+                    response_serializer=lowcomm_dot_v1_dot_averaging__pb2.RoundNoticeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -195,6 +216,33 @@ class Averaging:
             '/lowcomm.v1.Averaging/ReportShards',
             lowcomm_dot_v1_dot_averaging__pb2.ShardReport.SerializeToString,
             lowcomm_dot_v1_dot_averaging__pb2.ShardReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RoundStarted(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lowcomm.v1.Averaging/RoundStarted',
+            lowcomm_dot_v1_dot_averaging__pb2.RoundNotice.SerializeToString,
+            lowcomm_dot_v1_dot_averaging__pb2.RoundNoticeReply.FromString,
             options,
             channel_credentials,
             insecure,
