@@ -39,10 +39,12 @@ def test_eight_peers_in_four_buckets_commit_one_hash_per_step(swarm):
 
     first.wait_for(lambda _e: len(bucketed_steps()) >= STEPS, WAIT)
     for step, events in sorted(bucketed_steps().items()):
-        # On a failure, say who planned the step: two coordinators mean two plans.
+        # On a failure, say who planned the step (two coordinators mean two plans)...
         closed = [(node.name, e["bucket"], e["bucket_members"], e["coordinated"]) for node in nodes
                   for e in node.events if e.get("event") == "bucket_closed" and e["outer_step"] == step - 1]
-        assert len({e["params_sha256"] for e in events}) == 1, (step, [e["params_sha256"][:8] for e in events], closed)
+        # ... and whether a group skipped a shard the others applied (crossgroup.py's faults).
+        hashes = [(e["params_sha256"][:8], e["skipped_shards"]) for e in events]
+        assert len({e["params_sha256"] for e in events}) == 1, (step, hashes, closed)
     closed = [e for node in nodes for e in node.events if e.get("event") == "bucket_closed"]
     assert {e["bucket"] for e in closed} <= {f"b4.{i}" for i in range(4)} and any(e["coordinated"] for e in closed)
     for node in nodes:
