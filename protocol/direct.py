@@ -55,7 +55,8 @@ def raise_if_incompatible(err: CallFailed, peer: averaging_pb2.Redirect | averag
 
 class DirectPath:
     """The Matchmaker's methods of the direct path (mixed into Matchmaker, which holds the state:
-    ``last_group``, ``_registering`` and the leader/follower machinery they use)."""
+    ``last_group``, ``_registering``, the round notices ``_noticed``, ``_notice_arrived`` and
+    ``_noticing``, and the leader/follower machinery they use)."""
 
     def _remember(self: "Matchmaker", group: averaging_pb2.Group) -> averaging_pb2.Group:
         """Keep ``group`` as the last group (the next step's direct path), if it had partners."""
@@ -100,8 +101,8 @@ class DirectPath:
         sender, last = notice.hello.peer_id, self.last_group
         if (last is None or sender == self.peer_id or notice.step != last.step + 1
                 or all(m.peer_id != sender for m in last.members)):
-            log.debug("ignored a round notice of step %d from %s: not a member of our last group",
-                      notice.step, sender)
+            log.debug("ignored a round notice of step %d from %s: not a member of our last group, "
+                      "or not that group's next step", notice.step, sender)
             return averaging_pb2.RoundNoticeReply(accepted=False)
         key = (notice.step, notice.params_sha256)
         if key not in self._noticed:
