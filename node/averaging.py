@@ -119,9 +119,10 @@ class Averager:
         """Whether another peer registered for the round of ``step`` (overlapped phases cut on it)."""
         return await self.matchmaker.others_registered(step, params_hash)
 
-    async def round_started(self, step: int, params_hash: str, timeout: float) -> bool:
-        """Whether a member of our last group says it started the round of ``step``, waiting up
-        to ``timeout`` seconds for its notice (overlapped phases cut on it at once)."""
+    async def round_started(self, step: int, params_hash: str | None, timeout: float) -> bool:
+        """Whether a member of our last group says it started the round of ``step`` (from
+        ``params_hash``; None: any), waiting up to ``timeout`` seconds for its notice
+        (overlapped phases cut on it at once)."""
         return await self.matchmaker.wait_round_started(step, params_hash, timeout)
 
     def publish_phase_soon(self) -> None:

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lowcomm.node")
 
+COMMIT_LOOK = 0.02  # seconds between looks at our own commit once a round notice came before it
+
 
 @dataclass
 class Pending:
@@ -204,13 +206,20 @@ class OverlappedLoop:
             return None  # we already tried that round (and it failed): train a full phase
 
         async def watch(cut: threading.Event) -> None:
+            look_now = False  # read the registrations without waiting a period (our commit just came)
             while True:
                 if d.state.step != watch_step:
-                    # Our background round is not done yet (or failed: then nothing to join). A
-                    # notice that comes meanwhile is kept, and seen at the first look after the commit.
-                    await asyncio.sleep(POLL_SECONDS)
+                    # Our background round is not committed yet (or failed: then nothing to join).
+                    # Once a member of our group said that the next round started, our commit is
+                    # all we wait for (it comes with the same all-reduce's end): look at our own
+                    # state often then, instead of a DHT poll's period later.
+                    noticed = await d.averager.round_started(watch_step, None, POLL_SECONDS)
+                    if noticed and d.state.step != watch_step:
+                        await asyncio.sleep(COMMIT_LOOK)
+                    look_now = True
                     continue
-                if await d.averager.round_started(watch_step, d.state.params_hash, POLL_SECONDS):
+                wait, look_now = (0.0 if look_now else POLL_SECONDS), False
+                if await d.averager.round_started(watch_step, d.state.params_hash, wait):
                     cut.set()
                     return
                 if d.state.step != watch_step:

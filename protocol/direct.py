@@ -113,13 +113,17 @@ class DirectPath:
             self._notice_arrived = asyncio.Event()
         return averaging_pb2.RoundNoticeReply(accepted=True)
 
-    def round_noticed(self: "Matchmaker", step: int, params_hash: str) -> bool:
-        """Whether a member of our last group said it started the round of ``step`` from ``params_hash``."""
+    def round_noticed(self: "Matchmaker", step: int, params_hash: str | None) -> bool:
+        """Whether a member of our last group said it started the round of ``step`` from
+        ``params_hash`` (None: from any parameters)."""
+        if params_hash is None:
+            return any(noticed == step for noticed, _ in self._noticed)
         return (step, params_hash) in self._noticed
 
-    async def wait_round_started(self: "Matchmaker", step: int, params_hash: str, timeout: float) -> bool:
+    async def wait_round_started(self: "Matchmaker", step: int, params_hash: str | None, timeout: float) -> bool:
         """True as soon as a member of our last group says it started the round of ``step`` from
-        ``params_hash`` (at once if it already did); False when ``timeout`` seconds pass first."""
+        ``params_hash`` (None: from any parameters; at once if it already did); False when
+        ``timeout`` seconds pass first."""
         try:
             async with asyncio.timeout(max(0.0, timeout)):
                 while not self.round_noticed(step, params_hash):

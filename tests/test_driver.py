@@ -128,7 +128,7 @@ class FakeAverager:
     async def others_registered(self, step: int, params_hash: str) -> bool:
         return False
 
-    async def round_started(self, step: int, params_hash: str, timeout: float) -> bool:
+    async def round_started(self, step: int, params_hash: str | None, timeout: float) -> bool:
         await asyncio.sleep(timeout)  # no notice comes (as from a peer outside any stable group)
         return False
 

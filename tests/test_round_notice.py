@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health
 
-from lowcomm.node.overlap import OverlappedLoop
+from lowcomm.node.overlap import COMMIT_LOOK, OverlappedLoop
 from lowcomm.protocol import codecs
 from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2, averaging_pb2_grpc
 from lowcomm.protocol.auth import RunAuth, ServerAuthInterceptor, client_interceptors
@@ -160,10 +160,11 @@ def test_an_incompatible_caller_is_refused_and_never_noticed():
 
 
 def test_the_overlapped_phase_watcher_cuts_on_a_notice_before_any_dht_read():
-    """node/overlap.py: a watcher at step 1 (our round of step 0 committed) ends the phase as soon
-    as the notice comes; without one it still cuts on the DHT registrations (the fallback)."""
+    """node/overlap.py: the watcher of the phase that leads to step 1's round ends it as soon as
+    the notice comes, or, when the notice came before our own round of step 0 committed, as soon
+    as that commit lands; without a notice it still cuts on the DHT registrations (the fallback)."""
 
-    async def scenario(loop: VirtualTimeLoop, notify: bool):
+    async def scenario(loop: VirtualTimeLoop, notice_at: float | None, commit_at: float):
         _, _, (p0, p1), _ = await stable_group(loop, 2)
         dht_looks: list[float] = []
 
@@ -171,26 +172,40 @@ def test_the_overlapped_phase_watcher_cuts_on_a_notice_before_any_dht_read():
             dht_looks.append(loop.time())
             return True  # somebody did register: the fallback cuts at its first look
 
-        async def round_started(step: int, params_hash: str, timeout: float) -> bool:
+        async def round_started(step: int, params_hash: str | None, timeout: float) -> bool:
             return await p0.wait_round_started(step, params_hash, timeout)
 
         averager = SimpleNamespace(tried=set(), others_registered=others_registered, round_started=round_started)
-        driver = SimpleNamespace(state=SimpleNamespace(step=1, params_hash=H1), averager=averager)
-        loop_ = OverlappedLoop(driver)  # type: ignore[arg-type] - the watcher reads only these
-        watch = loop_._watch_round_start(None)
+        state = SimpleNamespace(step=0, params_hash=H0)  # our background round of step 0 is running
+        driver = SimpleNamespace(state=state, averager=averager)
+        watch = OverlappedLoop(driver)._watch_round_start(SimpleNamespace(step=0))  # type: ignore[arg-type]
         assert watch is not None
         cut = threading.Event()
         started = loop.time()
         watching = asyncio.create_task(watch(cut))
-        if notify:
-            await asyncio.sleep(0.05)
+
+        async def at(when: float, action) -> None:
+            await asyncio.sleep(when)
+            action()
+
+        def commit() -> None:
+            state.step, state.params_hash = 1, H1
+
+        def notify() -> None:
             p1._announce_round(averaging_pb2.JoinRequest(hello=p1.identity.hello(), step=1, params_sha256=H1))
-        await watching
+
+        events = [at(commit_at, commit)] + ([at(notice_at, notify)] if notice_at is not None else [])
+        await asyncio.gather(watching, *events)
         return cut.is_set(), loop.time() - started, dht_looks
 
-    cut, took, looks = run_virtual(lambda loop: scenario(loop, True))
-    assert cut and took < POLL_SECONDS and looks == []
-    cut, took, looks = run_virtual(lambda loop: scenario(loop, False))
+    # Notice after the commit: the phase ends a round trip after the notice.
+    cut, took, looks = run_virtual(lambda loop: scenario(loop, 0.10, 0.05))
+    assert cut and took < 0.10 + 0.01 and looks == []
+    # Notice before the commit: it ends at the commit (a look at our own state), not a DHT poll later.
+    cut, took, looks = run_virtual(lambda loop: scenario(loop, 0.05, 0.10))
+    assert cut and took <= 0.10 + 2 * COMMIT_LOOK and looks == []
+    # No notice: the DHT registrations, read every POLL_SECONDS once committed.
+    cut, took, looks = run_virtual(lambda loop: scenario(loop, None, 0.05))
     assert cut and took >= POLL_SECONDS and len(looks) == 1
 
 
