@@ -118,7 +118,8 @@ class TopWatch:
         top = {pid: info for pid, info in (await m.dht.get(self.key)).items() if pid != m.peer_id and isinstance(info, dict)}
         ends = [float(at) for info in top.values() if isinstance(at := info.get("answer_at"), (int, float)) and math.isfinite(at)]
         by = m.clock.monotonic() + (min(ends) - m.wall_clock()) - self.slack if ends else None
-        planned = next((pid for pid, info in sorted(top.items()) if info.get("planned")), "")
+        planned = next((pid for pid, info in sorted(top.items())
+                        if info.get("planned") and info.get("buckets") == self.buckets), "")
         return by, any(info.get("buckets", 1) != self.buckets for info in top.values()), planned
 
 
@@ -160,6 +161,7 @@ class BucketLevel:
         current.key = bucket_key(self.run, step, current.params_hash, current.bucket)
         current.reserve = TOP_RESERVE * timeout
         current.one_plan = True
+        current.buckets = buckets
         top_key = round_key(self.run, step, current.params_hash)
 
         unreachable: set[str] = set()  # a registrant of our bucket we could not reach is not waited for
@@ -196,7 +198,8 @@ class BucketLevel:
         # Everybody of the bucket must have its answer before it gives up.
         answer_by = min([close_by, *(t - REPLY_MARGIN for f in waiting.values() if (t := f.gives_up_at) is not None)])
         top = _Round(bucket.step, bucket.params_hash, bucket.numel, key=round_key(self.run, bucket.step, bucket.params_hash),
-                     carried=carried, own_bucket="" if bucket.lonely else bucket.bucket, labels=labels, one_plan=True)
+                     carried=carried, own_bucket="" if bucket.lonely else bucket.bucket, labels=labels, one_plan=True,
+                     buckets=buckets)
         self._open.append(top)
         self._round = top  # JoinGroup calls for the closed bucket are refused from now on
         up = averaging_pb2.JoinRequest()

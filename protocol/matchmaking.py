@@ -152,8 +152,6 @@ class Matchmaker(Election, BucketLevel, DirectPath):
         key, ttl = current.key, timeout + self.reduce_timeout
 
         async def close(level: _Round) -> averaging_pb2.Group:
-            if round_peers is not None:  # a swarm that matchmakes in buckets: one plan per step (buckets.py)
-                return await self._close_plan(level, me, bandwidth_bps, registration, ttl)
             return self._close(level, me, bandwidth_bps)
 
         try:
