@@ -159,6 +159,9 @@ class Averager:
             report.seconds = time.monotonic() - started
             report.tokens = weight
             return RoundOutcome(report)
+        # A stable group's members hear at once that our round started (their overlapped phases
+        # end now, not at their next DHT poll), before this round's first DHT read.
+        self.matchmaker.announce_round(step, self.state.params_hash)
         view = await self.swarm.refresh_view()
         if self.behind(view):
             # The swarm moved on while we trained, or holds other parameters at our step:

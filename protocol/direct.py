@@ -55,8 +55,8 @@ def raise_if_incompatible(err: CallFailed, peer: averaging_pb2.Redirect | averag
 
 class DirectPath:
     """The Matchmaker's methods of the direct path (mixed into Matchmaker, which holds the state:
-    ``last_group``, ``_registering``, the round notices ``_noticed``, ``_notice_arrived`` and
-    ``_noticing``, and the leader/follower machinery they use)."""
+    ``last_group``, ``_registering``, the round notices ``_noticed``, ``_notice_arrived``,
+    ``_announced`` and ``_noticing``, and the leader/follower machinery they use)."""
 
     def _remember(self: "Matchmaker", group: averaging_pb2.Group) -> averaging_pb2.Group:
         """Keep ``group`` as the last group (the next step's direct path), if it had partners."""
@@ -106,6 +106,7 @@ class DirectPath:
             return averaging_pb2.RoundNoticeReply(accepted=False)
         key = (notice.step, notice.params_sha256)
         if key not in self._noticed:
+            log.debug("%s started the round of step %d", sender, notice.step)
             self._noticed[key] = sender
             while len(self._noticed) > NOTICES_KEPT:  # the oldest step first: only recent ones are asked about
                 del self._noticed[min(self._noticed)]
@@ -132,14 +133,20 @@ class DirectPath:
             return self.round_noticed(step, params_hash)
         return True
 
-    def _announce_round(self: "Matchmaker", request: averaging_pb2.JoinRequest) -> None:
-        """We start the direct round of ``request.step``: tell the other members of our last
-        group, in the background (unless one of them told us: then it told them too)."""
-        last = self.last_group
-        if last is None or self.round_noticed(request.step, request.params_sha256):
+    def announce_round(self: "Matchmaker", step: int, params_hash: str) -> None:
+        """We start the round of ``step`` from ``params_hash``: when our last group averaged at
+        step-1 (its direct path is ours now), tell its other members, in the background. Once
+        per round, and not when one of them told us first (then it told them too). The node
+        calls it as its round starts, before the round's first DHT read; form_group's direct
+        path calls it too (a second call does nothing)."""
+        key = (step, params_hash)
+        if self._direct_leader(step) is None or key == self._announced or self.round_noticed(step, params_hash):
             return
-        notice = averaging_pb2.RoundNotice(hello=request.hello, step=request.step, params_sha256=request.params_sha256)
-        for member in last.members:
+        self._announced = key
+        log.debug("telling the last group that the round of step %d started", step)
+        notice = averaging_pb2.RoundNotice(hello=self.identity.hello(), step=step, params_sha256=params_hash)
+        assert self.last_group is not None  # _direct_leader found it
+        for member in self.last_group.members:
             if member.peer_id == self.peer_id or not member.address:  # a client-mode member serves no calls
                 continue
             task = asyncio.get_running_loop().create_task(self._send_notice(member, notice),

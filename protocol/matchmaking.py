@@ -109,6 +109,7 @@ class Matchmaker(Election, BucketLevel, DirectPath):
         # started that round; the event is set (and replaced) at every new one; notices in flight.
         self._noticed: dict[tuple[int, str], str] = {}
         self._notice_arrived = asyncio.Event()
+        self._announced: tuple[int, str] | None = None  # the last round we told our last group about
         self._noticing: set[asyncio.Task] = set()
         self._open: list[_Round] = []  # the levels of the round in progress, released when it ends
         self.last_buckets = 1  # B of our last round (buckets.py): where to look for the next round's registrants
@@ -162,7 +163,7 @@ class Matchmaker(Election, BucketLevel, DirectPath):
                                                                     round_peers, buckets, deadline, timeout))
                 if direct_leader is not None:
                     registered = self._register_soon(key, registration, ttl)
-                    self._announce_round(request)  # the members' overlapped phases end now, not at a DHT poll
+                    self.announce_round(step, params_hash)  # the members' overlapped phases end now, not at a DHT poll
                     direct_by = min(deadline, self.clock.monotonic() + min(self.direct_timeout, timeout / 3))
                     outcome = await self._direct(current, me, request, direct_leader, bandwidth_bps,
                                                  expected_peers, direct_by)

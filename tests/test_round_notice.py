@@ -94,6 +94,21 @@ def test_the_first_member_to_start_the_direct_round_tells_the_others_without_any
     assert not other_hash  # a notice is for one (step, params hash): other parameters are not cut
 
 
+def test_a_round_is_announced_once_and_only_to_the_group_that_averaged_the_step_before():
+    async def scenario(loop: VirtualTimeLoop):
+        net, _, (p0, p1, p2), _ = await stable_group(loop, 3)
+        before = len(notices(net))
+        p2.announce_round(1, H1)
+        p2.announce_round(1, H1)  # the node announces as the round starts, form_group again: sent once
+        p2.announce_round(3, H1)  # our last group averaged step 0, not 2: it has no round of step 3 with us
+        await asyncio.sleep(NOTICE_TIMEOUT)
+        return sorted(notices(net)[before:]), p0.round_noticed(1, H1), p1.round_noticed(1, None)
+
+    sent, p0_told, p1_told = run_virtual(scenario)
+    assert sent == ["fake://peer-00", "fake://peer-01"]
+    assert p0_told and p1_told
+
+
 def test_a_notice_counts_only_from_a_member_of_the_last_group_and_for_the_next_step():
     async def scenario(loop: VirtualTimeLoop):
         net, dht, (p0, p1), _ = await stable_group(loop, 2)
@@ -192,7 +207,7 @@ def test_the_overlapped_phase_watcher_cuts_on_a_notice_before_any_dht_read():
             state.step, state.params_hash = 1, H1
 
         def notify() -> None:
-            p1._announce_round(averaging_pb2.JoinRequest(hello=p1.identity.hello(), step=1, params_sha256=H1))
+            p1.announce_round(1, H1)
 
         events = [at(commit_at, commit)] + ([at(notice_at, notify)] if notice_at is not None else [])
         await asyncio.gather(watching, *events)
