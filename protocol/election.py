@@ -64,14 +64,14 @@ class PlanClosed(MatchmakingError):
     be at the next step once that plan commits, so this peer's step is about to be behind."""
 
 
-def planned_by(registrants: dict[str, dict], me: str, buckets: int) -> str:
-    """The registrant (not ``me``) whose registration announces the step's plan as made by a
-    coordinator whose view gave the same B as ours (buckets.py ``_close_plan``). A plan made from
-    another B is not one we could have been in: its coordinator counted our bucket as covered
-    under its own labels, so giving up on it would cost a large step most of its peers (the
-    simulator at N = 1,024 in groups of 64: 0.10 of the peers averaged instead of 0.25)."""
+def planned_by(registrants: dict[str, dict], me: str) -> str:
+    """The registrant (not ``me``) of the step's top key whose registration announces the step's
+    plan as made (buckets.py ``_close_plan``). At the top level any such plan counts, whatever B
+    its coordinator's view gave: a bucket leader there has closed its bucket and would otherwise
+    plan the step a second time. (A bucket still open gives up only on a plan of its own B:
+    ``buckets.TopWatch``.)"""
     for pid, info in sorted(registrants.items()):
-        if pid != me and isinstance(info, dict) and info.get("planned") and info.get("buckets") == buckets:
+        if pid != me and isinstance(info, dict) and info.get("planned"):
             return pid
     return ""
 
@@ -134,8 +134,8 @@ class _Round:
     watch: "TopWatch | None" = None
     lonely: bool = False
     # At either level of a bucketed step: B of our view, and a registrant of the top key that
-    # announced the step's plan as made from the same B (``"planned"``, buckets.py): coming
-    # later must not make a second one.
+    # announced the step's plan as made (``"planned"``, buckets.py): coming later must not make
+    # a second one.
     buckets: int = 0
     plan_by: str = ""
 
@@ -251,7 +251,7 @@ class Election:
         """Other registrants of this level that could lead (have an address), lowest id first."""
         registrants = await self.dht.get(current.key)
         if current.buckets > 1:
-            current.plan_by = current.plan_by or planned_by(registrants, self.peer_id, current.buckets)
+            current.plan_by = current.plan_by or planned_by(registrants, self.peer_id)
         found = {
             pid: str(info["address"]) for pid, info in registrants.items()
             if isinstance(info, dict) and info.get("address") and pid not in unreachable and pid != self.peer_id
