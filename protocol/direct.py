@@ -15,9 +15,10 @@ fails the call at once or at that deadline, a leader closes before its direct fo
 up even if a dead member never comes, and a leader nobody joined in that time, like a follower
 whose call failed, goes on the DHT way for the rest of the overall deadline.
 
-Round notices (``RoundStarted``): the first member of the last group to start the direct round
-tells the other members at once, in the background, so that an overlapped peer ends its inner
-phase within a round trip instead of at its next poll of the DHT registrations
+Round notices (``RoundStarted``): the first member of the last group to start the next round
+tells the other members at once (``announce_round``, which the node calls as its round starts,
+before any DHT read), in the background, so that an overlapped peer ends its inner phase
+within a round trip instead of at its next poll of the DHT registrations
 (``wait_round_started``; node/overlap.py). Only a member of our last group is listened to, so a
 stranger cannot cut our phases; a member that was told does not tell the others again, so a
 group of g costs about g-1 tiny calls per round. A notice never delays the round: it is sent
