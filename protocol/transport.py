@@ -12,7 +12,8 @@ themselves. They call:
   reached (``Code.UNAVAILABLE``) or did not answer in time (``Code.DEADLINE_EXCEEDED``).
 - on the serving side, plain methods that take the request message and return (or, for Reduce,
   yield) the response messages: ``Matchmaker.handle_join``, ``Matchmaker.handle_round_started``,
-  ``ReduceRegistry.handle`` and ``ReduceRegistry.handle_report``. They refuse a call by raising ``Refused(code, detail)``.
+  ``ReduceRegistry.handle`` and ``ReduceRegistry.handle_report``. They refuse a call by raising
+  ``Refused(code, detail)``.
 - a **clock** (``Clock.monotonic()``, seconds) for every deadline, arrival time and grace; the
   default is the running event loop's ``loop.time()``, the same clock ``asyncio.timeout`` and
   ``asyncio.sleep`` use, so the deadlines the logic computes and the timeouts it awaits agree.
