@@ -28,9 +28,11 @@ if _version_not_supported:
 class AveragingStub:
     """Averaging is served by every reachable peer. A round uses JoinGroup once per follower
     (to the leader, found in the DHT or, for a stable group, the lowest member of the last group), Reduce once per (sender, shard owner) pair, and ReportShards once per
-    (member, reachable member) pair after the reduce phase. A step split into several groups
-    (Group.step_groups) also uses Reduce once per (shard owner, team reducer) pair, starting with
-    a TeamHeader, and ReportShards between the owners of a shard across groups.
+    (member, reachable member) pair after the reduce phase; a stable group's round also uses
+    RoundStarted once per other member of the last group, from the first member to start it.
+    A step split into several groups (Group.step_groups) also uses Reduce once per (shard owner,
+    team reducer) pair, starting with a TeamHeader, and ReportShards between the owners of a
+    shard across groups.
     """
 
     def __init__(self, channel):
@@ -64,9 +66,11 @@ class AveragingStub:
 class AveragingServicer:
     """Averaging is served by every reachable peer. A round uses JoinGroup once per follower
     (to the leader, found in the DHT or, for a stable group, the lowest member of the last group), Reduce once per (sender, shard owner) pair, and ReportShards once per
-    (member, reachable member) pair after the reduce phase. A step split into several groups
-    (Group.step_groups) also uses Reduce once per (shard owner, team reducer) pair, starting with
-    a TeamHeader, and ReportShards between the owners of a shard across groups.
+    (member, reachable member) pair after the reduce phase; a stable group's round also uses
+    RoundStarted once per other member of the last group, from the first member to start it.
+    A step split into several groups (Group.step_groups) also uses Reduce once per (shard owner,
+    team reducer) pair, starting with a TeamHeader, and ReportShards between the owners of a
+    shard across groups.
     """
 
     def JoinGroup(self, request, context):
@@ -140,9 +144,11 @@ def add_AveragingServicer_to_server(servicer, server):
 class Averaging:
     """Averaging is served by every reachable peer. A round uses JoinGroup once per follower
     (to the leader, found in the DHT or, for a stable group, the lowest member of the last group), Reduce once per (sender, shard owner) pair, and ReportShards once per
-    (member, reachable member) pair after the reduce phase. A step split into several groups
-    (Group.step_groups) also uses Reduce once per (shard owner, team reducer) pair, starting with
-    a TeamHeader, and ReportShards between the owners of a shard across groups.
+    (member, reachable member) pair after the reduce phase; a stable group's round also uses
+    RoundStarted once per other member of the last group, from the first member to start it.
+    A step split into several groups (Group.step_groups) also uses Reduce once per (shard owner,
+    team reducer) pair, starting with a TeamHeader, and ReportShards between the owners of a
+    shard across groups.
     """
 
     @staticmethod
