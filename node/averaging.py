@@ -119,12 +119,6 @@ class Averager:
         """Whether another peer registered for the round of ``step`` (overlapped phases cut on it)."""
         return await self.matchmaker.others_registered(step, params_hash)
 
-    async def round_started(self, step: int, params_hash: str | None, timeout: float) -> bool:
-        """Whether a member of our last group says it started the round of ``step`` (from
-        ``params_hash``; None: any), waiting up to ``timeout`` seconds for its notice
-        (overlapped phases cut on it at once)."""
-        return await self.matchmaker.wait_round_started(step, params_hash, timeout)
-
     def publish_phase_soon(self) -> None:
         """Publish our record (with the current phase) in the background, now."""
         async def publish() -> None:
@@ -159,9 +153,6 @@ class Averager:
             report.seconds = time.monotonic() - started
             report.tokens = weight
             return RoundOutcome(report)
-        # A stable group's members hear at once that our round started (their overlapped phases
-        # end now, not at their next DHT poll), before this round's first DHT read.
-        self.matchmaker.announce_round(step, self.state.params_hash)
         view = await self.swarm.refresh_view()
         if self.behind(view):
             # The swarm moved on while we trained, or holds other parameters at our step:

@@ -32,8 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lowcomm.node")
 
-COMMIT_LOOK = 0.02  # seconds between looks at our own commit once a round notice came before it
-
 
 @dataclass
 class Pending:
@@ -192,38 +190,19 @@ class OverlappedLoop:
 
     def _watch_round_start(self, pending: Pending | None) -> "PhaseWatch | None":
         """The watcher of an overlapped inner phase: ends it (sets ``cut``) as soon as another
-        peer started the round that this phase leads to. Cutting costs no compute in
+        peer registered for the round that this phase leads to. Cutting costs no compute in
         overlapped mode (the next phase starts at once), and it keeps the swarm at the pace of
-        its fastest peer instead of having everybody wait for the slowest at every round.
-
-        A member of our last group that starts the round over the direct path tells us at once
-        (a round notice, protocol/direct.py): the phase ends within a round trip. The DHT
-        registrations, read every POLL_SECONDS, remain the fallback for rounds that notice
-        does not cover (a newcomer's, one formed through the DHT, an older peer's)."""
+        its fastest peer instead of having everybody wait for the slowest at every round."""
         d = self.driver
         watch_step = pending.step + 1 if pending is not None else d.state.step
         if watch_step in d.averager.tried:
             return None  # we already tried that round (and it failed): train a full phase
 
         async def watch(cut: threading.Event) -> None:
-            look_now = False  # read the registrations without waiting a period (our commit just came)
             while True:
+                await asyncio.sleep(POLL_SECONDS)
                 if d.state.step != watch_step:
-                    # Our background round is not committed yet (or failed: then nothing to join).
-                    # Once a member of our group said that the next round started, our commit is
-                    # all we wait for (it comes with the same all-reduce's end): look at our own
-                    # state often then, instead of a DHT poll's period later.
-                    noticed = await d.averager.round_started(watch_step, None, POLL_SECONDS)
-                    if noticed and d.state.step != watch_step:
-                        await asyncio.sleep(COMMIT_LOOK)
-                    look_now = True
-                    continue
-                wait, look_now = (0.0 if look_now else POLL_SECONDS), False
-                if await d.averager.round_started(watch_step, d.state.params_hash, wait):
-                    cut.set()
-                    return
-                if d.state.step != watch_step:
-                    continue
+                    continue  # our background round is not done yet (or failed: then nothing to join)
                 try:
                     if await d.averager.others_registered(watch_step, d.state.params_hash):
                         cut.set()

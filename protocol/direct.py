@@ -14,15 +14,6 @@ The direct path lasts at most ``direct_timeout`` (within the overall deadline): 
 fails the call at once or at that deadline, a leader closes before its direct followers give
 up even if a dead member never comes, and a leader nobody joined in that time, like a follower
 whose call failed, goes on the DHT way for the rest of the overall deadline.
-
-Round notices (``RoundStarted``): the first member of the last group to start the next round
-tells the other members at once (``announce_round``, which the node calls as its round starts,
-before any DHT read), in the background, so that an overlapped peer ends its inner phase
-within a round trip instead of at its next poll of the DHT registrations
-(``wait_round_started``; node/overlap.py). Only a member of our last group is listened to, so a
-stranger cannot cut our phases; a member that was told does not tell the others again, so a
-group of g costs about g-1 tiny calls per round. A notice never delays the round: it is sent
-in the background with a short deadline, and a dead or older member only fails its own call.
 """
 
 from __future__ import annotations
@@ -33,7 +24,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 
 from ._pb.lowcomm.v1 import averaging_pb2
 from .handshake import IncompatiblePeer
-from .transport import CallFailed, Code, Refused
+from .transport import CallFailed, Code
 
 if TYPE_CHECKING:
     from .matchmaking import Matchmaker, _Round
@@ -42,8 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DIRECT_TIMEOUT = 3.0  # seconds of the direct path of a stable group before the DHT path takes over
-NOTICE_TIMEOUT = 1.0  # seconds a RoundStarted call may take: later, the receiver's DHT poll has seen the round
-NOTICES_KEPT = 8  # round notices remembered (the latest steps'): the watcher asks only about the next step
 
 
 def raise_if_incompatible(err: CallFailed, peer: averaging_pb2.Redirect | averaging_pb2.Member, me: str) -> None:
@@ -56,8 +45,7 @@ def raise_if_incompatible(err: CallFailed, peer: averaging_pb2.Redirect | averag
 
 class DirectPath:
     """The Matchmaker's methods of the direct path (mixed into Matchmaker, which holds the state:
-    ``last_group``, ``_registering``, the round notices ``_noticed``, ``_notice_arrived``,
-    ``_announced`` and ``_noticing``, and the leader/follower machinery they use)."""
+    ``last_group``, ``_registering`` and the leader/follower machinery they use)."""
 
     def _remember(self: "Matchmaker", group: averaging_pb2.Group) -> averaging_pb2.Group:
         """Keep ``group`` as the last group (the next step's direct path), if it had partners."""
@@ -85,87 +73,6 @@ class DirectPath:
 
         task.add_done_callback(done)
         return task
-
-    # -- round notices ----------------------------------------------------------------------
-
-    async def handle_round_started(self: "Matchmaker", notice: averaging_pb2.RoundNotice,
-                                   context: object = None) -> averaging_pb2.RoundNoticeReply:
-        """Serve a RoundStarted call: remember that a member of our last group started the round
-        of (step, params hash) and wake ``wait_round_started``; raises Refused for an
-        incompatible caller. A notice from anybody outside our last group, or for another step
-        than the one after that group's, is ignored (``accepted`` False)."""
-        try:
-            self.identity.check(notice.hello)
-        except IncompatiblePeer as err:
-            log.warning("refused RoundStarted from %s: %s", notice.hello.peer_id, err)
-            raise Refused(Code.FAILED_PRECONDITION, str(err)) from None
-        sender, last = notice.hello.peer_id, self.last_group
-        if (last is None or sender == self.peer_id or notice.step != last.step + 1
-                or all(m.peer_id != sender for m in last.members)):
-            log.debug("ignored a round notice of step %d from %s: not a member of our last group, "
-                      "or not that group's next step", notice.step, sender)
-            return averaging_pb2.RoundNoticeReply(accepted=False)
-        key = (notice.step, notice.params_sha256)
-        if key not in self._noticed:
-            log.debug("%s started the round of step %d", sender, notice.step)
-            self._noticed[key] = sender
-            while len(self._noticed) > NOTICES_KEPT:  # the oldest step first: only recent ones are asked about
-                del self._noticed[min(self._noticed)]
-            self._notice_arrived.set()  # wakes every waiter; they check their key
-            self._notice_arrived = asyncio.Event()
-        return averaging_pb2.RoundNoticeReply(accepted=True)
-
-    def round_noticed(self: "Matchmaker", step: int, params_hash: str | None) -> bool:
-        """Whether a member of our last group said it started the round of ``step`` from
-        ``params_hash`` (None: from any parameters)."""
-        if params_hash is None:
-            return any(noticed == step for noticed, _ in self._noticed)
-        return (step, params_hash) in self._noticed
-
-    async def wait_round_started(self: "Matchmaker", step: int, params_hash: str | None, timeout: float) -> bool:
-        """True as soon as a member of our last group says it started the round of ``step`` from
-        ``params_hash`` (None: from any parameters; at once if it already did); False when
-        ``timeout`` seconds pass first."""
-        try:
-            async with asyncio.timeout(max(0.0, timeout)):
-                while not self.round_noticed(step, params_hash):
-                    await self._notice_arrived.wait()
-        except TimeoutError:
-            return self.round_noticed(step, params_hash)
-        return True
-
-    def announce_round(self: "Matchmaker", step: int, params_hash: str) -> None:
-        """We start the round of ``step`` from ``params_hash``: when our last group averaged at
-        step-1 (its direct path is ours now), tell its other members, in the background. Once
-        per round, and not when one of them told us first (then it told them too). The node
-        calls it as its round starts, before the round's first DHT read; form_group's direct
-        path calls it too (a second call does nothing)."""
-        key = (step, params_hash)
-        if self._direct_leader(step) is None or key == self._announced or self.round_noticed(step, params_hash):
-            return
-        self._announced = key
-        log.debug("telling the last group that the round of step %d started", step)
-        notice = averaging_pb2.RoundNotice(hello=self.identity.hello(), step=step, params_sha256=params_hash)
-        assert self.last_group is not None  # _direct_leader found it
-        for member in self.last_group.members:
-            if member.peer_id == self.peer_id or not member.address:  # a client-mode member serves no calls
-                continue
-            task = asyncio.get_running_loop().create_task(self._send_notice(member, notice),
-                                                          name=f"round-notice-{member.peer_id}")
-            self._noticing.add(task)  # referenced until done, so that it is not collected early
-            task.add_done_callback(self._noticing.discard)
-
-    async def _send_notice(self: "Matchmaker", member: averaging_pb2.Member, notice: averaging_pb2.RoundNotice) -> None:
-        try:
-            reply = await self.transport.notice(member.address, notice, NOTICE_TIMEOUT)
-        except CallFailed as err:  # UNIMPLEMENTED: an older peer; anything else: it polls the DHT
-            log.debug("round notice of step %d to %s failed: %s %s", notice.step, member.peer_id,
-                      err.code.name, err.detail)
-            return
-        if not reply.accepted:
-            log.debug("%s ignored our round notice of step %d", member.peer_id, notice.step)
-
-    # -- the direct round --------------------------------------------------------------------
 
     async def _direct(self: "Matchmaker", current: _Round, me: averaging_pb2.Member, request: averaging_pb2.JoinRequest,
                       leader: averaging_pb2.Member, my_bandwidth: float,

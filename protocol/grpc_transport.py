@@ -1,5 +1,5 @@
 """gRPC adapters of the protocol's transport interfaces (transport.py): the client side of the
-JoinGroup, RoundStarted, Reduce and ReportShards calls over grpc.aio channels, and the mapping between
+JoinGroup, Reduce and ReportShards calls over grpc.aio channels, and the mapping between
 ``Refused``/``CallFailed`` and gRPC status codes that the servicers in rpc.py use."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ async def abort(context: grpc.aio.ServicerContext, refused: Refused) -> None:
 
 
 class GrpcMatchmakingTransport:
-    """JoinGroup and RoundStarted over the channels of ``channel_for`` (read at every call: callers may swap it)."""
+    """JoinGroup over the channels of ``channel_for`` (read at every call: callers may swap it)."""
 
     def __init__(self, channel_for: Callable[[], ChannelFor]) -> None:
         self._channel_for = channel_for
@@ -44,14 +44,6 @@ class GrpcMatchmakingTransport:
         stub = averaging_pb2_grpc.AveragingStub(self._channel_for()(address))
         try:
             return await stub.JoinGroup(request, timeout=timeout)
-        except grpc.aio.AioRpcError as err:
-            raise call_failed(err) from None
-
-    async def notice(self, address: str, request: averaging_pb2.RoundNotice,
-                     timeout: float) -> averaging_pb2.RoundNoticeReply:
-        stub = averaging_pb2_grpc.AveragingStub(self._channel_for()(address))
-        try:
-            return await stub.RoundStarted(request, timeout=timeout)
         except grpc.aio.AioRpcError as err:
             raise call_failed(err) from None
 

@@ -105,12 +105,6 @@ class Matchmaker(Election, BucketLevel, DirectPath):
         self.last_group: averaging_pb2.Group | None = None  # our last group of two or more
         self._round_started = asyncio.Event()  # set (and replaced) whenever form_group starts a round
         self._registering: set[asyncio.Task] = set()  # background DHT registrations of the direct path
-        # Round notices (direct.py): (step, params hash) -> the member of our last group that
-        # started that round; the event is set (and replaced) at every new one; notices in flight.
-        self._noticed: dict[tuple[int, str], str] = {}
-        self._notice_arrived = asyncio.Event()
-        self._announced: tuple[int, str] | None = None  # the last round we told our last group about
-        self._noticing: set[asyncio.Task] = set()
         self._open: list[_Round] = []  # the levels of the round in progress, released when it ends
         self.last_buckets = 1  # B of our last round (buckets.py): where to look for the next round's registrants
 
@@ -163,7 +157,6 @@ class Matchmaker(Election, BucketLevel, DirectPath):
                                                                     round_peers, buckets, deadline, timeout))
                 if direct_leader is not None:
                     registered = self._register_soon(key, registration, ttl)
-                    self.announce_round(step, params_hash)  # the members' overlapped phases end now, not at a DHT poll
                     direct_by = min(deadline, self.clock.monotonic() + min(self.direct_timeout, timeout / 3))
                     outcome = await self._direct(current, me, request, direct_leader, bandwidth_bps,
                                                  expected_peers, direct_by)

@@ -65,13 +65,6 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
         except Refused as refused:
             await abort(context, refused)
 
-    async def RoundStarted(self, request: averaging_pb2.RoundNotice,
-                           context: grpc.aio.ServicerContext) -> averaging_pb2.RoundNoticeReply:
-        try:
-            return await self.matchmaker.handle_round_started(request, context)
-        except Refused as refused:
-            await abort(context, refused)
-
     async def ReportShards(self, request: averaging_pb2.ShardReport,
                            context: grpc.aio.ServicerContext) -> averaging_pb2.ShardReport:
         try:
@@ -138,9 +131,6 @@ def add_averaging_service(servicer: AveragingServicer, server: grpc.aio.Server) 
         "ReportShards": grpc.unary_unary_rpc_method_handler(
             servicer.ReportShards, request_deserializer=messages.ShardReport.FromString,
             response_serializer=messages.ShardReport.SerializeToString),
-        "RoundStarted": grpc.unary_unary_rpc_method_handler(
-            servicer.RoundStarted, request_deserializer=messages.RoundNotice.FromString,
-            response_serializer=messages.RoundNoticeReply.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("lowcomm.v1.Averaging", handlers),))
     server.add_registered_method_handlers("lowcomm.v1.Averaging", handlers)

@@ -4,16 +4,14 @@
 agreement.py, accumulator.py) never speak gRPC, read the wall clock or draw random bytes
 themselves. They call:
 
-- a **transport**: ``MatchmakingTransport.join`` and ``.notice`` (the JoinGroup and
-  RoundStarted calls) and
+- a **transport**: ``MatchmakingTransport.join`` (the JoinGroup call) and
   ``ReduceTransport.reduce`` / ``ReduceTransport.report_shards`` (the Reduce stream and the
   ReportShards call). A call that does not succeed raises ``CallFailed(code, detail)``: the
   callee refused it (``code`` is the callee's ``Refused`` code), or the callee could not be
   reached (``Code.UNAVAILABLE``) or did not answer in time (``Code.DEADLINE_EXCEEDED``).
 - on the serving side, plain methods that take the request message and return (or, for Reduce,
-  yield) the response messages: ``Matchmaker.handle_join``, ``Matchmaker.handle_round_started``,
-  ``ReduceRegistry.handle`` and ``ReduceRegistry.handle_report``. They refuse a call by raising
-  ``Refused(code, detail)``.
+  yield) the response messages: ``Matchmaker.handle_join``, ``ReduceRegistry.handle`` and
+  ``ReduceRegistry.handle_report``. They refuse a call by raising ``Refused(code, detail)``.
 - a **clock** (``Clock.monotonic()``, seconds) for every deadline, arrival time and grace; the
   default is the running event loop's ``loop.time()``, the same clock ``asyncio.timeout`` and
   ``asyncio.sleep`` use, so the deadlines the logic computes and the timeouts it awaits agree.
@@ -93,7 +91,6 @@ class Code(enum.Enum):
     CANCELLED = "CANCELLED"
     UNAUTHENTICATED = "UNAUTHENTICATED"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-    UNIMPLEMENTED = "UNIMPLEMENTED"  # the callee does not serve the method (an older peer)
     UNKNOWN = "UNKNOWN"  # anything else
 
 
@@ -141,11 +138,6 @@ class MatchmakingTransport(Protocol):
     async def join(self, address: str, request: averaging_pb2.JoinRequest,
                    timeout: float) -> averaging_pb2.JoinResponse:
         """JoinGroup on the peer at ``address``; raises CallFailed."""
-        ...
-
-    async def notice(self, address: str, request: averaging_pb2.RoundNotice,
-                     timeout: float) -> averaging_pb2.RoundNoticeReply:
-        """RoundStarted on the peer at ``address``; raises CallFailed."""
         ...
 
 

@@ -33,7 +33,7 @@ from lowcomm.protocol.transport import LoopClock
 
 from .whatif import lagging
 from .links import Link
-from .transport import JOIN, NOTICE, Server
+from .transport import JOIN, Server
 
 if TYPE_CHECKING:
     from .engine import World
@@ -82,7 +82,6 @@ class SimPeer:
             random_bytes=random.Random(f"{cfg.seed}/{index}/groups").randbytes,
             wall_clock=LoopClock().monotonic)  # the swarm's common (virtual) time
         self.server.handlers[JOIN] = self.matchmaker.handle_join
-        self.server.handlers[NOTICE] = self.matchmaker.handle_round_started
         self.gossip = world.gossip_state(self) if cfg.mode == "gossip" else None
 
     # -- records and views (node/daemon.py) ---------------------------------------------------

@@ -1,13 +1,13 @@
 """Simulated links behind the protocol's transport seam (protocol/transport.py).
 
-``PeerTransport`` (``join`` and ``notice``) is the ``MatchmakingTransport`` the simulated
-peers' real ``Matchmaker`` uses. A call
+``SimNet.join`` is the ``MatchmakingTransport`` the simulated peers' real ``Matchmaker`` uses.
+A call
 
 - copies the request (real protobuf bytes, so the callee never shares the caller's object),
   travels the two access latencies and finds the callee: a dead or unknown peer fails the call
   with ``UNAVAILABLE`` (connection refused);
-- runs the callee's serving method (``Matchmaker.handle_join`` or ``handle_round_started``); its
-  ``Refused(code, detail)`` reaches the caller as ``CallFailed(code, detail)``, after the way back;
+- runs the callee's serving method (``Matchmaker.handle_join``); its ``Refused(code, detail)``
+  reaches the caller as ``CallFailed(code, detail)``, after the way back;
 - fails with ``DEADLINE_EXCEEDED`` when the caller's timeout passes first (the serving side is
   then cancelled, as gRPC cancels a call whose client went away), and with ``UNAVAILABLE`` when
   the callee crashes meanwhile (its in-flight calls are cancelled).
@@ -27,7 +27,6 @@ from lowcomm.protocol.transport import CallFailed, Code, Refused
 from .links import Link, one_way
 
 JOIN = "JoinGroup"
-NOTICE = "RoundStarted"
 
 
 @dataclass
@@ -112,7 +111,3 @@ class PeerTransport:
     async def join(self, address: str, request: averaging_pb2.JoinRequest,
                    timeout: float) -> averaging_pb2.JoinResponse:
         return await self.net.call(self.caller, address, JOIN, request, timeout)
-
-    async def notice(self, address: str, request: averaging_pb2.RoundNotice,
-                     timeout: float) -> averaging_pb2.RoundNoticeReply:
-        return await self.net.call(self.caller, address, NOTICE, request, timeout)

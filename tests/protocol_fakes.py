@@ -1,7 +1,7 @@
 """Socket-free fakes for the protocol's seams (protocol/transport.py): a virtual-time event loop
 whose clock is the protocol's clock, an executor that runs inline, an in-memory DHT on that
-clock, and a network that routes JoinGroup, RoundStarted, Reduce and ReportShards to the
-callee's serving methods. Used by tests/test_matchmaking_unit.py and tests/test_allreduce_unit.py.
+clock, and a network that routes JoinGroup, Reduce and ReportShards to the callee's serving
+methods. Used by tests/test_matchmaking_unit.py and tests/test_allreduce_unit.py.
 
 Under ``VirtualTimeLoop`` a test that waits 300 s of protocol time takes milliseconds, and,
 with no threads and no sockets, every run schedules the same callbacks in the same order.
@@ -146,12 +146,6 @@ class FakeNet:
         self.joins.append((address, _copy(request)))
         return await self._unary("JoinGroup", address, request, timeout,
                                  matchmaker.handle_join if matchmaker is not None else None)
-
-    async def notice(self, address: str, request: averaging_pb2.RoundNotice,
-                     timeout: float) -> averaging_pb2.RoundNoticeReply:
-        matchmaker = self.matchmakers.get(address)
-        return await self._unary("RoundStarted", address, request, timeout,
-                                 matchmaker.handle_round_started if matchmaker is not None else None)
 
     async def report_shards(self, address: str, report: averaging_pb2.ShardReport,
                             timeout: float) -> averaging_pb2.ShardReport:

@@ -128,10 +128,6 @@ class FakeAverager:
     async def others_registered(self, step: int, params_hash: str) -> bool:
         return False
 
-    async def round_started(self, step: int, params_hash: str | None, timeout: float) -> bool:
-        await asyncio.sleep(timeout)  # no notice comes (as from a peer outside any stable group)
-        return False
-
     async def run(self, fragment: slice, delta: torch.Tensor, weight: float) -> RoundOutcome | None:
         self.calls.append((fragment, delta.clone(), weight))
         self.tried.add(self.state.step)

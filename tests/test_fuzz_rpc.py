@@ -597,7 +597,6 @@ def test_gossip_exchange(node, case):
 UNARY_METHODS = [
     ("/lowcomm.v1.Averaging/JoinGroup", "unary"),
     ("/lowcomm.v1.Averaging/ReportShards", "unary"),
-    ("/lowcomm.v1.Averaging/RoundStarted", "unary"),
     ("/lowcomm.v1.StateTransfer/GetStateInfo", "unary"),
     ("/lowcomm.v1.NodeInfo/GetStatus", "unary"),
     ("/lowcomm.v1.StateTransfer/DownloadState", "stream"),
@@ -607,7 +606,6 @@ UNARY_METHODS = [
 REQUEST_TYPES = {
     "/lowcomm.v1.Averaging/JoinGroup": averaging_pb2.JoinRequest,
     "/lowcomm.v1.Averaging/ReportShards": averaging_pb2.ShardReport,
-    "/lowcomm.v1.Averaging/RoundStarted": averaging_pb2.RoundNotice,
     "/lowcomm.v1.StateTransfer/GetStateInfo": state_pb2.StateInfoRequest,
     "/lowcomm.v1.NodeInfo/GetStatus": node_pb2.StatusRequest,
     "/lowcomm.v1.StateTransfer/DownloadState": state_pb2.StateRequest,

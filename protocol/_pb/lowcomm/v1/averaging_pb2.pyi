@@ -8,22 +8,6 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class RoundNotice(_message.Message):
-    __slots__ = ("hello", "step", "params_sha256")
-    HELLO_FIELD_NUMBER: _ClassVar[int]
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    PARAMS_SHA256_FIELD_NUMBER: _ClassVar[int]
-    hello: _handshake_pb2.Hello
-    step: int
-    params_sha256: str
-    def __init__(self, hello: _Optional[_Union[_handshake_pb2.Hello, _Mapping]] = ..., step: _Optional[int] = ..., params_sha256: _Optional[str] = ...) -> None: ...
-
-class RoundNoticeReply(_message.Message):
-    __slots__ = ("accepted",)
-    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
-    accepted: bool
-    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
-
 class JoinRequest(_message.Message):
     __slots__ = ("hello", "step", "address", "weight", "bandwidth_bps", "params_sha256", "wait_s", "direct", "bucket", "closed_bucket", "bucket_members")
     HELLO_FIELD_NUMBER: _ClassVar[int]

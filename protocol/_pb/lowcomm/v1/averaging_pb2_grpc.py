@@ -28,11 +28,9 @@ if _version_not_supported:
 class AveragingStub:
     """Averaging is served by every reachable peer. A round uses JoinGroup once per follower
     (to the leader, found in the DHT or, for a stable group, the lowest member of the last group), Reduce once per (sender, shard owner) pair, and ReportShards once per
-    (member, reachable member) pair after the reduce phase; a stable group's round also uses
-    RoundStarted once per other member of the last group, from the first member to start it.
-    A step split into several groups (Group.step_groups) also uses Reduce once per (shard owner,
-    team reducer) pair, starting with a TeamHeader, and ReportShards between the owners of a
-    shard across groups.
+    (member, reachable member) pair after the reduce phase. A step split into several groups
+    (Group.step_groups) also uses Reduce once per (shard owner, team reducer) pair, starting with
+    a TeamHeader, and ReportShards between the owners of a shard across groups.
     """
 
     def __init__(self, channel):
@@ -56,21 +54,14 @@ class AveragingStub:
                 request_serializer=lowcomm_dot_v1_dot_averaging__pb2.ShardReport.SerializeToString,
                 response_deserializer=lowcomm_dot_v1_dot_averaging__pb2.ShardReport.FromString,
                 _registered_method=True)
-        self.RoundStarted = channel.unary_unary(
-                '/lowcomm.v1.Averaging/RoundStarted',
-                request_serializer=lowcomm_dot_v1_dot_averaging__pb2.RoundNotice.SerializeToString,
-                response_deserializer=lowcomm_dot_v1_dot_averaging__pb2.RoundNoticeReply.FromString,
-                _registered_method=True)
 
 
 class AveragingServicer:
     """Averaging is served by every reachable peer. A round uses JoinGroup once per follower
     (to the leader, found in the DHT or, for a stable group, the lowest member of the last group), Reduce once per (sender, shard owner) pair, and ReportShards once per
-    (member, reachable member) pair after the reduce phase; a stable group's round also uses
-    RoundStarted once per other member of the last group, from the first member to start it.
-    A step split into several groups (Group.step_groups) also uses Reduce once per (shard owner,
-    team reducer) pair, starting with a TeamHeader, and ReportShards between the owners of a
-    shard across groups.
+    (member, reachable member) pair after the reduce phase. A step split into several groups
+    (Group.step_groups) also uses Reduce once per (shard owner, team reducer) pair, starting with
+    a TeamHeader, and ReportShards between the owners of a shard across groups.
     """
 
     def JoinGroup(self, request, context):
@@ -99,17 +90,6 @@ class AveragingServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def RoundStarted(self, request, context):
-        """A member of the callee's last group reached its boundary of outer step `step` and started
-        that round over the direct path of the stable group: the callee's overlapped inner phase
-        can end now instead of at its next read of the DHT registrations. Sent once per round by
-        the first member to start it (to the other members of its last group), in the background;
-        an older peer answers UNIMPLEMENTED, which the caller ignores.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_AveragingServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,11 +108,6 @@ def add_AveragingServicer_to_server(servicer, server):
                     request_deserializer=lowcomm_dot_v1_dot_averaging__pb2.ShardReport.FromString,
                     response_serializer=lowcomm_dot_v1_dot_averaging__pb2.ShardReport.SerializeToString,
             ),
-            'RoundStarted': grpc.unary_unary_rpc_method_handler(
-                    servicer.RoundStarted,
-                    request_deserializer=lowcomm_dot_v1_dot_averaging__pb2.RoundNotice.FromString,
-                    response_serializer=lowcomm_dot_v1_dot_averaging__pb2.RoundNoticeReply.SerializeToString,
-            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'lowcomm.v1.Averaging', rpc_method_handlers)
@@ -144,11 +119,9 @@ def add_AveragingServicer_to_server(servicer, server):
 class Averaging:
     """Averaging is served by every reachable peer. A round uses JoinGroup once per follower
     (to the leader, found in the DHT or, for a stable group, the lowest member of the last group), Reduce once per (sender, shard owner) pair, and ReportShards once per
-    (member, reachable member) pair after the reduce phase; a stable group's round also uses
-    RoundStarted once per other member of the last group, from the first member to start it.
-    A step split into several groups (Group.step_groups) also uses Reduce once per (shard owner,
-    team reducer) pair, starting with a TeamHeader, and ReportShards between the owners of a
-    shard across groups.
+    (member, reachable member) pair after the reduce phase. A step split into several groups
+    (Group.step_groups) also uses Reduce once per (shard owner, team reducer) pair, starting with
+    a TeamHeader, and ReportShards between the owners of a shard across groups.
     """
 
     @staticmethod
@@ -222,33 +195,6 @@ class Averaging:
             '/lowcomm.v1.Averaging/ReportShards',
             lowcomm_dot_v1_dot_averaging__pb2.ShardReport.SerializeToString,
             lowcomm_dot_v1_dot_averaging__pb2.ShardReport.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def RoundStarted(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/lowcomm.v1.Averaging/RoundStarted',
-            lowcomm_dot_v1_dot_averaging__pb2.RoundNotice.SerializeToString,
-            lowcomm_dot_v1_dot_averaging__pb2.RoundNoticeReply.FromString,
             options,
             channel_credentials,
             insecure,
