@@ -63,13 +63,27 @@ def summary(by_seed: dict[int, dict[str, Any]], seeds: list[int] | None = None) 
             "tokens": by_seed[seeds[0]]["tokens"]}
 
 
-def choose(runs: dict[Key, dict[int, dict[str, Any]]], default: Key) -> tuple[str, Key | None]:
+def beats(runs: dict[Key, dict[int, dict[str, Any]]], key: Key, ref_key: Key) -> tuple[bool, float, float]:
+    """Whether ``key`` beats ``ref_key`` by the rule on ``ref_key``'s seeds: (beats, how much lower
+    its mean is, the overlap of the two seed ranges)."""
+    seeds = sorted(runs[ref_key])
+    mine, ref = summary(runs[key], seeds), summary(runs[ref_key], seeds)
+    overlap = max(0.0, min(mine["max"], ref["max"]) - max(mine["min"], ref["min"]))
+    return ref["mean"] - mine["mean"] > overlap, ref["mean"] - mine["mean"], overlap
+
+
+def choose(runs: dict[Key, dict[int, dict[str, Any]]], default: Key,
+           current: Key | None = None) -> tuple[str, Key | None]:
     """The module docstring's rule: (the sentence that says what it decided, the key to adopt or None).
 
     Compared on the default's seeds S (at least MIN_SEEDS): a configuration measured on all of S
     beats the default when its mean is lower by more than the overlap of the two seed ranges
     (the length of the interval both ranges cover; 0 when they are apart). Of those that beat
-    it, the lowest mean is adopted. Configurations with fewer seeds are not candidates."""
+    it, the lowest mean is adopted. Configurations with fewer seeds are not candidates.
+
+    ``current``: the node's default now, when the rule already changed it once. A later
+    configuration replaces it only by beating it the same way (not merely by a lower mean),
+    so that the default does not follow the noise between close configurations."""
     base = runs.get(default, {})
     if len(base) < MIN_SEEDS:
         return f"not decided: the default has {len(base)} seed(s), the rule needs {MIN_SEEDS}.", None
@@ -100,9 +114,17 @@ def choose(runs: dict[Key, dict[int, dict[str, Any]]], default: Key) -> tuple[st
                f"{ref['mean'] - mine['mean']:.4f} lower on the mean, ranges overlapping by {overlap:.4f}"
                + (", lower on every seed" if all(by_seed_of[key][s]["final_eval_loss"] < base[s]["final_eval_loss"]
                                                  for s in seeds) else ""))
-    if ref["mean"] - mine["mean"] > overlap:
-        return f"**changed** to {numbers}." + fewer, key
-    return f"**kept**: the best other configuration is {numbers}." + fewer, None
+    if ref["mean"] - mine["mean"] <= overlap:
+        return f"**kept**: the best other configuration is {numbers}." + fewer, None
+    if current is not None and current != key and current != default and set(seeds) <= set(runs.get(current, {})):
+        better, lower, over = beats(runs, key, current)
+        if not better:
+            return (f"**changed** to {name(current)} earlier, and **kept** there: the lowest mean is now {numbers}; "
+                    f"against {name(current)} it is {lower:.4f} lower on the mean, within the {over:.4f} overlap of "
+                    f"their seed ranges" + (", lower on every seed (more seeds would decide)"
+                                            if all(runs[key][s]["final_eval_loss"] < runs[current][s]["final_eval_loss"]
+                                                   for s in seeds) else "") + "." + fewer), current
+    return f"**changed** to {numbers}." + fewer, key
 
 
 def _outer_sets(record: dict[str, Any]) -> tuple[float, float]:
@@ -179,11 +201,12 @@ def results_section(records: list[dict[str, Any]], long_records: list[dict[str, 
               "|---|---:|---:|---|---:|---:|---:|---:|", *("| " + " | ".join(row) + " |" for row in rows), ""]
     if missing:
         lines += [f"Not run (the issue's H={DEFAULT_H} grid, outer lr / momentum): {', '.join(missing)}.", ""]
-    decision, adopted = choose(runs, default)
+    decision, adopted = choose(runs, default, current)
     verdict = adopted or default
     agrees = (verdict[2], verdict[3]) == (lr, momentum)
     lines += [f"**Default outer optimizer** (rule: a configuration must beat the old default's mean over the same "
-              f"≥{MIN_SEEDS} seeds by more than the overlap of their seed ranges): {decision} node/config_sections.py "
+              f"≥{MIN_SEEDS} seeds by more than the overlap of their seed ranges, and, once the default changed, the "
+              f"current default's the same way): {decision} node/config_sections.py "
               f"has outer_lr {lr:g}, outer_momentum {momentum:g}"
               + ("." if agrees else f": **it does not match the rule's outcome ({verdict[2]:g}, {verdict[3]:g})**."), ""]
     confirm = [r for r in confirm_records if r.get("ok") and r.get("final_eval_loss") is not None]

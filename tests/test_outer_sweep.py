@@ -163,6 +163,17 @@ def test_section_changes_the_default_only_beyond_the_range_overlap() -> None:
     assert key == ("int8", 50, 0.65, 0.25) and decision.startswith("**changed**"), decision
     decision, key = section.choose(section.group_runs(default[:2] + beats), default_key)
     assert key is None and decision.startswith("not decided: the default has 2 seed(s)")
+    # Once the default changed to `beats`, a lower mean within the range overlap does not move it
+    # again: `closer` is 0.01 lower than `beats` on every seed, their ranges overlap by 0.04.
+    closer = [fake_record(0.75, 0.35, s, loss) for s, loss in enumerate([1.79, 1.83, 1.84])]
+    current = ("int8", 50, 0.65, 0.25)
+    decision, key = section.choose(section.group_runs(default + beats + closer), default_key, current)
+    assert key == current and "**kept** there" in decision and "within the 0.0400 overlap" in decision, decision
+    assert "lower on every seed (more seeds would decide)" in decision
+    # ... and one that beats the current default by the rule does.
+    clear = [fake_record(0.85, 0.45, s, loss) for s, loss in enumerate([1.70, 1.72, 1.73])]
+    decision, key = section.choose(section.group_runs(default + beats + clear), default_key, current)
+    assert key == ("int8", 50, 0.85, 0.45) and decision.startswith("**changed**"), decision
     separate = beats
     default[0]["curve"] = [{"outer_step": 1, "eval_loss": 2.7}, {"outer_step": 20, "eval_loss": 1.83}]
     real = [{"method": "diloco-int8-H50", "seed": 0, "final_eval_loss": 1.832, "run_id": "R", "ok": True,
