@@ -118,12 +118,14 @@ def choose(runs: dict[Key, dict[int, dict[str, Any]]], default: Key,
         return f"**kept**: the best other configuration is {numbers}." + fewer, None
     if current is not None and current != key and current != default and set(seeds) <= set(runs.get(current, {})):
         better, lower, over = beats(runs, key, current)
+        both = sorted(set(runs[current]) & set(runs[key]))
         if not better:
             return (f"**changed** to {name(current)} earlier, and **kept** there: the lowest mean is now {numbers}; "
                     f"against {name(current)} it is {lower:.4f} lower on the mean, within the {over:.4f} overlap of "
-                    f"their seed ranges" + (", lower on every seed (more seeds would decide)"
+                    f"their seed ranges" + (f", lower on each of the {len(both)} seeds (the rule compares "
+                                            f"ranges, not pairs)"
                                             if all(runs[key][s]["final_eval_loss"] < runs[current][s]["final_eval_loss"]
-                                                   for s in seeds) else "") + "." + fewer), current
+                                                   for s in both) else "") + "." + fewer), current
     return f"**changed** to {numbers}." + fewer, key
 
 

@@ -169,7 +169,7 @@ def test_section_changes_the_default_only_beyond_the_range_overlap() -> None:
     current = ("int8", 50, 0.65, 0.25)
     decision, key = section.choose(section.group_runs(default + beats + closer), default_key, current)
     assert key == current and "**kept** there" in decision and "within the 0.0400 overlap" in decision, decision
-    assert "lower on every seed (more seeds would decide)" in decision
+    assert "lower on each of the 3 seeds (the rule compares ranges, not pairs)" in decision
     # ... and one that beats the current default by the rule does.
     clear = [fake_record(0.85, 0.45, s, loss) for s, loss in enumerate([1.70, 1.72, 1.73])]
     decision, key = section.choose(section.group_runs(default + beats + clear), default_key, current)
