@@ -13,6 +13,7 @@ import contextlib
 import datetime as _dt
 import importlib.util
 import json
+import math
 import os
 import platform
 import signal
@@ -128,6 +129,13 @@ def command_line() -> str:
     argv = [str(Path(sys.argv[0]).resolve().relative_to(REPO)) if Path(sys.argv[0]).resolve().is_relative_to(REPO)
             else sys.argv[0], *sys.argv[1:]]
     return "python " + " ".join(argv)
+
+
+def nearest_rank(ordered: list[float], q: float) -> float | None:
+    """The q-quantile of sorted values by nearest rank, or None for none."""
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def now_iso() -> str:

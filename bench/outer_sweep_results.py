@@ -63,12 +63,17 @@ def summary(by_seed: dict[int, dict[str, Any]], seeds: list[int] | None = None) 
             "tokens": by_seed[seeds[0]]["tokens"]}
 
 
+def range_overlap(mine: dict[str, Any], ref: dict[str, Any]) -> float:
+    """The length of the interval both seed ranges cover (0 when they are apart)."""
+    return max(0.0, min(mine["max"], ref["max"]) - max(mine["min"], ref["min"]))
+
+
 def beats(runs: dict[Key, dict[int, dict[str, Any]]], key: Key, ref_key: Key) -> tuple[bool, float, float]:
     """Whether ``key`` beats ``ref_key`` by the rule on ``ref_key``'s seeds: (beats, how much lower
     its mean is, the overlap of the two seed ranges)."""
     seeds = sorted(runs[ref_key])
     mine, ref = summary(runs[key], seeds), summary(runs[ref_key], seeds)
-    overlap = max(0.0, min(mine["max"], ref["max"]) - max(mine["min"], ref["min"]))
+    overlap = range_overlap(mine, ref)
     return ref["mean"] - mine["mean"] > overlap, ref["mean"] - mine["mean"], overlap
 
 
@@ -97,7 +102,7 @@ def choose(runs: dict[Key, dict[int, dict[str, Any]]], default: Key,
             partial.append(key)
             continue
         mine = summary(by_seed, seeds)
-        overlap = max(0.0, min(mine["max"], ref["max"]) - max(mine["min"], ref["min"]))
+        overlap = range_overlap(mine, ref)
         scored.append((mine["mean"], key, mine, overlap))
 
     def name(key: Key) -> str:

@@ -43,13 +43,13 @@ bench/results.py`` turns the newest run into the section "Overlap on 20 Mbit/s l
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from common import OUT, Workload, append_jsonl, handle_signals, netns_unavailable, network, record_base, say
+from common import (OUT, Workload, append_jsonl, handle_signals, nearest_rank, netns_unavailable, network, record_base,
+                    say)
 from runners import run_diloco
 
 MODES = ("none", "delayed", "eager")
@@ -57,11 +57,12 @@ MODES = ("none", "delayed", "eager")
 SETTINGS = ["sync.matchmaking_timeout=20", "sync.reduce_timeout=20", "node.heartbeat_interval=1"]
 
 
-def _quantile(ordered: list[float], q: float) -> float | None:
-    """The q-quantile of sorted values (nearest rank), or None for none."""
-    if not ordered:
-        return None
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+def stable_meetings(records: list[dict]) -> list[float]:
+    """Sorted ``matchmaking_seconds`` of every peer's rounds but its first, over ``records`` (run_diloco
+    records or their summaries: both carry ``peer_rounds``). The first round meets through the DHT
+    like any newcomer's; the others are a group that stays together (the direct path)."""
+    return sorted(e["matchmaking_seconds"] for r in records for events in r.get("peer_rounds") or []
+                  for e in events[1:] if e.get("matchmaking_seconds") is not None)
 
 
 def summarize(record: dict, rounds: int) -> dict:
@@ -89,13 +90,10 @@ def summarize(record: dict, rounds: int) -> dict:
         running += added[step]
         tokens[step] = int(running)
     final_step = rounds if rounds in at_step else max(at_step, default=None)
-    # Matchmaking of a group that stays together (the direct path, protocol/direct.py): every
-    # round but a peer's first, which meets through the DHT like any newcomer's.
-    meets = sorted(e["matchmaking_seconds"] for events in peers for e in events[1:]
-                   if e.get("matchmaking_seconds") is not None)
+    meets = stable_meetings([record])
     return {
-        "matchmaking_seconds_p50": _quantile(meets, 0.5),
-        "matchmaking_seconds_p95": _quantile(meets, 0.95),
+        "matchmaking_seconds_p50": nearest_rank(meets, 0.5),
+        "matchmaking_seconds_p95": nearest_rank(meets, 0.95),
         "matchmaking_rounds": len(meets),
         "utilization_window_median": statistics.median(windows) if windows else None,
         "utilization_window_min": min(windows) if windows else None,

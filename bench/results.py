@@ -20,10 +20,11 @@ from pathlib import Path
 
 import long_records
 import plots
-from common import BENCH, OUT, now_iso, read_jsonl
+from common import BENCH, OUT, nearest_rank, now_iso, read_jsonl
 from data_memory import results_section as data_memory_section
 from outer_sweep_results import node_defaults
 from outer_sweep_results import results_section as outer_sweep_section
+from overlap import stable_meetings
 from soak import soak_section
 
 GOAL_LOSS = 0.04
@@ -760,13 +761,10 @@ def overlap_summary(runs: list[dict], penalty: dict) -> list[str]:
 
 def matchmaking_quantiles(runs: list[dict]) -> str:
     """p50 / p95 of the matchmaking seconds of every peer's rounds after its first, over ``runs``."""
-    meets = sorted(e["matchmaking_seconds"] for r in runs for events in r.get("peer_rounds") or []
-                   for e in events[1:] if e.get("matchmaking_seconds") is not None)
+    meets = stable_meetings(runs)
     if not meets:
         return "–"
-    def at(q: float) -> float:
-        return meets[min(len(meets) - 1, max(0, math.ceil(q * len(meets)) - 1))]
-    return f"{at(0.5):.3f} / {at(0.95):.3f}"
+    return f"{nearest_rank(meets, 0.5):.3f} / {nearest_rank(meets, 0.95):.3f}"
 
 
 def mode_numbers(runs: list[dict], mode: str, penalty: dict) -> tuple[list[dict], list[float], list[float]]:

@@ -205,8 +205,6 @@ class Matchmaker(Election, BucketLevel, DirectPath):
         keys = [round_key(self.run, step, params_hash)]
         if self.last_buckets > 1:
             keys.append(bucket_key(self.run, step, params_hash, bucket_label(step, self.peer_id, self.last_buckets)))
-        found: set[str] = set()
-        for key in keys:
-            found.update(pid for pid in await self.dht.get(key) if pid != self.peer_id)
-        return len(found)
+        found = await asyncio.gather(*(self.dht.get(key) for key in keys))  # one round trip, not two
+        return len({pid for registrants in found for pid in registrants} - {self.peer_id})
 
