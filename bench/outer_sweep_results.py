@@ -15,6 +15,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from long_records import outer_settings
+
 DEFAULT_H = 50  # the node's [train] inner_steps
 # The node's outer lr and momentum before this sweep: the long benchmark's run used them, and the
 # sweep compares every configuration with them.
@@ -143,8 +145,9 @@ def _outer_sets(record: dict[str, Any]) -> tuple[float, float]:
 
 def results_section(records: list[dict[str, Any]], long_records: list[dict[str, Any]],
                     long_methods: dict[str, dict], confirm_records: list[dict[str, Any]] = ()) -> list[str]:
-    """``confirm_records``: real-node runs of the long benchmark with the chosen settings
-    (bench/out/outer_sweep_confirm.jsonl), shown next to the emulator's number."""
+    """``confirm_records``: real-node runs of the long benchmark with the chosen default and its
+    closest challengers (bench/out/outer_sweep_confirm.jsonl, after the long benchmark's own
+    records of the default), shown next to the emulator's numbers."""
     lines = ["## 1c. Outer optimizer sweep on the in-process emulator (`python bench/outer_sweep.py`)", ""]
     runs = group_runs(records)
     if not runs:
@@ -218,16 +221,29 @@ def results_section(records: list[dict[str, Any]], long_records: list[dict[str, 
               + ("." if agrees else f": **it does not match the rule's outcome ({verdict[2]:g}, {verdict[3]:g})**."), ""]
     confirm = [r for r in confirm_records if r.get("ok") and r.get("final_eval_loss") is not None]
     if confirm:
-        lines += [f"**The chosen default on the real node** (`{confirm[-1]['command']}`):", ""]
-        for r in confirm:
-            olr, om = _outer_sets(r)
-            emu = runs.get((codec, DEFAULT_H, olr, om), {}).get(r.get("seed"))
-            old = real.get(r.get("seed"))
-            lines.append(f"- outer lr {olr:g}, momentum {om:g}, seed {r.get('seed')} ({r.get('date')}, load average "
-                         f"{r['machine']['loadavg_at_start'][0]:.1f}): real node {r['final_eval_loss']:.4f}"
-                         + (f", emulator {emu['final_eval_loss']:.4f}" if emu else "")
-                         + (f"; the old default on the real node {old['final_eval_loss']:.4f}" if old else "")
-                         + (f"; vs ddp's mean {(r['final_eval_loss'] / ddp - 1) * 100:+.1f} %" if ddp else "")
-                         + (f". Notes: {'; '.join(r['notes'])}" if r.get("notes") else "") + ".")
+        lines += ["**On the real node** (`python bench/convergence.py --long --methods diloco-int8-H50 --seeds ... "
+                  "--set sync.outer_lr=L --set sync.outer_momentum=M --json-out bench/out/outer_sweep_confirm.jsonl`; "
+                  "the chosen default and the emulator's closest challengers, newest run per seed):", ""]
+        newest: dict[tuple[float, float], dict[Any, dict[str, Any]]] = {}
+        for r in confirm:  # in file order: a later run of a seed replaces an earlier one
+            newest.setdefault(outer_settings(r) or _outer_sets(r), {})[r.get("seed")] = r
+        for (olr, om), by_seed in sorted(newest.items(), key=lambda item: item[0] != (lr, momentum)):
+            finals = [by_seed[seed]["final_eval_loss"] for seed in sorted(by_seed)]
+            loads = [by_seed[seed]["machine"]["loadavg_at_start"][0] for seed in sorted(by_seed)]
+            mark = " (node default)" if (olr, om) == (lr, momentum) else ""
+            text = (f"- outer lr {olr:g}, momentum {om:g}{mark}: seeds {', '.join(map(str, sorted(by_seed)))}: "
+                    + ", ".join(f"{v:.4f}" for v in finals) + f" (mean {statistics.fmean(finals):.4f}"
+                    + (f", {(statistics.fmean(finals) / ddp - 1) * 100:+.1f} % vs ddp" if ddp else "")
+                    + f"; load average {min(loads):.1f}–{max(loads):.1f} at the starts)")
+            emu = [runs.get((codec, DEFAULT_H, olr, om), {}).get(seed) for seed in sorted(by_seed)]
+            if all(emu):
+                text += "; emulator " + ", ".join(f"{e['final_eval_loss']:.4f}" for e in emu)
+            base = newest.get((lr, momentum), {})
+            if (olr, om) != (lr, momentum) and set(by_seed) <= set(base):
+                diffs = [by_seed[seed]["final_eval_loss"] - base[seed]["final_eval_loss"] for seed in sorted(by_seed)]
+                lower = sum(d < 0 for d in diffs)
+                text += (f"; against the node default on the same seeds: " + ", ".join(f"{d:+.4f}" for d in diffs)
+                         + f" ({lower} of {len(diffs)} lower, mean {statistics.fmean(diffs):+.4f})")
+            lines.append(text + ".")
         lines.append("")
     return lines
