@@ -238,6 +238,9 @@ def results_section(records: list[dict[str, Any]], long_records: list[dict[str, 
             emu = [runs.get((codec, DEFAULT_H, olr, om), {}).get(seed) for seed in sorted(by_seed)]
             if all(emu):
                 text += "; emulator " + ", ".join(f"{e['final_eval_loss']:.4f}" for e in emu)
+            olds = [real[seed]["final_eval_loss"] for seed in sorted(by_seed) if seed in real]
+            if len(olds) == len(by_seed):
+                text += "; the old default on the real node " + ", ".join(f"{v:.4f}" for v in olds)
             base = newest.get((lr, momentum), {})
             if (olr, om) != (lr, momentum) and set(by_seed) <= set(base):
                 diffs = [by_seed[seed]["final_eval_loss"] - base[seed]["final_eval_loss"] for seed in sorted(by_seed)]

@@ -398,8 +398,10 @@ def _round_means(path: Path) -> dict[str, float]:
         return {}
     out: dict[str, float] = {}
     for key in ("groups", "busiest_peer_rpcs", "busiest_peer_joins", "downloads_behind", "downloads_minority",
-                "hashes", "live", "averaged"):
+                "hashes", "live", "averaged", "skipped_shards"):
         out[key] = sum(r.get(key, 0) for r in rounds) / len(rounds)
+    spreads = [r["commit_spread_s"] for r in rounds if r.get("commit_spread_s") is not None]
+    out["commit_spread_max_s"] = max(spreads, default=0.0)
     for reason in ("behind", "matchmaking", "no_group"):
         out[f"failed_{reason}"] = sum(r.get("failed", {}).get(reason, 0) for r in rounds) / len(rounds)
     return out
@@ -429,11 +431,13 @@ def _scale_goals(rows: dict[tuple[str, int], dict], variant: str, out_dir: Path)
             f"a plan closes by its earliest member's matchmaking deadline, 30 s). **≥95 % of live peers average: {verdict(share_ok)}** "
             f"({big['mean_share_averaged']:.2f}, min {big['min_share_averaged']:.2f})")
     if not share_ok and p:
-        line += (f": per round {p['failed_behind']:.0f} of {p['live']:.0f} live peers found the swarm past their step "
-                 f"(`behind`, then {p['downloads_behind']:.0f} downloads) and {p['failed_matchmaking']:.0f} rounds failed "
-                 f"in matchmaking (their bucket reached the step coordinator after the step's one plan closed: "
-                 f"{p['hashes']:.1f} hashes per step, {p['downloads_minority']:.1f} minority downloads) — arrival "
-                 "spread and catch-up pacing, not load")
+        line += (f": per round {p['failed_matchmaking']:.0f} rounds failed in matchmaking (their bucket reached the "
+                 f"step coordinator after the step's one plan closed; {p['hashes']:.1f} hashes per step) and "
+                 f"{p['failed_behind']:.0f} of {p['live']:.0f} live peers found the swarm past their step (`behind`, "
+                 f"then {p['downloads_behind']:.0f} downloads): the step's groups committed up to "
+                 f"{p['commit_spread_max_s']:.0f} s apart (p5–p95), against a 30 s matchmaking window, because a team "
+                 f"reducer of a step split into G = {p['groups']:.0f} groups receives G − 1 float32 parts and sends "
+                 f"G − 1 answers (crossgroup.py; {p['skipped_shards']:.0f} shards skipped per round)")
     line += (f". **DHT operations per peer within 2×: {verdict(dht <= 2)}** in count ({dht:.2f}×), but records read per "
              f"peer {ratio('mean_dht_subkeys_read_per_peer'):.0f}× and the busiest DHT holder's requests "
              f"{ratio('mean_dht_busiest_holder_requests'):.0f}×: the heartbeat still reads the whole `<run>/peers` "
@@ -491,8 +495,8 @@ def scale_section(sweep: Path, goals: list[str]) -> list[str]:
               "bench/out/scale/single-level/, the sweep of commit ce0badd; the `single-level-g16` rows with a "
               "*share in majority* were re-run on the current code with `--single-level`), for comparison. "
               "`allreduce-g16-catchup`: a what-if (sim/whatif.py), not the node's behaviour. The `allreduce-*` "
-              "rows use buckets; the node does so only with `[sync] matchmaking_buckets = true`, off by default "
-              "because of the lower *share in majority* below (its default is the `single-level` protocol).", "",
+              "rows use buckets; the node does so only with `[sync] matchmaking_buckets = true` (its default is the "
+              "`single-level` protocol; README, \"Matchmaking\").", "",
               _drop_rows(sweep_table(*sources, variants=set(SCALE_CURRENT + SCALE_BEFORE + SCALE_WHATIF)), shown), ""]
     if stale:
         lines += ["Not re-run with buckets yet: " + ", ".join(f"{v} N={n}" for v, n in sorted(stale)) + ".", ""]
@@ -898,7 +902,8 @@ def main(argv: list[str] | None = None) -> int:
     old_default = [r for r in long_run if long_records.outer_settings(r) == long_records.OLD_OUTER]
     body = (convergence_section(conv, plot_dir, goals) + long_convergence_section(long_run, goals, plot_dir, current)
             + outer_sweep_section(read_jsonl(args.in_dir / "outer_sweep.jsonl"), old_default, seed_summary(long_run)[1],
-                                  confirm)
+                                  [r for r in long_all if r.get("method") == LONG_DEFAULT_METHOD
+                                   and long_records.outer_settings(r) == current] + confirm)
             + slow_links_section(slow, plot_dir, goals)
             + transport_section(trans, slow, plot_dir, goals) + codecs_section(cod)
             + overlap_section(over, plot_dir, goals, other_overlap) + soak_section(soak_run)

@@ -63,6 +63,32 @@ def outpaced(view: SwarmView, me: Position, quorum: float) -> bool:
     return bool(peers) and averaging >= needed
 
 
+def round_opened(view: SwarmView, me: Position) -> bool:
+    """Whether some other peer at our step with our parameters is averaging already: the round
+    of our step has opened, and its leader's matchmaking deadline is running."""
+    return any(p.phase == "averaging" and p.outer_step == me.step and p.params_sha256 == me.params_hash
+               for p in others(view, me))
+
+
+JOIN_BY_SHARE = 0.5  # of the matchmaking timeout, after the round was first seen open
+
+
+def join_by(first_seen_open: float, matchmaking_timeout: float, heartbeat: float) -> float:
+    """When a peer still in its inner phase must cut it to make a round it first saw open at
+    ``first_seen_open`` (its own clock).
+
+    ``outpaced`` waits for a quorum of the step's peers to be averaging. In a large swarm with
+    uneven compute speeds the fastest of N peers arrives far ahead of that quorum, and the round
+    closes by its first member's deadline, one matchmaking timeout after *it* arrived: the peers
+    that had waited for a quorum missed the round, found the swarm past their step and downloaded
+    the whole state (the ``behind`` cascade, sim/README.md). So a peer also cuts at a fixed point
+    of the first averager's deadline, early enough that its join gets through: we see a round
+    open up to one heartbeat after it opened, and the cut, the round-start read and the bucketed
+    matchmaking (leader election, then the step coordinator) all come before the deadline.
+    """
+    return first_seen_open + max(0.0, JOIN_BY_SHARE * matchmaking_timeout - heartbeat)
+
+
 def expected_peers(view: SwarmView, me: Position) -> set[str]:
     """The peers a leader waits for: live, compatible, at our step with our parameters (and us)."""
     return {p.peer_id for p in view.at_step(me.step) if p.params_sha256 == me.params_hash} | {me.peer_id}

@@ -327,9 +327,13 @@ class RoundDriver:
             if watcher is not None:
                 watcher.cancel()
         if stats.steps < steps and cut.is_set() and not stop_training.is_set():
-            log.info("the swarm finished its inner phase of step %d first; joining its round after %d of %d steps",
-                     self.state.step, stats.steps, steps,
-                     extra={"event": "inner_phase_cut", "outer_step": self.state.step, "steps": stats.steps})
+            # Blocking rounds: _watch_pace set the cut and returned why ("outpaced" or "join_by");
+            # overlapped ones: the next round started.
+            reason = watcher.result() if cut_when_outpaced else "overlap"
+            log.info("the swarm finished its inner phase of step %d first; joining its round after %d of %d steps (%s)",
+                     self.state.step, stats.steps, steps, reason,
+                     extra={"event": "inner_phase_cut", "outer_step": self.state.step, "steps": stats.steps,
+                            "reason": reason})
             self.metrics.inner_phase_cuts.inc()
         self._count(stats)
         return stats
@@ -349,10 +353,24 @@ class RoundDriver:
         stats.train_clock = time.monotonic() - stats.training_since
         m.compute_utilization.set(stats.compute_utilization)
 
-    async def _watch_pace(self, cut: threading.Event) -> None:
-        """Set ``cut`` when decisions.outpaced says so; reads the view the heartbeat keeps fresh."""
+    async def _watch_pace(self, cut: threading.Event) -> str:
+        """Set ``cut`` when decisions.outpaced says so, or at decisions.join_by of the round of our
+        step once we see it open; reads what the heartbeat keeps fresh (no DHT call here).
+        Returns which of the two cut the phase."""
+        sync, heartbeat = self.config.sync, self.config.node.heartbeat_interval
+        loop = asyncio.get_running_loop()
+        join_by = math.inf
         while True:
-            await asyncio.sleep(min(1.0, self.config.node.heartbeat_interval))
-            if decisions.outpaced(self.swarm.last_view(), self.swarm.position(), self.config.sync.quorum):
+            await asyncio.sleep(min(1.0, heartbeat))
+            me = self.swarm.position()
+            if decisions.outpaced(self.swarm.last_view(), me, sync.quorum):
                 cut.set()
-                return
+                return "outpaced"
+            now = loop.time()
+            if join_by == math.inf and self.swarm.round_open():
+                join_by = decisions.join_by(now, sync.matchmaking_timeout, heartbeat)
+                log.debug("the round of step %d is open; this phase ends within %.1fs", me.step, join_by - now,
+                          extra={"event": "round_seen_open", "outer_step": me.step})
+            if now >= join_by:
+                cut.set()
+                return "join_by"

@@ -105,3 +105,7 @@ class SwarmPort(Protocol):
 
     def position(self) -> "Position":
         """This peer's (id, step, params hash), read together."""
+
+    def round_open(self) -> bool:
+        """Whether the heartbeat's last reads show another peer averaging at our step with our
+        parameters (decisions.round_opened, or the progress record's open marks; no DHT call)."""

@@ -112,6 +112,12 @@ class SwarmLink:
         step, digest = self.state.published()
         return decisions.Position(self.peer_id, step, digest)
 
+    def round_open(self) -> bool:
+        # A large swarm reads the whole table only every few beats (swarmpace), the progress
+        # record at every one: a round that opened since the last full read shows in its marks.
+        me = self.position()
+        return decisions.round_opened(self.view, me) or swarmpace.opened_by_others(self.marks, me)
+
     async def heartbeat(self) -> None:
         """Forever: publish our record, read the progress record and, when node/swarmpace.py says
         so, the view, then re-bootstrap towards missing peers (in ``reconnecting``, which the

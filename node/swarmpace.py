@@ -146,6 +146,15 @@ def averaging_estimate(marks: Iterable[Mark], me: Position) -> float:
     return math.inf if filled >= OPEN_SLOTS else -OPEN_SLOTS * math.log1p(-filled / OPEN_SLOTS)
 
 
+def opened_by_others(marks: Iterable[Mark], me: Position) -> bool:
+    """Whether an open mark says that another peer is averaging at our step from our hash. Our
+    own slot is left out: the mark of our own failed round at this step lives on for a
+    matchmaking timeout, and a peer sharing our slot is seen in the next full read anyway."""
+    mine = open_slot(me.peer_id)
+    return any(m.kind == OPEN and m.step == me.step and m.params_sha256 == me.params_hash and m.slot != mine
+               for m in marks)
+
+
 def near_quorum(marks: Iterable[Mark], me: Position, same: int, quorum: float) -> bool:
     """Whether ``decisions.outpaced`` may be true: the peers averaging at our step and hash may
     number half of those it needs, ``same`` being the other peers at our step with our hash in the

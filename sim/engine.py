@@ -283,7 +283,7 @@ def summarize(lines: list[dict]) -> dict:
     keys = ["share_averaged", "share_majority", "form_p50_s", "form_p95_s", "groups", "group_size_median", "dht_reads_per_peer",
             "dht_writes_per_peer", "dht_subkeys_read_per_peer", "dht_busiest_holder_requests", "busiest_peer_rpcs",
             "busiest_peer_joins", "bytes_per_peer_mb", "skipped_shards", "downloads_minority", "downloads_behind",
-            "downloads_joiner", "hashes", "consensus_distance", "partner_distance"]
+            "downloads_joiner", "hashes", "consensus_distance", "partner_distance", "commit_spread_s"]
     out = {}
     for key in keys:
         values = [line[key] for line in steady if line.get(key) is not None]

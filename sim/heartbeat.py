@@ -50,8 +50,14 @@ class PacedPeer(SimPeer):
                 self.mark_writer.stored(mark, now)
 
     async def read_marks(self) -> frozenset[Mark]:
-        self.marks = parse_marks(await self.dht.get(progress_key(self.world.config.run)))
+        marks = parse_marks(await self.dht.get(progress_key(self.world.config.run)))
+        if marks != self.marks:
+            self.marks = marks
+            self.view_changed.set()  # the inner phase looks again (round_open reads the marks)
         return self.marks
+
+    def round_open(self, counts: tuple) -> bool:
+        return super().round_open(counts) or swarmpace.opened_by_others(self.marks, self.position())
 
     async def _full_read(self, why: str) -> SwarmView:
         FULL_READS[why] += 1

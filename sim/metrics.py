@@ -45,7 +45,11 @@ class _Step:
     committed: dict[str, str] = field(default_factory=dict)  # peer -> hash committed at step r+1
     thetas: dict[str, np.ndarray] = field(default_factory=dict)
     partner_distance: list[float] = field(default_factory=list)
-    last_commit_at: float = 0.0
+    commit_times: list[float] = field(default_factory=list)
+
+    @property
+    def last_commit_at(self) -> float:
+        return max(self.commit_times, default=0.0)
 
 
 class Metrics:
@@ -90,7 +94,7 @@ class Metrics:
         s = self.steps[new_step - 1]
         s.committed[peer] = digest
         s.thetas[peer] = theta.copy()
-        s.last_commit_at = self.now()
+        s.commit_times.append(self.now())
 
     def download(self, step: int, peer: str, kind: str, nbytes: int) -> None:
         # A minority download at step r+1 is caused by round r; others count where they land.
@@ -151,6 +155,9 @@ class Metrics:
             "hashes": len(set(s.committed.values())),
             "committed": len(s.committed),
             "t_end_s": _r(s.last_commit_at, 1),
+            # How far apart the step's peers committed it (p5 to p95): the next round's first
+            # members start its matchmaking deadline that much before its last ones can arrive.
+            "commit_spread_s": _r(_pct(s.commit_times, 95) - _pct(s.commit_times, 5), 1) if s.commit_times else None,
         }
         if s.thetas:
             line["consensus_distance"] = _r(self.distance([s.thetas[p] for p in sorted(s.thetas)]), 6)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import random
 from collections import Counter
 from typing import TYPE_CHECKING
@@ -66,6 +67,7 @@ class SimPeer:
         self.view_tags: Counter = Counter()  # (step, hash, phase) -> peers, of self.view
         self._published: tuple[PeerRecord, dict] | None = None
         self.view_changed = asyncio.Event()
+        self._round_open_seen: tuple[tuple | None, bool] = (None, False)  # round_open's last (counts, answer)
         self.caught_up = theta is not None  # a joiner is counted live once it holds the state
         self.alive = True
         self.tasks: list[asyncio.Task] = []  # the loop and the heartbeat, cancelled when it ends
@@ -113,6 +115,13 @@ class SimPeer:
         self.view = SwarmView(peers, {}, asyncio.get_running_loop().time(), left)
         self.view_changed.set()
         return self.view
+
+    def round_open(self, counts: tuple) -> bool:
+        """node/swarmlink.py's ``round_open`` on the last view; ``counts`` (the view's peers at
+        our step and hash by phase) says whether the view changed what it answers since last time."""
+        if self._round_open_seen[0] != counts:
+            self._round_open_seen = (counts, decisions.round_opened(self.view, self.position()))
+        return self._round_open_seen[1]
 
     async def heartbeat(self) -> None:
         while True:
@@ -163,7 +172,8 @@ class SimPeer:
         self.phase = "training"
 
     async def inner_phase(self) -> None:
-        """H inner steps at this peer's speed, cut when outpaced (checked on every fresh view)."""
+        """H inner steps at this peer's speed, cut when outpaced or at the join-by time of a
+        round seen open (decisions.join_by), checked on every fresh view."""
         cfg = self.world.config
         self.phase = "training"
         self.publish_soon()
@@ -172,22 +182,29 @@ class SimPeer:
         start = loop.time()
         end = start + cfg.inner_steps * per_step
         done = cfg.inner_steps
-        last_counts: tuple | None = None
-        while (remaining := end - loop.time()) > 0:
+        outpaced_counts: tuple | None = None
+        cut_at = end  # decisions.join_by once we saw the round of our step open
+        while (remaining := min(end, cut_at) - loop.time()) > 0:
             self.view_changed.clear()
             try:
                 async with asyncio.timeout(remaining):
                     await self.view_changed.wait()
             except TimeoutError:
+                if cut_at < end:  # the join-by time came first: the step in progress ends the phase
+                    done = max(1, math.ceil((loop.time() - start) / per_step))
+                    await asyncio.sleep(start + done * per_step - loop.time())
                 break
             steps = int((loop.time() - start) / per_step)
-            # outpaced() answers from the peers at our step with our hash, by phase (its
-            # docstring): with the same counts as at the last look its answer is the same, and
-            # the O(N) call is skipped (at N=1024 it was the simulator's largest cost).
+            # outpaced() and round_opened() answer from the peers at our step with our hash, by
+            # phase (their docstrings): with the same counts as at the last look the answers are
+            # the same, and the O(N) calls are skipped (at N=1024 they were the simulator's
+            # largest cost).
             counts = tuple(sorted((phase, n) for (step, digest, phase), n in self.view_tags.items()
                                   if step == self.step and digest == self.hash))
-            if steps > 0 and counts != last_counts:
-                last_counts = counts
+            if cut_at == end and self.round_open(counts):
+                cut_at = min(end, decisions.join_by(loop.time(), cfg.matchmaking_timeout, cfg.heartbeat))
+            if steps > 0 and counts != outpaced_counts:
+                outpaced_counts = counts
                 if decisions.outpaced(self.view, self.position(), cfg.quorum):
                     done = steps
                     break

@@ -74,6 +74,7 @@ def main(argv: list[str]) -> int:
 COLUMNS = [("share avg", "mean_share_averaged", 2), ("min share", "min_share_averaged", 2),
            ("share in majority", "mean_share_majority", 2),
            ("form p50 s", "mean_form_p50_s", 1), ("form p95 s", "mean_form_p95_s", 1),
+           ("commit spread s", "mean_commit_spread_s", 1),
            ("groups", "mean_groups", 1), ("size", "mean_group_size_median", 0),
            ("DHT r/peer", "mean_dht_reads_per_peer", 1), ("DHT w/peer", "mean_dht_writes_per_peer", 1),
            ("records read/peer", "mean_dht_subkeys_read_per_peer", 0),

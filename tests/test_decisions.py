@@ -66,6 +66,22 @@ def test_outpaced_needs_a_quorum_of_our_step_and_params_averaging():
     assert decisions.outpaced(view(averaging[0], *training[:2]), me(), quorum=0.5)
 
 
+def test_a_round_is_open_once_another_peer_averages_at_our_step_with_our_params():
+    assert decisions.round_opened(view(record("a", 5, "h", phase="averaging"), record("b", 5, "h")), me())
+    strangers = [record("q", 5, "other", phase="averaging"), record("r", 6, "h", phase="averaging"),
+                 record("s", 4, "h", phase="averaging"), record("t", 5, "h", phase="catching_up")]
+    assert not decisions.round_opened(view(*strangers), me())
+    assert not decisions.round_opened(view(record(ME, 5, "h", phase="averaging")), me())  # our own record
+
+
+def test_join_by_leaves_the_rest_of_the_first_averagers_deadline_for_our_join():
+    # Seen open at t=100 with a 30 s matchmaking timeout and 5 s heartbeats: the round may have
+    # opened up to a heartbeat earlier, so cut at 100 + 15 - 5, well before 100 - 5 + 30.
+    assert decisions.join_by(100.0, 30.0, 5.0) == pytest.approx(110.0)
+    assert decisions.join_by(100.0, 30.0, 5.0) < 100.0 - 5.0 + 30.0
+    assert decisions.join_by(100.0, 4.0, 5.0) == 100.0  # a heartbeat longer than half the timeout: at once
+
+
 def test_expected_peers_are_those_at_our_step_with_our_params():
     v = view(record("a", 5, "h"), record("b", 5, "x"), record("c", 4, "h"))
     assert decisions.expected_peers(v, me()) == {"a", ME}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -39,10 +40,11 @@ TOKENS = 10  # per fake inner step
 class FakeTrainer:
     """A ``TrainerPort`` without a model: parameters in a vector, a fixed move per step."""
 
-    def __init__(self) -> None:
+    def __init__(self, step_seconds: float = 0.0) -> None:
         self.numel = NUMEL
         self.params = torch.zeros(NUMEL)
         self.trace: list[float] = []  # params[0] before every inner step
+        self.step_seconds = step_seconds  # a slower peer
 
     def get_params(self) -> torch.Tensor:
         return self.params.clone()
@@ -67,6 +69,7 @@ class FakeTrainer:
                 break
             self.trace.append(float(self.params[0]))
             self.params -= STEP
+            time.sleep(self.step_seconds)
             done += 1
             if on_step is not None:
                 on_step(done, 1.0)
@@ -85,10 +88,11 @@ class FakeTrainer:
 class FakeSwarm:
     """A ``SwarmPort`` of a peer alone with nobody to catch up with; records what it publishes."""
 
-    def __init__(self, state: GlobalState) -> None:
+    def __init__(self, state: GlobalState, round_open: bool = False) -> None:
         self.state = state
         self.published: list[int] = []
         self.catch_ups = 0
+        self.open = round_open  # what round_open() says: another peer averages at our step
 
     def last_view(self) -> SwarmView:
         return SwarmView({}, {}, 0.0)
@@ -104,6 +108,9 @@ class FakeSwarm:
 
     def position(self) -> decisions.Position:
         return decisions.Position("peer-a", *self.state.published())
+
+    def round_open(self) -> bool:
+        return self.open
 
 
 class FakeAverager:
@@ -146,13 +153,15 @@ class FakeAverager:
 
 class Harness:
     def __init__(self, hang: bool = False, **settings: object) -> None:
-        sync = {k: v for k, v in settings.items() if k in ("overlap", "overlap_apply", "fragments")}
+        sync = {k: v for k, v in settings.items() if k in ("overlap", "overlap_apply", "fragments",
+                                                          "matchmaking_timeout")}
         node = {"max_rounds": settings.get("max_rounds"), "grace_period": settings.get("grace_period", 20.0),
                 "heartbeat_interval": 0.05}
-        self.config = Config.model_validate({"train": {"inner_steps": 4}, "sync": sync, "node": node})
-        self.trainer: TrainerPort = FakeTrainer()
+        train = {"inner_steps": settings.get("inner_steps", 4)}
+        self.config = Config.model_validate({"train": train, "sync": sync, "node": node})
+        self.trainer: TrainerPort = FakeTrainer(float(settings.get("step_seconds", 0.0)))  # type: ignore[arg-type]
         self.state = GlobalState.fresh(torch.zeros(NUMEL), 0.7, 0.9)
-        self.swarm = FakeSwarm(self.state)
+        self.swarm = FakeSwarm(self.state, bool(settings.get("round_open", False)))
         self.averager = FakeAverager(self.state, hang)
         self.train_thread = TrainThread()
         self.codec_executor = TrackedThreadPool(2)
@@ -230,6 +239,22 @@ def test_overlapped_round_shifts_the_local_model_without_losing_the_next_phase(a
     if apply == "boundary":  # the shift came only after phase 2: its steps ran on the unshifted model
         assert h.trainer.trace == pytest.approx([-i * STEP for i in range(8)])
     assert h.stats.tokens_since_round == 4 * TOKENS  # phase 2 goes with the next round
+
+
+@pytest.mark.parametrize("round_open", [False, True])
+def test_a_slower_peer_cuts_its_phase_by_the_join_by_time_of_a_round_it_sees_open(round_open):
+    # A heartbeat (0.05 s) longer than half the matchmaking timeout (0.08 s): join_by is the
+    # moment the round is seen open, i.e. the watcher's first look. 2,000 steps of 1 ms would
+    # take 2 s; with the round open the phase ends at the first look, whatever the machine's speed.
+    h = Harness(max_rounds=1, inner_steps=2000, step_seconds=0.001, matchmaking_timeout=0.08, round_open=round_open)
+    run_driver(h)
+    (_, _, weight), = h.averager.calls
+    steps = weight // TOKENS
+    cuts = h.metrics.inner_phase_cuts._value.get()
+    if round_open:
+        assert 0 < steps < 2000 and cuts == 1
+    else:
+        assert steps == 2000 and cuts == 0  # nobody averaging, no quorum: the whole phase
 
 
 def test_an_abandoned_round_rolls_back_the_residual_and_keeps_the_progress():

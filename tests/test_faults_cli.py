@@ -76,6 +76,25 @@ def test_straggler_five_times_slower_does_not_hold_up_the_swarm_and_still_averag
     assert all(psutil.pid_exists(n.proc.pid) for n in fast)
 
 
+def test_slower_peers_without_a_quorum_averaging_join_the_open_round_before_its_deadline(swarm):
+    # quorum = 1: a slow peer sees one fast peer averaging out of two others, never a quorum, so
+    # outpaced() never cuts its phase. Its 20 steps take ~20 s, past the fast leader's 15 s
+    # matchmaking deadline; join_by (half the timeout minus a heartbeat after it saw the round
+    # open, here ~6.5 s) cuts it in time, and all three average.
+    extra = ["--set", "sync.quorum=1.0"]
+    first = swarm.start(0, extra=extra)
+    slow = [swarm.start(i, [first.multiaddr], extra=extra, env={"LOWCOMM_FAULT_SLOW_STEP": "1.0"}) for i in (1, 2)]
+    cuts = [node.wait_for(lambda e: e.get("event") == "inner_phase_cut" and e.get("reason") == "join_by",
+                          ROUND_WAIT * 3) for node in slow]
+    assert all(0 < cut["steps"] < 20 for cut in cuts), cuts
+    step = max(cut["outer_step"] for cut in cuts)
+    done = [node.wait_for(lambda e: e.get("event") == "round_done" and e["outer_step"] == step + 1, ROUND_WAIT * 2)
+            for node in (first, *slow)]
+    assert all(e["group_size"] == 3 for e in done), done
+    assert len({e["params_sha256"] for e in done}) == 1
+    assert not [e for n in slow for e in n.events if e.get("event") == "inner_phase_cut" and e.get("reason") != "join_by"]
+
+
 def test_diverged_local_model_never_sends_and_resyncs(swarm):
     first = swarm.start(0)
     # The second peer's local model turns to NaN before its 2nd round.

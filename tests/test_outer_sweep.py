@@ -180,10 +180,17 @@ def test_section_changes_the_default_only_beyond_the_range_overlap() -> None:
              "curve": [{"outer_step": 1, "eval_loss": 2.705}, {"outer_step": 20, "eval_loss": 1.832}]}]
     confirm = [{"ok": True, "final_eval_loss": 1.835, "seed": 0, "date": "D", "command": "python bench/convergence.py",
                 "machine": {"loadavg_at_start": [2.0]}, "node_sets": ["sync.outer_lr=0.65", "sync.outer_momentum=0.25"]}]
-    lines = section.results_section(default + separate, real, {"ddp": {"mean": 1.69}}, confirm)
+    current = section.node_defaults()
+    # The node default on the same seed, from the long benchmark's own record (outer settings in
+    # the record, no --set): the challenger's line says how it compares, seed by seed.
+    node_default = {"ok": True, "final_eval_loss": 1.840, "seed": 0, "date": "E", "command": "c", "method": "diloco-int8-H50",
+                    "machine": {"loadavg_at_start": [1.0]}, "outer_lr": current[0], "outer_momentum": current[1]}
+    lines = section.results_section(default + separate, real, {"ddp": {"mean": 1.69}}, [node_default] + confirm)
     text = "\n".join(lines)
     assert "| 0 | 1.8300 | 1.8320 | -0.0020 | 0.0050 (2) |" in text  # emulator vs real node, seed 0
     assert "| int8-H50 | 0.65 | 0.25 | 0, 1, 2 | 1.8300 | 1.8000 – 1.8500 | -1.1 % | +8.3 % |" in text
-    assert "real node 1.8350, emulator 1.8000; the old default on the real node 1.8320" in text
-    current = section.node_defaults()
+    assert f"outer lr {current[0]:g}, momentum {current[1]:g} (node default): seeds 0: 1.8400" in text
+    assert ("outer lr 0.65, momentum 0.25: seeds 0: 1.8350 (mean 1.8350, +8.6 % vs ddp; load average 2.0–2.0 at "
+            "the starts); emulator 1.8000; the old default on the real node 1.8320; against the node default on "
+            "the same seeds: -0.0050 (1 of 1 lower, mean -0.0050).") in text
     assert f"node/config_sections.py has outer_lr {current[0]:g}, outer_momentum {current[1]:g}" in text

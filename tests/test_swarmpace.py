@@ -246,3 +246,28 @@ def test_a_mark_is_stored_once_then_again_at_half_its_ttl_while_the_peer_stands_
     writer.stored(committed, 20.0)
     assert writer.due(ME, "training", 21.0) == []  # the round closed: the open mark is let expire
     assert writer.due(ME, "averaging", 22.0) == [opened]  # a retried round at the step opens it anew
+
+
+def test_an_open_mark_of_another_peer_opens_our_round_and_our_own_slot_does_not():
+    other_slot = next(slot for slot in range(OPEN_SLOTS) if slot != open_slot("me"))
+    assert swarmpace.opened_by_others({Mark(OPEN, 5, "aa", other_slot)}, ME)
+    assert not swarmpace.opened_by_others({MY_OPEN}, ME)  # our own failed round's mark lives on
+    assert not swarmpace.opened_by_others({Mark(OPEN, 5, "bb", other_slot), Mark(OPEN, 4, "aa", other_slot),
+                                           Mark(COMMITTED, 5, "aa")}, ME)
+
+
+def test_the_link_sees_a_round_open_in_the_marks_between_two_full_reads_of_a_large_table():
+    link, dht, state, stats = make_link(others=255)
+    progress = swarmpace.progress_key(link.config.run.name)
+
+    async def main(loop) -> None:
+        await link.refresh_view()
+        await link.read_marks()
+        assert not link.round_open()
+        slot = next(s for s in range(OPEN_SLOTS) if s != open_slot("me"))
+        opened = Mark(OPEN, 0, state.params_hash, slot)  # an averager the last full view did not show
+        dht.data.setdefault(progress, {})[opened.subkey] = opened.to_value()
+        await link.read_marks()
+        assert link.round_open()
+
+    run_virtual(main)
