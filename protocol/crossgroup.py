@@ -12,7 +12,8 @@ group owns nothing and only sends). The round is then a hierarchical reduce:
    members inside it. It does not encode it. (A robust rule, such as the trimmed mean, thus
    acts within each group; across groups the partial averages are weighed by W_g.)
 2. **Stage 2** (this module): the owners of shard k across groups form *team k*; its reducer is
-   the owner in group (k mod G). Each owner streams (A_g[k], its contributors) to the reducer
+   the team's owner with the highest declared bandwidth (``Group.team_reducers``, chosen by the
+   leader in layout.py: a reducer's link carries G − 1 parts and G − 1 answers). Each owner streams (A_g[k], its contributors) to the reducer
    in float32 (a Reduce stream that starts with a ``TeamHeader``); the reducer recomputes W_g
    from the plan (the weights of the listed members: a sender cannot claim more), sums
    Σ W_g·A_g / Σ W_g in group order (aggregation.weighted_mean), encodes that once with its
@@ -61,8 +62,8 @@ in the owner's residual (which the same peer also uses when it reduces) it would
 
 **Simulating it (sim/).** ``StepPlan.of(group)`` says whether a group is one of a split step's;
 then every group of the step commits the same hash, and a round's transfers are the group's
-own (shard_bounds, shard_owners) plus, per shard k, the team's parts into the owner in group
-(k mod G) and its answer back.
+own (shard_bounds, shard_owners) plus, per shard k, the team's parts into its reducer and its
+answer back.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ class StepPlan:
 
     groups: tuple[averaging_pb2.StepGroup, ...]
     index: int  # this group's
+    reducers: tuple[int, ...]  # per shard: the group whose owner reduces the team (Group.team_reducers)
 
     @classmethod
     def of(cls, group: averaging_pb2.Group) -> StepPlan | None:
@@ -139,14 +141,18 @@ class StepPlan:
             if len(owners) != shards or not all(0 <= i < len(step_group.members) for i in owners) or \
                     not all(step_group.members[i].address for i in owners):
                 raise ValueError(f"step group {index} has no reachable owner for every one of the {shards} shards")
-        return cls(tuple(group.step_groups), group.group_index)
+        reducers = tuple(group.team_reducers)
+        if len(reducers) != shards or not all(0 <= g < len(group.step_groups) for g in reducers):
+            raise ValueError(f"team_reducers must name one of the {len(group.step_groups)} step groups for each of the "
+                             f"{shards} shards, not {list(reducers)}")
+        return cls(tuple(group.step_groups), group.group_index, reducers)
 
     def owner(self, g: int, k: int) -> averaging_pb2.Member:
         step_group = self.groups[g]
         return step_group.members[step_group.shard_owners[k]]
 
     def reducer_group(self, k: int) -> int:
-        return k % len(self.groups)
+        return self.reducers[k]
 
     def team(self, k: int) -> list[tuple[int, averaging_pb2.Member]]:
         """(group index, owner) of every owner of shard ``k``, reducer's group first."""

@@ -99,6 +99,7 @@ def close_groups(parts: list[list[averaging_pb2.Member]], bandwidth: dict[str, f
         return [group]
     bounds, owner_lists = split_step_layout(numel, parts, bandwidth)
     plan = [averaging_pb2.StepGroup(group_id=i, members=g, shard_owners=o) for i, g, o in zip(ids, parts, owner_lists)]
+    reducers = team_reducers(parts, owner_lists, bandwidth)
     for index, (group_id, group_members) in enumerate(zip(ids, parts)):
         group = averaging_pb2.Group()
         group.CopyFrom(template)
@@ -107,8 +108,25 @@ def close_groups(parts: list[list[averaging_pb2.Member]], bandwidth: dict[str, f
         group.shard_bounds.extend(bounds)
         group.shard_owners.extend(owner_lists[index])
         group.step_groups.extend(plan)
+        group.team_reducers.extend(reducers)
         groups.append(group)
     return groups
+
+
+def team_reducers(groups: list[list[averaging_pb2.Member]], owners: list[list[int]],
+                  bandwidth: dict[str, float]) -> list[int]:
+    """For every shard k of a split step, the group whose owner of k reduces team k: the owner
+    with the highest declared bandwidth; ties (and owners that declared none) go to the first
+    group from k on (k mod G, k + 1 mod G, ...), so that equal links spread the teams' reducers
+    over the groups and one failed group costs one team, not all of them. A reducer receives every other group's part of its shard and sends each of them the
+    result, (G − 1) times an owner's traffic, so in a swarm of residential links and a few
+    datacenter ones its link sets the pace of the whole step (sim/README.md)."""
+    def speed(g: int, k: int) -> float:
+        b = bandwidth.get(groups[g][owners[g][k]].peer_id, 0.0)
+        return b if b > 0 and math.isfinite(b) else 0.0
+
+    count = len(groups)
+    return [min(range(count), key=lambda g: (-speed(g, k), (g - k) % count)) for k in range(len(owners[0]))]
 
 
 def groups_of_step(group: averaging_pb2.Group) -> dict[str, averaging_pb2.Group]:
@@ -127,5 +145,6 @@ def groups_of_step(group: averaging_pb2.Group) -> dict[str, averaging_pb2.Group]
         rebuilt.shard_bounds.extend(group.shard_bounds)
         rebuilt.shard_owners.extend(planned.shard_owners)
         rebuilt.step_groups.extend(group.step_groups)
+        rebuilt.team_reducers.extend(group.team_reducers)
         out.update((m.peer_id, rebuilt) for m in planned.members)
     return out

@@ -18,7 +18,7 @@ from lowcomm.protocol.allreduce import AllReduceResult, ReduceRegistry, run_allr
 from lowcomm.protocol.auth import claimed_sender
 from lowcomm.protocol.crossgroup import CROSS_EXTRA, StepPlan, TeamBook, TeamState
 from lowcomm.protocol.handshake import Identity
-from lowcomm.protocol.layout import split_step_layout
+from lowcomm.protocol.layout import close_groups, groups_of_step, split_step_layout, team_reducers
 from lowcomm.protocol.matchmaking import Matchmaker
 from lowcomm.protocol.transport import Refused
 
@@ -191,6 +191,33 @@ def test_the_split_layout_is_one_for_every_group_with_the_fastest_reachable_owne
     assert owners == [[1, 2], [0, 1]]  # b and c are faster than a; d is client-mode and never owns
 
 
+def test_each_team_is_reduced_by_its_owner_with_the_fastest_link_and_every_group_names_the_same():
+    def member(pid: str) -> averaging_pb2.Member:
+        return averaging_pb2.Member(peer_id=pid, address=f"fake://{pid}", weight=1.0)
+
+    groups = [[member("a"), member("b")], [member("c"), member("d")], [member("e"), member("f")]]
+    speeds = {"a": 10.0, "b": 1.0, "c": 50.0, "d": 1.0, "e": 50.0, "f": 0.0}  # f declared nothing
+    owners = [[0, 1]] * 3
+    # Shard 0: a, c, e own it; c and e tie at 50: the first group from 0 on (1). Shard 1: b, d, f;
+    # b and d tie at 1: the first group from 1 on (1 itself).
+    assert team_reducers(groups, owners, speeds) == [1, 1]
+    assert team_reducers(groups, owners, {}) == [0, 1]  # nothing declared: team k in group k mod G
+    template = averaging_pb2.Group(step=3, reduce_timeout_s=5.0)
+    closed = close_groups(groups, speeds, 1000, template, lambda n: bytes(n))
+    assert all(list(g.team_reducers) == list(closed[0].team_reducers) for g in closed)
+    for group in closed:
+        plan = StepPlan.of(group)
+        assert plan is not None and [plan.owner(plan.reducer_group(k), k).peer_id for k in (0, 1)] == ["c", "d"]
+    # A bucket leader rebuilds its members' messages from the plan: the same reducers.
+    assert all(list(g.team_reducers) == [1, 1] for g in groups_of_step(closed[2]).values())
+    bad = averaging_pb2.Group()
+    bad.CopyFrom(closed[0])
+    del bad.team_reducers[:]
+    bad.team_reducers.extend([1, 3])  # only 3 groups
+    with pytest.raises(ValueError, match="team_reducers"):
+        StepPlan.of(bad)
+
+
 def test_a_team_reducer_refuses_parts_that_the_plan_does_not_allow():
     """Only the owner of the shard in another group may send its part, once, of the right size,
     with contributors from its own group; a fetch comes from a member of the group it names."""
@@ -199,7 +226,7 @@ def test_a_team_reducer_refuses_parts_that_the_plan_does_not_allow():
 
     plan = StepPlan((averaging_pb2.StepGroup(group_id=b"g" * 16, members=[member("a"), member("b")], shard_owners=[0]),
                      averaging_pb2.StepGroup(group_id=b"h" * 16, members=[member("c"), member("d")], shard_owners=[0])),
-                    index=0)
+                    index=0, reducers=(0,))
 
     async def scenario(loop: VirtualTimeLoop):
         book = TeamBook()
