@@ -360,16 +360,17 @@ def _count(value) -> int:
 
 
 def real_swarm_lines(path: Path) -> list[str]:
-    """The newest real-swarm summary per N (bench/real_swarm.py): real processes next to sim/."""
-    newest_by_n: dict[int, dict] = {}
+    """The newest real-swarm summary per N and matchmaking (bench/real_swarm.py): real processes next to sim/."""
+    newest_by_n: dict[tuple[int, str], dict] = {}
     for r in read_jsonl(path):
         if r.get("kind") == "summary":
-            newest_by_n[r["peers"]] = r
+            buckets = "sync.matchmaking_buckets=true" in (r.get("settings") or [])
+            newest_by_n[(r["peers"], "buckets" if buckets else "single level")] = r
     if not newest_by_n:
         return []
     rows = []
-    for n, r in sorted(newest_by_n.items()):
-        rows.append([str(n), str(r["group_size"]), str(r["steps_measured"]), f(r["share_averaged_mean"], 2),
+    for (n, matchmaking), r in sorted(newest_by_n.items()):
+        rows.append([str(n), str(r["group_size"]), matchmaking, str(r["steps_measured"]), f(r["share_averaged_mean"], 2),
                      str(_count(r["steps_with_more_than_one_hash"])), str(_count(r["downloads_after_first_round"])),
                      f"{f(r['matchmaking_p50_s'], 2)} / {f(r['matchmaking_p95_s'], 2)}",
                      mb(r.get("bytes_total_per_round_median") or (r["bytes_sent_per_round_median"]
@@ -379,9 +380,10 @@ def real_swarm_lines(path: Path) -> list[str]:
     first = newest_by_n[min(newest_by_n)]
     return ["Real processes (`python bench/real_swarm.py --peers N --group-size 8 --rounds 10 --inner-steps 10`, "
             "tiny model, one torch thread each, loopback; every step split into groups of 8): figures over the "
-            f"steps every node committed. Settings of the newest run: {' '.join(first.get('settings') or [])}. "
+            f"steps every node committed. Settings of the newest run: {' '.join(first.get('settings') or [])}; "
+            "*buckets*: the same with `--set sync.matchmaking_buckets=true`. "
             "The simulator at the same N and settings: bench/analysis.md (\"Scale\").", "",
-            *table(["N", "group size", "steps", "share averaged", "steps with >1 hash", "downloads after first round",
+            *table(["N", "group size", "matchmaking", "steps", "share averaged", "steps with >1 hash", "downloads after first round",
                     "formation p50 / p95 s", "bytes/peer/round", "DHT gets/peer/round", "DHT stores/peer/round",
                     "busiest peer's calls/round", "busiest JoinGroup/round"], rows)]
 
