@@ -497,8 +497,7 @@ def scale_section(sweep: Path, goals: list[str]) -> list[str]:
               "bench/out/scale/single-level/, the sweep of commit ce0badd; the `single-level-g16` rows with a "
               "*share in majority* were re-run on the current code with `--single-level`), for comparison. "
               "`allreduce-g16-catchup`: a what-if (sim/whatif.py), not the node's behaviour. The `allreduce-*` "
-              "rows use buckets; the node does so only with `[sync] matchmaking_buckets = true` (its default is the "
-              "`single-level` protocol; README, \"Matchmaking\").", "",
+              "rows use buckets, as the node does by default (`[sync] matchmaking_buckets`; README, \"Matchmaking\").", "",
               _drop_rows(sweep_table(*sources, variants=set(SCALE_CURRENT + SCALE_BEFORE + SCALE_WHATIF)), shown), ""]
     if stale:
         lines += ["Not re-run with buckets yet: " + ", ".join(f"{v} N={n}" for v, n in sorted(stale)) + ".", ""]

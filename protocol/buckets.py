@@ -7,8 +7,9 @@ proposed 2·group_size, see ``bucket_count``), it matchmakes in two levels:
 1. **Buckets.** B = 2^⌊log₂(n / group_size)⌋ (a power of two, so peers whose views differ a
    little still agree on B); a peer's bucket is sha256(r, peer id) mod B, re-mixed every step.
    It registers under ``<round key>/b<B>.<b>`` and the election of election.py runs there: the
-   lowest registrant leads the bucket, about group_size peers call it. B comes from the
-   round-start view (``RoundPeers.expected``); what a leader waits for is the bucket's part of
+   lowest registrant leads the bucket, about group_size peers call it. B comes from the size of
+   the step plan the peer was in at the step before (``next_bucket_count``: all its members
+   agree), else from the round-start view (``RoundPeers.expected``); what a leader waits for is the bucket's part of
    the peers expected in the heartbeat's latest view (``RoundPeers.latest``): no read of the
    peers table while it waits, and a peer that reached the step since is waited for too.
    It closes when they are all in, after a quorum and the straggler wait, at ``BUCKET_SHARE`` of
@@ -73,6 +74,23 @@ def bucket_count(expected: int, group_size: int) -> int:
     if group_size < 1 or expected < MIN_BUCKETS * group_size:
         return 1
     return 2 ** int(math.floor(math.log2(expected / group_size)))
+
+
+def next_bucket_count(step: int, expected: int, group_size: int, last_plan: tuple[int, int] | None) -> int:
+    """B for our round of ``step``: from the size of the split step's plan we were in at
+    ``step − 1`` when there was one (``last_plan`` = (its step, its peers)), else from the
+    ``expected`` peers of our round-start view.
+
+    Views differ by a few peers (churn, records not yet propagated), and with about
+    2^k · group_size peers, where B doubles, they disagree on B: half the swarm then matchmakes
+    in B buckets and half in 2B, the coordinator's plan leaves out those of the other B, and
+    their buckets reach it after it closed (in the simulator at N = 256 in groups of 16, seed 0,
+    88 and 112 failed rounds at two steps). Every member of one plan counts the same peers, so
+    they all agree; only peers that were not in it (joiners, peers that missed the step) go by
+    their views, and a peer whose B differs still reaches the coordinator alone."""
+    if last_plan is not None and last_plan[0] == step - 1:
+        expected = last_plan[1]
+    return bucket_count(expected, group_size)
 
 
 def bucket_label(step: int, peer_id: str, buckets: int) -> str:

@@ -48,8 +48,14 @@ class DirectPath:
     ``last_group``, ``_registering`` and the leader/follower machinery they use)."""
 
     def _remember(self: "Matchmaker", group: averaging_pb2.Group) -> averaging_pb2.Group:
-        """Keep ``group`` as the last group (the next step's direct path), if it had partners."""
+        """Keep ``group`` as the last group (the next step's direct path), if it had partners, and
+        the size of its step's plan when the step was split (the next step's B, buckets.py
+        ``next_bucket_count``). A single group says nothing of the swarm's size: a solo step at
+        start-up, or one group while others formed elsewhere, would give B = 1 to its members
+        while the rest of the swarm counts its views (on 32 real nodes that made two plans of
+        one step)."""
         self.last_group = group if len(group.members) > 1 else None
+        self.last_plan = (group.step, sum(len(g.members) for g in group.step_groups)) if group.step_groups else None
         return group
 
     def _direct_leader(self: "Matchmaker", step: int) -> averaging_pb2.Member | None:

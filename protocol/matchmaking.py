@@ -35,7 +35,7 @@ from collections import deque
 from typing import Any, Callable
 
 from ._pb.lowcomm.v1 import averaging_pb2
-from .buckets import BucketLevel, RoundPeers, bucket_count, bucket_key, bucket_label
+from .buckets import BucketLevel, RoundPeers, bucket_key, bucket_label, next_bucket_count
 from .direct import DIRECT_TIMEOUT, DirectPath
 from .election import (  # noqa: F401 - re-exported: the names matchmaking has always offered
     LONELY_LEADER_GRACE, MAX_DIRECT_HOLD, MIN_FOLLOWER_WAIT, POLL_SECONDS, REPLY_MARGIN, Election, ExpectedPeers,
@@ -107,6 +107,7 @@ class Matchmaker(Election, BucketLevel, DirectPath):
         self._registering: set[asyncio.Task] = set()  # background DHT registrations of the direct path
         self._open: list[_Round] = []  # the levels of the round in progress, released when it ends
         self.last_buckets = 1  # B of our last round (buckets.py): where to look for the next round's registrants
+        self.last_plan: tuple[int, int] | None = None  # (step, peers in its plan) of our last group: the next B
 
     async def form_group(
         self,
@@ -134,7 +135,8 @@ class Matchmaker(Election, BucketLevel, DirectPath):
         self._round_started.set()  # direct JoinGroup calls held for this round go ahead
         self._round_started = asyncio.Event()
         self.led_last_group = False
-        buckets = bucket_count(len(round_peers.expected), self.group_size) if round_peers is not None else 1
+        buckets = 1 if round_peers is None else next_bucket_count(step, len(round_peers.expected), self.group_size,
+                                                                  self.last_plan)
         self.last_buckets = buckets
         direct_leader = self._direct_leader(step) if buckets == 1 else None
         deadline = self.clock.monotonic() + timeout

@@ -239,3 +239,14 @@ def test_an_overlapped_peer_sees_the_next_round_start_in_its_own_bucket():
         return me.last_buckets, before, elsewhere, await me.others_registered(8, "ab" * 32)
 
     assert run_virtual(scenario) == (8, 0, 0, 1)
+
+
+def test_the_members_of_a_plan_agree_on_the_next_steps_buckets_whatever_their_views_say():
+    from lowcomm.protocol.buckets import bucket_count, next_bucket_count
+
+    # 256 peers in groups of 16 sit where B doubles: a view short of one peer gives 8, not 16.
+    assert (bucket_count(256, 16), bucket_count(255, 16)) == (16, 8)
+    plan = (4, 256)  # we were in step 4's plan of 256 peers
+    assert next_bucket_count(5, 250, 16, plan) == next_bucket_count(5, 260, 16, plan) == 16
+    assert next_bucket_count(6, 250, 16, plan) == 8  # that plan is not the last step's: our view decides
+    assert next_bucket_count(5, 250, 16, None) == 8  # a joiner, or a peer that missed the step

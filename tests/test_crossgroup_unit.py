@@ -76,8 +76,9 @@ async def split_round(loop: VirtualTimeLoop, count: int, group_size: int, codec:
 
 def test_three_groups_end_with_one_bit_identical_weighted_global_mean():
     weights = [1.0 + (i % 3) for i in range(11)]  # tokens differ: the mean must weigh them
-    elapsed, groups, results, _ = run_virtual(lambda loop: split_round(loop, 11, 4, "int8", weights=weights))
+    elapsed, groups, results, peers = run_virtual(lambda loop: split_round(loop, 11, 4, "int8", weights=weights))
     assert sorted(len(g.members) for g in {g.group_id: g for g in groups}.values()) == [3, 4, 4]
+    assert all(p.matchmaker.last_plan == (0, 11) for p in peers)  # the next step's B counts the whole plan
     assert len({g.group_id for g in groups}) == 3
     plan = StepPlan.of(groups[0])
     assert plan is not None and len(plan.groups) == 3
@@ -96,8 +97,9 @@ def test_three_groups_end_with_one_bit_identical_weighted_global_mean():
 
 
 def test_a_single_group_is_unchanged():
-    _, groups, results, _ = run_virtual(lambda loop: split_round(loop, 4, 8, "fp32"))
+    _, groups, results, peers = run_virtual(lambda loop: split_round(loop, 4, 8, "fp32"))
     assert all(len(g.step_groups) == 0 and g.group_index == 0 for g in groups)
+    assert all(p.matchmaker.last_plan is None for p in peers)  # one group says nothing of the swarm's size
     mean = torch.stack(deltas(4)).mean(0)
     assert torch.allclose(torch.cat(next(iter(results.values())).averages), mean, atol=1e-7)
 
