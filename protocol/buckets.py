@@ -8,10 +8,11 @@ proposed 2·group_size, see ``bucket_count``), it matchmakes in two levels:
    little still agree on B); a peer's bucket is sha256(r, peer id) mod B, re-mixed every step.
    It registers under ``<round key>/b<B>.<b>`` and the election of election.py runs there: the
    lowest registrant leads the bucket, about group_size peers call it. B comes from the size of
-   the step plan the peer was in at the step before (``next_bucket_count``: all its members
-   agree), else from the round-start view (``RoundPeers.expected``); what a leader waits for is the bucket's part of
-   the peers expected in the heartbeat's latest view (``RoundPeers.latest``): no read of the
-   peers table while it waits, and a peer that reached the step since is waited for too.
+   the split step's plan the peer was in at the step before (``next_bucket_count``: all its
+   members agree), else from the round-start view (``RoundPeers.expected``); what a leader
+   waits for is the bucket's part of the peers expected in the heartbeat's latest view
+   (``RoundPeers.latest``): no read of the peers table while it waits, and a peer that reached
+   the step since is waited for too.
    It closes when they are all in, after a quorum and the straggler wait, at ``BUCKET_SHARE`` of
    the timeout, or ``TOP_RESERVE`` of the timeout before its first member gives up.
 2. **The top level.** A bucket leader whose bucket closed registers under the step's round key

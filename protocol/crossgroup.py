@@ -13,8 +13,9 @@ group owns nothing and only sends). The round is then a hierarchical reduce:
    acts within each group; across groups the partial averages are weighed by W_g.)
 2. **Stage 2** (this module): the owners of shard k across groups form *team k*; its reducer is
    the team's owner with the highest declared bandwidth (``Group.team_reducers``, chosen by the
-   leader in layout.py: a reducer's link carries G − 1 parts and G − 1 answers). Each owner streams (A_g[k], its contributors) to the reducer
-   in float32 (a Reduce stream that starts with a ``TeamHeader``); the reducer recomputes W_g
+   leader in layout.py: a reducer's link carries G − 1 parts and G − 1 answers). Each owner
+   streams (A_g[k], its contributors) to the reducer in float32 (a Reduce stream that starts
+   with a ``TeamHeader``); the reducer recomputes W_g
    from the plan (the weights of the listed members: a sender cannot claim more), sums
    Σ W_g·A_g / Σ W_g in group order (aggregation.weighted_mean), encodes that once with its
    own error feedback, as an owner of a single group does, and answers every owner with the

@@ -118,9 +118,10 @@ def team_reducers(groups: list[list[averaging_pb2.Member]], owners: list[list[in
     """For every shard k of a split step, the group whose owner of k reduces team k: the owner
     with the highest declared bandwidth; ties (and owners that declared none) go to the first
     group from k on (k mod G, k + 1 mod G, ...), so that equal links spread the teams' reducers
-    over the groups and one failed group costs one team, not all of them. A reducer receives every other group's part of its shard and sends each of them the
-    result, (G − 1) times an owner's traffic, so in a swarm of residential links and a few
-    datacenter ones its link sets the pace of the whole step (sim/README.md)."""
+    over the groups and one failed group costs one team, not all of them. A reducer receives
+    every other group's part of its shard and sends each of them the result, (G − 1) times an
+    owner's traffic, so in a swarm of residential links and a few datacenter ones its link sets
+    the pace of the whole step (sim/README.md)."""
     def speed(g: int, k: int) -> float:
         b = bandwidth.get(groups[g][owners[g][k]].peer_id, 0.0)
         return b if b > 0 and math.isfinite(b) else 0.0
