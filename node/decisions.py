@@ -29,6 +29,11 @@ def others(view: SwarmView, me: Position) -> list[PeerRecord]:
     return [p for p in view.peers.values() if p.peer_id != me.peer_id]
 
 
+def same_state(view: SwarmView, me: Position) -> list[PeerRecord]:
+    """The other peers at our step with our parameters: those a round of ours can average with."""
+    return [p for p in others(view, me) if p.outer_step == me.step and p.params_sha256 == me.params_hash]
+
+
 def majority_elsewhere(view: SwarmView, me: Position) -> str | None:
     """The params hash that wins at our step when it is not ours, else None.
 
@@ -57,7 +62,7 @@ def outpaced(view: SwarmView, me: Position, quorum: float) -> bool:
     """Whether the peers at our step with our parameters that are already averaging make,
     together with us, a quorum of those peers: the leader may then close the round at any
     moment, and a slower peer should end its inner phase and join with the steps it did."""
-    peers = [p for p in others(view, me) if p.outer_step == me.step and p.params_sha256 == me.params_hash]
+    peers = same_state(view, me)
     averaging = sum(p.phase == "averaging" for p in peers)
     needed = max(1, math.ceil(quorum * (len(peers) + 1)) - 1)
     return bool(peers) and averaging >= needed
@@ -66,8 +71,7 @@ def outpaced(view: SwarmView, me: Position, quorum: float) -> bool:
 def round_opened(view: SwarmView, me: Position) -> bool:
     """Whether some other peer at our step with our parameters is averaging already: the round
     of our step has opened, and its leader's matchmaking deadline is running."""
-    return any(p.phase == "averaging" and p.outer_step == me.step and p.params_sha256 == me.params_hash
-               for p in others(view, me))
+    return any(p.phase == "averaging" for p in same_state(view, me))
 
 
 JOIN_BY_SHARE = 0.5  # of the matchmaking timeout, after the round was first seen open

@@ -129,8 +129,7 @@ class SwarmLink:
                 every = swarmpace.full_read_every(len(self.view.peers))
                 marks = await self.read_marks() if every > 1 else self.marks
                 me = self.position()
-                same = sum(p.outer_step == me.step and p.params_sha256 == me.params_hash and p.peer_id != me.peer_id
-                           for p in self.view.peers.values())
+                same = len(decisions.same_state(self.view, me))
                 if self.pace.full_read_due(len(self.view.peers), self.has_view, me, self.stats.phase, marks,
                                            same) is not None:
                     view = await self.refresh_view()

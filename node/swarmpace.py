@@ -139,10 +139,15 @@ def fresh_needed(marks: Iterable[Mark], me: Position, step_window: int | None = 
     return bool(relevant(marks, me, step_window))
 
 
+def open_slots(marks: Iterable[Mark], me: Position) -> set[int]:
+    """The filled open slots at our step and hash: peers averaging there, by slot."""
+    return {m.slot for m in marks if m.kind == OPEN and m.step == me.step and m.params_sha256 == me.params_hash}
+
+
 def averaging_estimate(marks: Iterable[Mark], me: Position) -> float:
     """About how many peers are averaging at our step from our hash (linear counting over the
     filled open slots; infinite once every slot is filled)."""
-    filled = len({m.slot for m in marks if m.kind == OPEN and m.step == me.step and m.params_sha256 == me.params_hash})
+    filled = len(open_slots(marks, me))
     return math.inf if filled >= OPEN_SLOTS else -OPEN_SLOTS * math.log1p(-filled / OPEN_SLOTS)
 
 
@@ -150,9 +155,7 @@ def opened_by_others(marks: Iterable[Mark], me: Position) -> bool:
     """Whether an open mark says that another peer is averaging at our step from our hash. Our
     own slot is left out: the mark of our own failed round at this step lives on for a
     matchmaking timeout, and a peer sharing our slot is seen in the next full read anyway."""
-    mine = open_slot(me.peer_id)
-    return any(m.kind == OPEN and m.step == me.step and m.params_sha256 == me.params_hash and m.slot != mine
-               for m in marks)
+    return bool(open_slots(marks, me) - {open_slot(me.peer_id)})
 
 
 def near_quorum(marks: Iterable[Mark], me: Position, same: int, quorum: float) -> bool:

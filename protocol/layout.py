@@ -55,6 +55,12 @@ def shard_layout(numel: int, owners_bandwidth: list[float]) -> list[int]:
     return bounds
 
 
+def declared_bandwidth(bandwidth: dict[str, float], peer_id: str) -> float:
+    """What ``peer_id`` declared, or 0 (unknown) for nothing, zero, infinity or NaN."""
+    b = bandwidth.get(peer_id, 0.0)
+    return b if b > 0 and math.isfinite(b) else 0.0
+
+
 def split_step_layout(numel: int, groups: list[list[averaging_pb2.Member]],
                       bandwidth: dict[str, float]) -> tuple[list[int], list[list[int]]]:
     """One shard layout for every group of a split step (crossgroup.py), and each group's owners.
@@ -70,8 +76,7 @@ def split_step_layout(numel: int, groups: list[list[averaging_pb2.Member]],
         raise ValueError("every group of a split step needs a reachable member")
 
     def speed(group: list[averaging_pb2.Member], i: int) -> float:
-        b = bandwidth.get(group[i].peer_id, 0.0)
-        return b if b > 0 and math.isfinite(b) else 0.0
+        return declared_bandwidth(bandwidth, group[i].peer_id)
 
     owners = [sorted(sorted(r, key=lambda i, g=g: (-speed(g, i), i))[:shards]) for g, r in zip(groups, reachable)]
     return shard_layout(numel, [0.0] * shards), owners
@@ -123,8 +128,7 @@ def team_reducers(groups: list[list[averaging_pb2.Member]], owners: list[list[in
     owner's traffic, so in a swarm of residential links and a few datacenter ones its link sets
     the pace of the whole step (sim/README.md)."""
     def speed(g: int, k: int) -> float:
-        b = bandwidth.get(groups[g][owners[g][k]].peer_id, 0.0)
-        return b if b > 0 and math.isfinite(b) else 0.0
+        return declared_bandwidth(bandwidth, groups[g][owners[g][k]].peer_id)
 
     count = len(groups)
     return [min(range(count), key=lambda g: (-speed(g, k), (g - k) % count)) for k in range(len(owners[0]))]
