@@ -57,6 +57,7 @@ class RoundReport:
     skipped_shards: int
     allreduce_seconds: float = 0.0  # gossip mode: the exchange phase
     matchmaking_seconds: float = 0.0
+    round_start_read: bool = True  # the table was read at the round's start (not: a direct follower)
     tokens: float = 0.0  # what this node's Δ stood for (its weight in the round)
     consensus_distance: float = math.nan  # gossip mode: to the partners reached, before mixing
 
@@ -153,7 +154,13 @@ class Averager:
             report.seconds = time.monotonic() - started
             report.tokens = weight
             return RoundOutcome(report)
-        view = await self.swarm.refresh_view()
+        # A follower of a stable group's direct path reads no table on its way to the leader: the
+        # leader reads it once for the group (somebody outside the group expected: the DHT way,
+        # protocol/direct.py), and the heartbeat's view answers ``behind`` unless the progress
+        # record's marks say it may not (then a fresh read, as before). The read cost 0.16-0.21 s
+        # p50 at every round start (bench/overlap.py), on the path of the group's last member.
+        cached = self.swarm.recent_view() if self.matchmaker.follows_directly(step) else None
+        view = cached if cached is not None else await self.swarm.refresh_view()
         if self.behind(view):
             # The swarm moved on while we trained, or holds other parameters at our step:
             # averaging now would fork a competing state. Our progress is kept (the catch-up
@@ -168,7 +175,9 @@ class Averager:
             # the ordinary DHT round lets it see the round and join (the direct path of a stable
             # group closes in milliseconds, before a slower peer could notice and cut its phase).
             self.matchmaker.last_group = None
-        unused_view = [view]
+        # Only a fresh view may seed the matchmaker's first look: after a failed direct path, a
+        # view from before the group's last commit would expect nobody at our step.
+        unused_view = [view] if cached is None else []
 
         async def expected_peers() -> set[str]:
             # Peers the leader waits for: live, compatible, at our step with our parameters. The
@@ -219,6 +228,7 @@ class Averager:
             outcome = await self._allreduce(group, fragment, delta)
         outcome.report.seconds = time.monotonic() - started
         outcome.report.matchmaking_seconds = matchmaking_seconds
+        outcome.report.round_start_read = cached is None
         outcome.report.tokens = weight
         return outcome
 

@@ -100,6 +100,10 @@ class SwarmPort(Protocol):
     async def current_view(self) -> "SwarmView":
         """The last view, or a fresh one when the swarm moved since (node/swarmpace.py)."""
 
+    def recent_view(self) -> "SwarmView | None":
+        """The last view when the marks of the last beat show no move that could make us
+        download, else None (no DHT call)."""
+
     async def publish_record(self) -> None:
         """Publish this peer's record (step, hash, phase) now."""
 

@@ -108,6 +108,15 @@ class SwarmLink:
     def last_view(self) -> SwarmView:
         return self.view
 
+    def recent_view(self) -> SwarmView | None:
+        """The heartbeat's view, unless the progress marks of the last beat show a commit that
+        could make us download (None: read the table): ``current_view`` without its read. A
+        swarm small enough to read the table at every beat reads no marks; its view is then at
+        most a beat old."""
+        if not self.has_view or swarmpace.fresh_needed(self.marks, self.position(), self.pace.step_window):
+            return None
+        return self.view
+
     def position(self) -> decisions.Position:
         step, digest = self.state.published()
         return decisions.Position(self.peer_id, step, digest)

@@ -66,6 +66,13 @@ class DirectPath:
             return None
         return min((m for m in last.members if m.address), key=lambda m: m.peer_id, default=None)
 
+    def follows_directly(self: "Matchmaker", step: int) -> bool:
+        """Whether the round of ``step`` starts on the direct path as a follower: we averaged at
+        step-1 in a group whose leader on that path is another member (its own read of the
+        swarm decides for the group whether somebody outside it is expected)."""
+        leader = self._direct_leader(step)
+        return leader is not None and leader.peer_id != self.peer_id
+
     def _register_soon(self: "Matchmaker", key: str, registration: dict, ttl: float) -> asyncio.Task:
         """Store our registration in the background (newcomers find the group through it)."""
         task = asyncio.get_running_loop().create_task(self.dht.store(key, self.peer_id, registration, ttl=ttl),

@@ -100,6 +100,9 @@ class FakeSwarm:
     async def refresh_view(self) -> SwarmView:
         return self.last_view()
 
+    def recent_view(self) -> SwarmView | None:
+        return self.last_view()
+
     async def publish_record(self) -> None:
         self.published.append(self.state.step)
 

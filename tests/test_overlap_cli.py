@@ -50,6 +50,19 @@ def test_overlapped_rounds_stay_bit_identical(swarm, overlap, fragments, apply):
     # peer's phase ends early when the round of its step already started elsewhere).
     averaged = [e["tokens_averaged"] for events in by_step.values() for e in events]
     assert INNER_STEPS // fragments * TOKENS_PER_STEP in averaged, averaged
+    # A group that stays together meets on the direct path, where only its leader reads the
+    # peers table at the round's start: its followers go to it without a read (and still agree;
+    # a member that came through the DHT, outside the last group, reads like the leader).
+    def direct_follower_steps() -> list[int]:
+        """Steps whose members have all logged their round_done, one of them without a read."""
+        return [step for step, events in averaged_steps().items()
+                if len(events) == events[0]["group_size"] and any(not e["round_start_read"] for e in events)]
+
+    first.wait_for(lambda _e: direct_follower_steps(), ROUND_WAIT * 4)
+    for step in direct_follower_steps():
+        events = averaged_steps()[step]
+        assert len({e["params_sha256"] for e in events}) == 1, f"members disagree at step {step}"
+        assert any(e["round_start_read"] for e in events), f"nobody read the table at step {step} (the leader does)"
     assert first.rounds()[-1]["eval_loss"] < initial_eval
 
 

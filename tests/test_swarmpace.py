@@ -195,6 +195,26 @@ def test_the_link_writes_each_mark_once_and_the_catch_up_reuses_its_view_until_o
     run_virtual(main)
 
 
+def test_the_round_start_of_a_direct_follower_reuses_the_view_unless_the_last_beats_marks_say_otherwise():
+    link, dht, state, stats = make_link(others=3)
+    run = link.config.run.name
+    table, progress = peers_key(run), swarmpace.progress_key(run)
+
+    async def main(loop) -> None:
+        assert link.recent_view() is None  # no view yet
+        await link.refresh_view()
+        reads, mark_reads = dht.gets[table], dht.gets[progress]
+        assert link.recent_view() is link.view  # no DHT call of any kind
+        ahead = Mark(COMMITTED, 1, "ee" * 32)  # a peer committed past our step: we may be behind
+        dht.data.setdefault(progress, {})[ahead.subkey] = ahead.to_value()
+        assert link.recent_view() is link.view  # not read yet: the marks are the last beat's
+        await link.read_marks()  # the next beat reads them
+        assert link.recent_view() is None
+        assert (dht.gets[table], dht.gets[progress]) == (reads, mark_reads + 1)
+
+    run_virtual(main)
+
+
 def test_a_large_swarm_heartbeat_reads_the_table_once_a_cycle_and_at_every_beat_of_a_round():
     link, dht, state, stats = make_link(others=255)
     every = swarmpace.full_read_every(256)
