@@ -154,12 +154,7 @@ class Averager:
             report.seconds = time.monotonic() - started
             report.tokens = weight
             return RoundOutcome(report)
-        # A follower of a stable group's direct path reads no table on its way to the leader: the
-        # leader reads it once for the group (somebody outside the group expected: the DHT way,
-        # protocol/direct.py), and the heartbeat's view answers ``behind`` unless the progress
-        # record's marks say it may not (then a fresh read, as before). The read cost 0.16-0.21 s
-        # p50 at every round start (bench/overlap.py), on the path of the group's last member.
-        cached = self.swarm.recent_view() if self.matchmaker.follows_directly(step) else None
+        cached = self._direct_follower_view(step)
         view = cached if cached is not None else await self.swarm.refresh_view()
         if self.behind(view):
             # The swarm moved on while we trained, or holds other parameters at our step:
@@ -231,6 +226,25 @@ class Averager:
         outcome.report.round_start_read = cached is None
         outcome.report.tokens = weight
         return outcome
+
+    def _direct_follower_view(self, step: int) -> "SwarmView | None":
+        """The heartbeat's view for the round start of a follower of a stable group's direct
+        path, or None: read the table. Such a follower reads no table on its way to the leader:
+        the leader reads it once for the group (somebody outside the group expected: the DHT
+        way, protocol/direct.py), and the heartbeat's view answers ``behind`` unless the progress
+        marks say it may not. Only while that view, too, has nobody outside the last group: a
+        split step's round start needs a fresh view (its expected peers are what the step
+        coordinator waits for; a view from before the last commit would leave most of them out).
+        The read cost 0.16-0.21 s p50 at every round start (bench/overlap.py), on the path of
+        the group's last member."""
+        last = self.matchmaker.last_group
+        if last is None or not self.matchmaker.follows_directly(step):
+            return None
+        view = self.swarm.recent_view()
+        if view is None or not decisions.direct_round_allowed(view, self.swarm.position(),
+                                                               {m.peer_id for m in last.members}):
+            return None
+        return view
 
     async def _fault_hold(self, step: int, group: averaging_pb2.Group) -> None:
         """Fault injection for tests: stall inside a round (after the group formed, before sending

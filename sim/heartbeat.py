@@ -4,8 +4,8 @@
 record (node/swarmpace.py): its record's publication also stores the progress marks that are due
 (``MarkWriter``), the heartbeat reads ``<run>/progress`` and the whole peer table only when
 ``ViewPace`` says so, and the loop's catch-up reuses the last view unless a mark could make it
-download (``fresh_needed``). The round start and the matchmaker's looks stay fresh reads, as in
-node/averaging.py. The decisions are the real ones, called on whatever view this leaves.
+download (``fresh_needed``), as does the round start of a direct follower (``recent_view``). The
+other round starts and the matchmaker's looks stay fresh reads, as in node/averaging.py. The decisions are the real ones, called on whatever view this leaves.
 
 Until sim/peer.py takes this heartbeat itself, ``python -m sim.heartbeat`` runs ``python -m sim``
 (same options) with ``PacedPeer`` in place of ``SimPeer``, so that both can be measured on the
@@ -66,6 +66,12 @@ class PacedPeer(SimPeer):
         self.has_view = True
         self.pace.read_full(marks, self.position())
         return view
+
+    def recent_view(self) -> SwarmView | None:  # SwarmLink.recent_view
+        if not self.has_view or swarmpace.fresh_needed(self.marks, self.position(), self.pace.step_window):
+            return None
+        FULL_READS["round start of a direct follower: last view reused"] += 1
+        return self.view
 
     async def refresh_view(self) -> SwarmView:
         if self._catching_up:  # SwarmLink.current_view

@@ -116,6 +116,10 @@ class SimPeer:
         self.view_changed.set()
         return self.view
 
+    def recent_view(self) -> SwarmView | None:
+        """node/swarmlink.py's ``recent_view``: this heartbeat reads the table at every beat."""
+        return self.view if self.view.peers else None
+
     def round_open(self, counts: tuple) -> bool:
         """node/swarmlink.py's ``round_open`` on the last view; ``counts`` (the view's peers at
         our step and hash by phase) says whether the view changed what it answers since last time."""
@@ -222,7 +226,15 @@ class SimPeer:
         if self.gossip is not None:
             await self.gossip.round(step, delta)
             return
-        view = await self.refresh_view()
+        # A follower of a stable group's direct path starts from the heartbeat's view while it
+        # shows nobody outside the group (node/averaging.py ``_direct_follower_view``); its
+        # leader reads for the group.
+        last = self.matchmaker.last_group
+        cached = self.recent_view() if last is not None and self.matchmaker.follows_directly(step) else None
+        if cached is not None and not decisions.direct_round_allowed(cached, self.position(),
+                                                                     {m.peer_id for m in last.members}):
+            cached = None
+        view = cached if cached is not None else await self.refresh_view()
         if lagging(view, self.position()) if cfg.lag_tolerant else decisions.behind(view, self.position()):
             world.metrics.failed(step, self.peer_id, "behind")
             return
@@ -230,7 +242,7 @@ class SimPeer:
         if last is not None and not decisions.direct_round_allowed(view, self.position(),
                                                                    {m.peer_id for m in last.members}):
             self.matchmaker.last_group = None
-        unused_view = [view]
+        unused_view = [view] if cached is None else []  # only a fresh view seeds the first look
 
         async def expected_peers() -> set[str]:
             if unused_view:

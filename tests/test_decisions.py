@@ -145,3 +145,32 @@ def test_fragments_cover_the_parameters_in_turn_and_phases_shrink_with_them():
     slices = [decisions.fragment(10, 3, step) for step in range(4)]
     assert slices == [slice(0, 3), slice(3, 6), slice(6, 10), slice(0, 3)]  # contiguous, all covered, cyclic
     assert (decisions.phase_steps(50, 1), decisions.phase_steps(50, 4), decisions.phase_steps(2, 8)) == (50, 12, 1)
+
+
+def test_a_direct_follower_starts_from_the_heartbeats_view_only_while_it_shows_nobody_outside_the_group():
+    """node/averaging.py: the round start of a follower of a stable group's direct path skips the
+    table read only while the heartbeat's view has no peer outside the last group; in a split
+    step (other groups' peers live) the step coordinator waits for the expected peers of a fresh
+    view, and a view from before the last commit would leave most of them out."""
+    from types import SimpleNamespace
+
+    from lowcomm.node.averaging import Averager
+    from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
+
+    last = averaging_pb2.Group(step=4, members=[averaging_pb2.Member(peer_id=p, address=f"{p}:1") for p in ("a", ME)])
+    averager = object.__new__(Averager)  # only the two collaborators this decision reads
+    seen: list[SwarmView | None] = []
+    averager.swarm = SimpleNamespace(recent_view=lambda: seen[-1], position=me)
+    averager.matchmaker = SimpleNamespace(last_group=last, follows_directly=lambda step: step == 5)
+
+    stable = view(record("a", 4, "g"))  # read before "a" committed step 4: still fine for a follower
+    seen.append(stable)
+    assert averager._direct_follower_view(5) is stable
+    assert averager._direct_follower_view(6) is None  # not a follower at that step: read
+    seen.append(view(record("a", 5, "h"), record("c", 5, "h")))  # another group's peer is live
+    assert averager._direct_follower_view(5) is None
+    seen.append(None)  # the last beat's marks say the view may be stale for `behind`
+    assert averager._direct_follower_view(5) is None
+    averager.matchmaker.last_group = None
+    seen.append(stable)
+    assert averager._direct_follower_view(5) is None
