@@ -4,17 +4,17 @@ With one leader per (step, params hash), that leader receives the JoinGroup of t
 When the peers a peer expects at step r number n ≥ 4·group_size (``MIN_BUCKETS``; issue 15
 proposed 2·group_size, see ``bucket_count``), it matchmakes in two levels:
 
-1. **Buckets.** B = 2^⌊log₂(n / group_size)⌋ (a power of two, so peers whose views differ a
-   little still agree on B); a peer's bucket is sha256(r, peer id) mod B, re-mixed every step.
-   It registers under ``<round key>/b<B>.<b>`` and the election of election.py runs there: the
-   lowest registrant leads the bucket, about group_size peers call it. B comes from the size of
-   the split step's plan the peer was in at the step before (``next_bucket_count``: all its
-   members agree), else from the round-start view (``RoundPeers.expected``); what a leader
-   waits for is the bucket's part of the peers expected in the heartbeat's latest view
-   (``RoundPeers.latest``): no read of the peers table while it waits, and a peer that reached
-   the step since is waited for too.
-   It closes when they are all in, after a quorum and the straggler wait, at ``BUCKET_SHARE`` of
-   the timeout, or ``TOP_RESERVE`` of the timeout before its first member gives up.
+1. **Buckets.** B = the power of two nearest √n, at least 4 and at most n / group_size (a power of
+   two, so peers whose views differ a little still agree on B; ``bucket_count``); a peer's bucket
+   is sha256(r, peer id) mod B, re-mixed every step. It registers under ``<round key>/b<B>.<b>``
+   and the election of election.py runs there: the lowest registrant leads the bucket, about n/B
+   peers call it. B comes from the size of the split step's plan the peer was in at the step
+   before (``next_bucket_count``: all its members agree), else from the round-start view
+   (``RoundPeers.expected``); what a leader waits for is the bucket's part of the peers expected
+   in the heartbeat's latest view (``RoundPeers.latest``): no read of the peers table while it
+   waits, and a peer that reached the step since is waited for too. It closes when they are all
+   in, after a quorum and the straggler wait, at ``BUCKET_SHARE`` of the timeout, or
+   ``TOP_RESERVE`` of the timeout before its first member gives up.
 2. **The top level.** A bucket leader whose bucket closed registers under the step's round key
    (the key of a small step, so a peer whose view gave B = 1 meets it there) and runs the same
    election with its bucket's members attached (``JoinRequest.bucket_members``, one call): the
@@ -25,17 +25,18 @@ proposed 2·group_size, see ``bucket_count``), it matchmakes in two levels:
    rebuilds its members' groups from that group's plan (``layout.groups_of_step``) and answers
    them, before any of them gives up.
 
-A coordinator therefore receives about B − 1 JoinGroup calls and a bucket leader about
-group_size. A peer whose view gave another B lands in a bucket of its own: nobody else comes
-there, and once the top level has registrants whose views gave another B (bucket leaders
-register their B there) it goes up alone after the lonely-leader grace, without claiming its
-bucket closed, and still reaches the coordinator through the round key. If the top level does not answer in
-time, the bucket's members are refused (their round fails before their deadline, their Δ waits
-for the next round) rather than closing a second plan for the step. The peer that makes the plan
-announces it in its top registration (``"planned"``): a bucket that comes late but whose leader
-has a lower id than the coordinator would otherwise lead the top level anew and plan the step
-twice (two params hashes); whoever is about to plan reads the top key once more first, and a
-bucket still open that sees the announcement gives up at once (PlanClosed).
+A coordinator therefore receives about n/B + B − 1 JoinGroup calls (its bucket's and the other
+buckets' leaders': about 2·√n) and a bucket leader about n/B. A peer whose view gave another B
+lands in a bucket of its own: nobody else comes there, and once the top level has registrants
+whose views gave another B (bucket leaders register their B there) it goes up alone after the
+lonely-leader grace, without claiming its bucket closed, and still reaches the coordinator through
+the round key. If the top level does not answer in time, the bucket's members are refused (their
+round fails before their deadline, their Δ waits for the next round) rather than closing a second
+plan for the step. The peer that makes the plan announces it in its top registration
+(``"planned"``): a bucket that comes late but whose leader has a lower id than the coordinator
+would otherwise lead the top level anew and plan the step twice (two params hashes); whoever is
+about to plan reads the top key once more first, and a bucket still open that sees the
+announcement gives up at once (PlanClosed).
 """
 
 from __future__ import annotations
@@ -67,14 +68,27 @@ MIN_BUCKETS = 4  # fewer buckets save the coordinator little and cost a second l
 
 
 def bucket_count(expected: int, group_size: int) -> int:
-    """B for ``expected`` peers at a step: 2^⌊log₂(n / group_size)⌋ (a power of two, so slightly
-    different views agree), or 1 below MIN_BUCKETS groups' worth of peers. With B = 2 the
-    coordinator would receive one bucket call instead of about two groups' JoinGroup calls, and
-    six real nodes in groups of three (B = 2) showed that views which disagree on B near that
-    threshold can close two plans of one step; the single level has neither cost."""
+    """B for ``expected`` peers at a step: 1 below MIN_BUCKETS groups' worth of peers, else the
+    power of two nearest √n (2^⌊(⌊log₂ n⌋ + 1) / 2⌋), but no more than 2^⌊log₂(n / group_size)⌋,
+    so that a bucket holds at least about a group. A power of two, so that slightly different
+    views agree.
+
+    Why about √n: the step coordinator is also a bucket leader, so it receives about n/B calls from
+    its bucket and B − 1 from the other buckets' leaders, fewest at B = √n (2·√n in all). With
+    B = n/group_size alone, as before, that was group_size + n/group_size: 271 calls at n = 4,096
+    in groups of 16 against 127 (174 and 131 measured in the simulator, sim/README.md). Why no
+    bucket smaller than a group: it saves the coordinator nothing once n < group_size² (its load
+    is about 2·group_size either way) and adds registrants at the top level; on 32 real processes
+    in groups of 8, B = 8 (buckets of 4) failed 4 rounds and sent 2 peers to download where B = 4
+    failed none. Never B = 2 or 3: with B = 2 the coordinator would receive one bucket call
+    instead of about two groups' JoinGroup calls, and six real nodes in groups of three (B = 2)
+    showed that views which disagree on B near that threshold can close two plans of one step;
+    the single level has neither cost."""
     if group_size < 1 or expected < MIN_BUCKETS * group_size:
         return 1
-    return 2 ** int(math.floor(math.log2(expected / group_size)))
+    by_groups = 2 ** ((expected // group_size).bit_length() - 1)  # 2^⌊log₂(n / group_size)⌋, ≥ MIN_BUCKETS here
+    near_root = 2 ** (expected.bit_length() // 2)  # bit_length = ⌊log₂ n⌋ + 1, exact for ints
+    return max(MIN_BUCKETS, min(by_groups, near_root))
 
 
 def next_bucket_count(step: int, expected: int, group_size: int, last_plan: tuple[int, int] | None) -> int:

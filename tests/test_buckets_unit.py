@@ -49,8 +49,12 @@ def plans(outcomes) -> Counter:
                    for g, _ in outcomes if isinstance(g, averaging_pb2.Group))
 
 
-def test_the_bucket_count_is_one_below_four_groups_and_a_power_of_two_above():
-    assert [bucket_count(n, 16) for n in (1, 31, 32, 63, 64, 100, 1024)] == [1, 1, 1, 1, 4, 4, 64]
+def test_the_bucket_count_is_one_below_four_groups_and_a_power_of_two_near_the_root_above():
+    assert [bucket_count(n, 16) for n in (1, 31, 32, 63, 64, 100, 255, 256, 1024, 4096)] == \
+        [1, 1, 1, 1, 4, 4, 8, 16, 32, 64]
+    assert bucket_count(1024, 2) == 32  # near √n, not n / group_size = 512
+    assert [bucket_count(n, 64) for n in (256, 1024, 4096)] == [4, 16, 64]  # no bucket smaller than a group
+    assert bucket_count(8, 2) == 4  # never fewer than 4
     labels = {bucket_label(3, f"p{i}", 4) for i in range(64)}
     assert labels == {"b4.0", "b4.1", "b4.2", "b4.3"}
     assert [bucket_label(s, "p1", 4) for s in range(8)] != [bucket_label(0, "p1", 4)] * 8  # re-mixed every step
@@ -120,11 +124,12 @@ def test_a_dead_bucket_leader_costs_its_bucket_one_round_not_a_hang(fault):
         net, dht = FakeNet(), FakeDHT(loop)
         group = swarm(net, dht, loop, 32)
         view = {m.peer_id for m in group} | {"peer-!!"}  # "!" sorts first: the lowest of its bucket
-        label = bucket_label(7, "peer-!!", 8)
+        buckets = bucket_count(len(view), GROUP)
+        label = bucket_label(7, "peer-!!", buckets)
         await dht.store(bucket_key("unit", 7, "ab" * 32, label), "peer-!!", {"address": "fake://dead"}, ttl=60)
         (net.down if fault == "down" else net.silent).add("fake://dead")
         net.matchmakers["fake://dead"] = group[0]  # reached only when silent, never answered
-        its_bucket = {m.peer_id for m in group if bucket_label(7, m.peer_id, 8) == label}
+        its_bucket = {m.peer_id for m in group if bucket_label(7, m.peer_id, buckets) == label}
         return await asyncio.gather(*(form(m, 7, view) for m in group)), its_bucket
 
     outcomes, its_bucket = run_virtual(scenario)
@@ -227,26 +232,26 @@ def test_an_overlapped_peer_sees_the_next_round_start_in_its_own_bucket():
         group = swarm(net, dht, loop, 32)
         view = {m.peer_id for m in group}
         await asyncio.gather(*(form(m, 7, view) for m in group))
-        me = group[0]
-        label = bucket_label(8, me.peer_id, 8)
-        mate = next(m for m in group[1:] if bucket_label(8, m.peer_id, 8) == label)
-        stranger = next(m for m in group[1:] if bucket_label(8, m.peer_id, 8) != label)
+        me, buckets = group[0], bucket_count(len(view), GROUP)
+        label = bucket_label(8, me.peer_id, buckets)
+        mate = next(m for m in group[1:] if bucket_label(8, m.peer_id, buckets) == label)
+        stranger = next(m for m in group[1:] if bucket_label(8, m.peer_id, buckets) != label)
         before = await me.others_registered(8, "ab" * 32)
-        await dht.store(bucket_key("unit", 8, "ab" * 32, bucket_label(8, stranger.peer_id, 8)), stranger.peer_id,
+        await dht.store(bucket_key("unit", 8, "ab" * 32, bucket_label(8, stranger.peer_id, buckets)), stranger.peer_id,
                         {"address": stranger.address}, ttl=60)
         elsewhere = await me.others_registered(8, "ab" * 32)
         await dht.store(bucket_key("unit", 8, "ab" * 32, label), mate.peer_id, {"address": mate.address}, ttl=60)
         return me.last_buckets, before, elsewhere, await me.others_registered(8, "ab" * 32)
 
-    assert run_virtual(scenario) == (8, 0, 0, 1)
+    assert run_virtual(scenario) == (bucket_count(32, GROUP), 0, 0, 1)
 
 
 def test_the_members_of_a_plan_agree_on_the_next_steps_buckets_whatever_their_views_say():
     from lowcomm.protocol.buckets import bucket_count, next_bucket_count
 
-    # 256 peers in groups of 16 sit where B doubles: a view short of one peer gives 8, not 16.
-    assert (bucket_count(256, 16), bucket_count(255, 16)) == (16, 8)
-    plan = (4, 256)  # we were in step 4's plan of 256 peers
-    assert next_bucket_count(5, 250, 16, plan) == next_bucket_count(5, 260, 16, plan) == 16
-    assert next_bucket_count(6, 250, 16, plan) == 8  # that plan is not the last step's: our view decides
-    assert next_bucket_count(5, 250, 16, None) == 8  # a joiner, or a peer that missed the step
+    # 512 peers sit where B doubles: a view short of one peer gives 16, not 32.
+    assert (bucket_count(512, 16), bucket_count(511, 16)) == (32, 16)
+    plan = (4, 512)  # we were in step 4's plan of 512 peers
+    assert next_bucket_count(5, 500, 16, plan) == next_bucket_count(5, 520, 16, plan) == 32
+    assert next_bucket_count(6, 500, 16, plan) == 16  # that plan is not the last step's: our view decides
+    assert next_bucket_count(5, 500, 16, None) == 16  # a joiner, or a peer that missed the step
