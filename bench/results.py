@@ -449,8 +449,9 @@ def _scale_goals(rows: dict[tuple[str, int], dict], variant: str, out_dir: Path)
     if not rpc_ok and p:
         line += (f": the step coordinator, a bucket leader too, receives about n/B JoinGroup calls from its bucket "
                  f"and B − 1 from the other buckets' leaders (B ≈ √n: about 2·√n), plus one refused call from each "
-                 f"bucket that comes after the plan closed; the other "
-                 f"{p['busiest_peer_rpcs'] - p['busiest_peer_joins']:.0f} calls are the all-reduce's (about "
+                 f"bucket that comes after the plan closed. The busiest peer need not be that one: its calls "
+                 f"beyond the busiest JoinGroup count ({p['busiest_peer_rpcs'] - p['busiest_peer_joins']:.0f}) are the "
+                 f"all-reduce's (about "
                  f"2·(group size − 1) Reduce and ReportShards inside a group, and G − 1 stage-2 streams at a team "
                  f"reducer of a step split into G = {p['groups']:.0f} groups, crossgroup.py); profile in sim/README.md")
     line += (f". **Bytes per peer flat (≤1.25×): {verdict(ratio('mean_bytes_per_peer_mb') <= 1.25)}** "
