@@ -5,7 +5,8 @@ record (node/swarmpace.py): its record's publication also stores the progress ma
 (``MarkWriter``), the heartbeat reads ``<run>/progress`` and the whole peer table only when
 ``ViewPace`` says so, and the loop's catch-up reuses the last view unless a mark could make it
 download (``fresh_needed``), as does the round start of a direct follower (``recent_view``). The
-other round starts and the matchmaker's looks stay fresh reads, as in node/averaging.py. The decisions are the real ones, called on whatever view this leaves.
+other round starts and the matchmaker's looks stay fresh reads, as in node/averaging.py. The
+decisions are the real ones, called on whatever view this leaves.
 
 Until sim/peer.py takes this heartbeat itself, ``python -m sim.heartbeat`` runs ``python -m sim``
 (same options) with ``PacedPeer`` in place of ``SimPeer``, so that both can be measured on the
