@@ -240,11 +240,8 @@ class Averager:
         last = self.matchmaker.last_group
         if last is None or not self.matchmaker.follows_directly(step):
             return None
-        view = self.swarm.recent_view()
-        if view is None or not decisions.direct_round_allowed(view, self.swarm.position(),
-                                                               {m.peer_id for m in last.members}):
-            return None
-        return view
+        return decisions.direct_follower_view(self.swarm.recent_view(), self.swarm.position(),
+                                              {m.peer_id for m in last.members})
 
     async def _fault_hold(self, step: int, group: averaging_pb2.Group) -> None:
         """Fault injection for tests: stall inside a round (after the group formed, before sending

@@ -113,6 +113,14 @@ def direct_round_allowed(view: SwarmView, me: Position, last_group: set[str]) ->
     return {p.peer_id for p in others(view, me)} <= last_group
 
 
+def direct_follower_view(recent: SwarmView | None, me: Position, last_group: set[str]) -> SwarmView | None:
+    """The view a follower of a stable group's direct path starts its round from: the
+    heartbeat's (``recent``; None when its marks ask for a read), while it too has nobody outside
+    the last group. None: read the table (a split step's coordinator waits for the expected
+    peers of a fresh view)."""
+    return recent if recent is not None and direct_round_allowed(recent, me, last_group) else None
+
+
 @dataclass(frozen=True)
 class CatchUp:
     """A state download to make: the step and params hash to fetch, and from whom."""

@@ -230,10 +230,9 @@ class SimPeer:
         # shows nobody outside the group (node/averaging.py ``_direct_follower_view``); its
         # leader reads for the group.
         last = self.matchmaker.last_group
-        cached = self.recent_view() if last is not None and self.matchmaker.follows_directly(step) else None
-        if cached is not None and not decisions.direct_round_allowed(cached, self.position(),
-                                                                     {m.peer_id for m in last.members}):
-            cached = None
+        cached = None
+        if last is not None and self.matchmaker.follows_directly(step):
+            cached = decisions.direct_follower_view(self.recent_view(), self.position(), {m.peer_id for m in last.members})
         view = cached if cached is not None else await self.refresh_view()
         if lagging(view, self.position()) if cfg.lag_tolerant else decisions.behind(view, self.position()):
             world.metrics.failed(step, self.peer_id, "behind")
