@@ -186,7 +186,8 @@ class Averager:
         # one (no table read). Without it (the default), one leader per step as before.
         position = self.swarm.position()
         round_peers = RoundPeers(frozenset(decisions.expected_peers(view, position)),
-                                 latest=lambda: decisions.expected_peers(self.swarm.last_view(), position))
+                                 latest=lambda: decisions.expected_peers(self.swarm.last_view(), position),
+                                 plan_of_state=decisions.plan_of_state(view, position))
         try:
             group = await self.matchmaker.form_group(
                 step, weight, self.stats.bandwidth_bps, expected_peers,

@@ -245,6 +245,7 @@ class Node:
             self.config.sync.group_size, int(self.codec.id), self.trainer.numel, self.config.sync.reduce_timeout,
             quorum=self.config.sync.quorum, min_straggler_wait=self.config.sync.straggler_wait,
         )
+        link.plan_behind = self.matchmaker.plan_behind
         serve_peers = not cfg.client_mode
         if self.config.sync.mode == "gossip":
             self.gossip = GossipMode(GossipHost(

@@ -11,6 +11,7 @@ may or may not be in it (it is whatever the DHT returned); every function leaves
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from .swarm import PeerRecord, SwarmView
@@ -96,6 +97,20 @@ def join_by(first_seen_open: float, matchmaking_timeout: float, heartbeat: float
 def expected_peers(view: SwarmView, me: Position) -> set[str]:
     """The peers a leader waits for: live, compatible, at our step with our parameters (and us)."""
     return {p.peer_id for p in view.at_step(me.step) if p.params_sha256 == me.params_hash} | {me.peer_id}
+
+
+def plan_of_state(view: SwarmView, me: Position) -> int:
+    """How many peers the split step plan that made our parameters held, as the peers at our
+    step with our hash publish it (``PeerRecord.plan_peers``), or 0 when none says so.
+
+    The members of one plan all publish the same number and take the next step's B from it
+    (protocol/buckets.py ``next_bucket_count``); a peer that was not in the plan reads it here so
+    that it picks the same B instead of counting its own view. Near a threshold of B the view
+    and the plan differ by a peer or two, and a peer whose B differed landed in a bucket of its
+    own, reached the step coordinator after the plan closed and failed its round, step after
+    step (in the simulator at 33 peers in groups of 8, one peer missed 4 steps in a row)."""
+    sizes = Counter(p.plan_peers for p in same_state(view, me) if p.plan_peers > 0)
+    return min(sizes, key=lambda n: (-sizes[n], n)) if sizes else 0
 
 
 def solo_step_allowed(view: SwarmView, me: Position) -> bool:

@@ -125,6 +125,11 @@ class PeerRecord:
     config_fingerprint: str
     phase: str
     leaving: bool = False
+    # Peers in the split step's plan that made this step's parameters (0: none, or a state that
+    # was downloaded). Every member of one plan publishes the same number, so a peer that was not
+    # in it (a joiner, a peer that missed the step) takes the next step's B from it as the
+    # members do (protocol/buckets.py ``next_bucket_count``).
+    plan_peers: int = 0
 
     @classmethod
     def parse(cls, peer_id: str, value: dict) -> "PeerRecord | None":
@@ -135,7 +140,7 @@ class PeerRecord:
                 tokens_per_second=float(value.get("tokens_per_second", 0)),
                 protocol_version=int(value.get("protocol_version", 0)),
                 config_fingerprint=str(value.get("config_fingerprint", "")), phase=str(value.get("phase", "")),
-                leaving=bool(value.get("leaving", False)),
+                leaving=bool(value.get("leaving", False)), plan_peers=max(0, int(value.get("plan_peers", 0))),
             )
         except (KeyError, TypeError, ValueError):
             return None  # a malformed record from a stranger must not break the view

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable
 
 from lowcomm.protocol import PROTOCOL_VERSION
 from lowcomm.protocol.handshake import Identity
@@ -53,6 +54,10 @@ class SwarmLink:
         self.marks: frozenset[Mark] = frozenset()  # the progress record as last read
         self.mark_writer = swarmpace.MarkWriter(self.gossip, config.sync.matchmaking_timeout,
                                                 config.node.heartbeat_interval)
+        # The size of the split plan that made our state at a step (Matchmaker.plan_behind; the
+        # node sets it once its matchmaker exists): published so that peers outside that plan
+        # take the next step's B from it (decisions.plan_of_state).
+        self.plan_behind: Callable[[int], int] = lambda step: 0
 
     def record(self, leaving: bool = False) -> PeerRecord:
         step, digest = self.state.published()  # together: never a new step with the old hash
@@ -61,6 +66,7 @@ class SwarmLink:
             params_sha256=digest, bandwidth_bps=self.stats.bandwidth_bps,
             tokens_per_second=self.stats.tokens_per_second, protocol_version=PROTOCOL_VERSION,
             config_fingerprint=self.identity.config_fingerprint, phase=self.stats.phase, leaving=leaving,
+            plan_peers=self.plan_behind(step),
         )
 
     @staticmethod

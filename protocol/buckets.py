@@ -91,20 +91,26 @@ def bucket_count(expected: int, group_size: int) -> int:
     return max(MIN_BUCKETS, min(by_groups, near_root))
 
 
-def next_bucket_count(step: int, expected: int, group_size: int, last_plan: tuple[int, int] | None) -> int:
-    """B for our round of ``step``: from the size of the split step's plan we were in at
-    ``step − 1`` when there was one (``last_plan`` = (its step, its peers)), else from the
-    ``expected`` peers of our round-start view.
+def next_bucket_count(step: int, expected: int, group_size: int, last_plan: tuple[int, int] | None,
+                      plan_of_state: int = 0) -> int:
+    """B for our round of ``step``: from the size of the split step's plan that made our state
+    at ``step``, when there was one, else from the ``expected`` peers of our round-start view.
+    The plan's size is ours when we were in it (``last_plan`` = (its step, its peers), the plan
+    of ``step − 1``), else what the peers at our step and hash publish (``plan_of_state``,
+    node/decisions.py ``plan_of_state``: a joiner or a peer that missed the step reads it).
 
     Views differ by a few peers (churn, records not yet propagated), and with about
     2^k · group_size peers, where B doubles, they disagree on B: half the swarm then matchmakes
     in B buckets and half in 2B, the coordinator's plan leaves out those of the other B, and
     their buckets reach it after it closed (in the simulator at N = 256 in groups of 16, seed 0,
     88 and 112 failed rounds at two steps). Every member of one plan counts the same peers, so
-    they all agree; only peers that were not in it (joiners, peers that missed the step) go by
-    their views, and a peer whose B differs still reaches the coordinator alone."""
+    they all agree, and a peer outside it agrees with them through their records; only when
+    nobody at our state came from a split plan (a small step before, a swarm that just grew)
+    does the view decide, and a peer whose B differs still reaches the coordinator alone."""
     if last_plan is not None and last_plan[0] == step - 1:
         expected = last_plan[1]
+    elif plan_of_state > 0:
+        expected = plan_of_state
     return bucket_count(expected, group_size)
 
 
@@ -122,12 +128,13 @@ def bucket_key(run: str, step: int, params_hash: str, label: str) -> str:
 class RoundPeers:
     """What a step's matchmaking knows of the swarm without reading the peers table again:
     ``expected``, the peers expected at the step in the view read at round start (this peer
-    included; it sets B), and ``latest()``, the peers expected at the step in the heartbeat's
-    latest view (no DHT call): those still coming, a peer that reached the step since included,
-    a peer that died or moved on left out."""
+    included; it sets B unless ``plan_of_state`` or our own last plan does), and ``latest()``,
+    the peers expected at the step in the heartbeat's latest view (no DHT call): those still
+    coming, a peer that reached the step since included, a peer that died or moved on left out."""
 
     expected: frozenset[str]
     latest: Callable[[], Collection[str]]
+    plan_of_state: int = 0  # peers in the split plan that made our state, as its members publish it (0: none)
 
     def now(self, me: str) -> set[str]:
         return {*self.latest(), me}

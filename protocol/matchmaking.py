@@ -136,7 +136,7 @@ class Matchmaker(Election, BucketLevel, DirectPath):
         self._round_started = asyncio.Event()
         self.led_last_group = False
         buckets = 1 if round_peers is None else next_bucket_count(step, len(round_peers.expected), self.group_size,
-                                                                  self.last_plan)
+                                                                  self.last_plan, round_peers.plan_of_state)
         self.last_buckets = buckets
         direct_leader = self._direct_leader(step) if buckets == 1 else None
         deadline = self.clock.monotonic() + timeout
@@ -195,6 +195,11 @@ class Matchmaker(Election, BucketLevel, DirectPath):
         for follower in level.followers.values():
             if not follower.reply.done():
                 follower.reply.set_result(None)
+
+    def plan_behind(self, step: int) -> int:
+        """Peers in the split plan whose round made our state at ``step`` (what our peer record
+        publishes, ``plan_peers``), or 0 when that step did not come from a plan of ours."""
+        return self.last_plan[1] if self.last_plan is not None and self.last_plan[0] == step - 1 else 0
 
     async def others_registered(self, step: int, params_hash: str) -> int:
         """How many other peers registered for the round of ``step`` from ``params_hash``: peers

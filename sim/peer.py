@@ -95,7 +95,7 @@ class SimPeer:
         return PeerRecord(peer_id=self.peer_id, address=self.address, outer_step=self.step, params_sha256=self.hash,
                           bandwidth_bps=self.link.up, tokens_per_second=self.link.speed,
                           protocol_version=PROTOCOL_VERSION, config_fingerprint=FINGERPRINT, phase=self.phase,
-                          leaving=leaving)
+                          leaving=leaving, plan_peers=self.matchmaker.plan_behind(self.step))
 
     async def publish_record(self, leaving: bool = False) -> None:
         ttl = 3 * self.world.config.heartbeat
@@ -253,7 +253,8 @@ class SimPeer:
         position = self.position()
         round_peers = None if cfg.single_level else RoundPeers(
             frozenset(decisions.expected_peers(view, position)),
-            latest=lambda: decisions.expected_peers(self.view, position))
+            latest=lambda: decisions.expected_peers(self.view, position),
+            plan_of_state=decisions.plan_of_state(view, position))
         try:
             group = await self.matchmaker.form_group(step, self.tokens_since_round, self.link.up, expected_peers,
                                                      cfg.matchmaking_timeout, params_hash=self.hash, numel=cfg.numel,

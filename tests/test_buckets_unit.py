@@ -255,3 +255,14 @@ def test_the_members_of_a_plan_agree_on_the_next_steps_buckets_whatever_their_vi
     assert next_bucket_count(5, 500, 16, plan) == next_bucket_count(5, 520, 16, plan) == 32
     assert next_bucket_count(6, 500, 16, plan) == 16  # that plan is not the last step's: our view decides
     assert next_bucket_count(5, 500, 16, None) == 16  # a joiner, or a peer that missed the step
+
+
+def test_a_peer_outside_the_last_plan_takes_the_next_steps_buckets_from_the_members_records():
+    from lowcomm.protocol.buckets import next_bucket_count
+
+    # A joiner or a peer that missed step 4 counts 512 in its view where the members of step
+    # 4's plan (500 peers) count B = 16: their records say 500, and it takes B from that.
+    assert next_bucket_count(5, 512, 16, None, plan_of_state=500) == 16
+    assert next_bucket_count(5, 512, 16, None) == 32  # no member published a plan: the view decides
+    assert next_bucket_count(5, 500, 16, (4, 512), plan_of_state=500) == 32  # our own plan first
+

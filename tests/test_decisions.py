@@ -87,6 +87,33 @@ def test_expected_peers_are_those_at_our_step_with_our_params():
     assert decisions.expected_peers(v, me()) == {"a", ME}
 
 
+def test_the_plan_of_our_state_is_what_the_peers_at_our_step_and_hash_publish():
+    from dataclasses import replace
+
+    planned = [replace(record(p, 5, "h"), plan_peers=28) for p in "abc"]
+    v = view(*planned, replace(record("d", 5, "h"), plan_peers=0),  # downloaded its state: says nothing
+             replace(record("e", 5, "x"), plan_peers=33), replace(record("f", 4, "h"), plan_peers=40))
+    assert decisions.plan_of_state(v, me()) == 28  # other hashes and steps come from other plans
+    assert decisions.plan_of_state(view(record("a", 5, "h")), me()) == 0
+    # The members of one plan agree; should two numbers ever show, the commoner one wins.
+    odd = view(*planned, replace(record("g", 5, "h"), plan_peers=29))
+    assert decisions.plan_of_state(odd, me()) == 28
+    # Our own record is not a witness: our last plan is passed to the matchmaker directly.
+    assert decisions.plan_of_state(view(replace(record(ME, 5, "h"), plan_peers=30)), me()) == 0
+
+
+def test_a_peer_record_carries_its_plan_size_and_tolerates_its_absence_or_garbage():
+    from dataclasses import replace
+
+    rec = replace(record("a", 5, "h"), plan_peers=28)
+    assert PeerRecord.parse("a", rec.to_value()) == rec
+    old = rec.to_value()
+    del old["plan_peers"]
+    assert PeerRecord.parse("a", old).plan_peers == 0  # a record without it: no plan known
+    assert PeerRecord.parse("a", {**old, "plan_peers": -3}).plan_peers == 0
+    assert PeerRecord.parse("a", {**old, "plan_peers": "many"}) is None  # malformed: left out of the view
+
+
 def test_solo_step_only_when_nobody_else_is_in_the_swarm():
     assert decisions.solo_step_allowed(view(), me())
     assert not decisions.solo_step_allowed(view(record("a", 0, "y")), me())  # even a peer far behind
