@@ -266,3 +266,39 @@ def test_a_peer_outside_the_last_plan_takes_the_next_steps_buckets_from_the_memb
     assert next_bucket_count(5, 512, 16, None) == 32  # no member published a plan: the view decides
     assert next_bucket_count(5, 500, 16, (4, 512), plan_of_state=500) == 32  # our own plan first
 
+
+def test_a_straggler_whose_bucket_went_up_without_it_still_reaches_the_open_plan():
+    """A bucket closes after its quorum and the straggler wait while the step coordinator still
+    waits for a later bucket: a member of the closed bucket that comes in between finds its
+    leader at the top level and goes up alone at once, into the one plan of the step (before,
+    it polled its empty bucket until the coordinator was about to close and got PlanClosed)."""
+    step, view = 7, {f"peer-{i:02d}" for i in range(32)}
+    buckets = bucket_count(len(view), GROUP)
+    by_label: dict[str, list[str]] = {}
+    for peer in sorted(view):
+        by_label.setdefault(bucket_label(step, peer, buckets), []).append(peer)
+    # The bucket with the lowest id (its leader coordinates) is on time; in another one of three
+    # or more, one member (not its lowest) is a straggler; a third bucket comes late as a whole.
+    on_time = by_label[bucket_label(step, "peer-00", buckets)]
+    closing = next(ids for label, ids in sorted(by_label.items()) if len(ids) >= 3 and ids is not on_time)
+    straggler = closing[-1]
+    late = next(ids for ids in by_label.values() if ids is not on_time and ids is not closing)
+    straggle_wait = 4 * 2.0  # no history yet: min_straggler_wait x 4 (election.straggler_wait)
+
+    async def scenario(loop: VirtualTimeLoop):
+        net, dht = FakeNet(), FakeDHT(loop)
+        group = {m.peer_id: m for m in swarm(net, dht, loop, 32)}
+
+        async def arrive(peer: str):
+            start = {straggler: straggle_wait + 1.5, **{p: straggle_wait + 2.0 for p in late}}.get(peer, 0.0)
+            await asyncio.sleep(start)
+            return peer, await form(group[peer], step, view)
+
+        return dict(await asyncio.gather(*(arrive(p) for p in sorted(view))))
+
+    outcomes = run_virtual(scenario)
+    assert all(isinstance(g, averaging_pb2.Group) for g, _ in outcomes.values()), \
+        {p: g for p, (g, _) in outcomes.items() if not isinstance(g, averaging_pb2.Group)}
+    assert len(plans(outcomes.values())) == 1
+    placed = {m.peer_id for sg in outcomes[straggler][0].step_groups for m in sg.members}
+    assert placed == view
