@@ -114,6 +114,16 @@ def step_records(nodes: list[NodeProcess], peers: int) -> list[dict[str, Any]]:
     return records
 
 
+def buckets_on(settings: list[str]) -> bool:
+    """Whether the nodes matchmade in buckets: the last ``sync.matchmaking_buckets`` setting, else
+    the node's default (which changed to on at commit 90f09ea: records before it lack this field)."""
+    from lowcomm.node.config_sections import SyncSection
+
+    chosen = [item.split("=", 1)[1].strip().lower() for item in settings
+              if item.startswith("sync.matchmaking_buckets=")]
+    return chosen[-1] in ("true", "1", "yes") if chosen else SyncSection().matchmaking_buckets
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, default=16)
@@ -202,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         "run": run_id, "kind": "summary", "bench": "real_swarm", "machine": host,
         "command": "python bench/real_swarm.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "peers": args.peers, "group_size": args.group_size, "settings": settings,
+        "matchmaking": "buckets" if buckets_on(settings) else "single level",
         "reached_rounds": reached, "wall_seconds": round(wall, 1),
         "group_rounds_per_node": sorted(group_rounds(node) for node in nodes),
         "steps": len(steps), "steps_all_committed": [first_full, last_full] if full else None,

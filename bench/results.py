@@ -364,8 +364,10 @@ def real_swarm_lines(path: Path) -> list[str]:
     newest_by_n: dict[tuple[int, str], dict] = {}
     for r in read_jsonl(path):
         if r.get("kind") == "summary":
+            # Records written before the field (and before buckets became the default) say it
+            # only through their settings.
             buckets = "sync.matchmaking_buckets=true" in (r.get("settings") or [])
-            newest_by_n[(r["peers"], "buckets" if buckets else "single level")] = r
+            newest_by_n[(r["peers"], r.get("matchmaking") or ("buckets" if buckets else "single level"))] = r
     if not newest_by_n:
         return []
     rows = []

@@ -58,3 +58,12 @@ def test_percentile_is_nearest_rank():
     assert bench.percentile([], 0.5) is None
     assert bench.percentile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.0
     assert bench.percentile([float(i) for i in range(1, 21)], 0.95) == 19.0
+
+
+def test_a_run_says_whether_its_nodes_matchmade_in_buckets_default_included():
+    from lowcomm.node.config_sections import SyncSection
+
+    bench = load_bench()
+    assert bench.buckets_on([]) is SyncSection().matchmaking_buckets  # the node's default decides
+    assert bench.buckets_on(["sync.matchmaking_buckets=false"]) is False
+    assert bench.buckets_on(["sync.matchmaking_buckets=false", "sync.matchmaking_buckets=True"]) is True
