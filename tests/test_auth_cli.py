@@ -12,7 +12,7 @@ import pytest
 
 from lowcomm.protocol.rpc import check_health, fetch_status
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # make test-slow: make test stays under 15 min
 
 ROUND_WAIT = 90  # generous bound for one round on a loaded 2-core machine
 

@@ -9,7 +9,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # make test-slow: make test stays under 15 min
 
 PEERS, GROUP, STEPS = 8, 2, 2
 SPLIT = ["--set", f"sync.group_size={GROUP}", "--set", "sync.matchmaking_buckets=true", "--set", "train.inner_steps=10"]

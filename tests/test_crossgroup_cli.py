@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # make test-slow: make test stays under 15 min
 
 PEERS, GROUP, STEPS = 6, 3, 3
 SPLIT = ["--set", f"sync.group_size={GROUP}", "--set", "train.inner_steps=10"]

@@ -19,7 +19,7 @@ import torch
 from lowcomm.node import checkpoint
 from lowcomm.protocol.state import params_sha256
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # make test-slow: make test stays under 15 min
 
 GOSSIP = ["--set", "sync.mode=gossip", "--set", "sync.gossip_partners=1"]
 START_STEP = 1000

@@ -20,7 +20,7 @@ from lowcomm.node.localswarm import node_command
 from .hf_assets import stdlib_text, train_tokenizer, write_byte_tokens, write_llama_config
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # make test-slow: make test stays under 15 min
 
 ROUND_WAIT = 120  # one round on a loaded 2-core machine, model import and build included
 REPO = Path(__file__).resolve().parents[1]

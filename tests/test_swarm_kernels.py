@@ -15,7 +15,7 @@ import platform
 import pytest
 import torch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # make test-slow: make test stays under 15 min
 
 ROUND_WAIT = 90  # generous bound for one round on a loaded 2-core machine (as in test_swarm_cli.py)
 ROUNDS = 5
