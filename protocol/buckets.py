@@ -9,12 +9,16 @@ proposed 2·group_size, see ``bucket_count``), it matchmakes in two levels:
    is sha256(r, peer id) mod B, re-mixed every step. It registers under ``<round key>/b<B>.<b>``
    and the election of election.py runs there: the lowest registrant leads the bucket, about n/B
    peers call it. B comes from the size of the split step's plan the peer was in at the step
-   before (``next_bucket_count``: all its members agree), else from the round-start view
+   before (``next_bucket_count``: all its members agree), else from that size as the plan's
+   members publish it in their peer records (``RoundPeers.plan_of_state``: a joiner or a peer
+   that missed the step agrees with them too), else from the round-start view
    (``RoundPeers.expected``); what a leader waits for is the bucket's part of the peers expected
    in the heartbeat's latest view (``RoundPeers.latest``): no read of the peers table while it
    waits, and a peer that reached the step since is waited for too. It closes when they are all
    in, after a quorum and the straggler wait, at ``BUCKET_SHARE`` of the timeout, or
-   ``TOP_RESERVE`` of the timeout before its first member gives up.
+   ``TOP_RESERVE`` of the timeout before its first member gives up. A member that comes after
+   its bucket closed finds the leader at the top level (election.py ``AT_TOP``) and goes up
+   alone at once, covering nobody else.
 2. **The top level.** A bucket leader whose bucket closed registers under the step's round key
    (the key of a small step, so a peer whose view gave B = 1 meets it there) and runs the same
    election with its bucket's members attached (``JoinRequest.bucket_members``, one call): the
