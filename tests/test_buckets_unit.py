@@ -302,3 +302,15 @@ def test_a_straggler_whose_bucket_went_up_without_it_still_reaches_the_open_plan
     assert len(plans(outcomes.values())) == 1
     placed = {m.peer_id for sg in outcomes[straggler][0].step_groups for m in sg.members}
     assert placed == view
+
+
+def test_a_member_of_a_split_plan_says_which_step_that_plan_made_and_how_many_it_held():
+    async def scenario(loop: VirtualTimeLoop):
+        net, dht = FakeNet(), FakeDHT(loop)
+        group = swarm(net, dht, loop, 32)
+        view = {m.peer_id for m in group}
+        await asyncio.gather(*(form(m, 7, view) for m in group))
+        return [(m.plan_behind(8), m.plan_behind(7), m.plan_behind(9)) for m in group]
+
+    # The plan of step 7 made step 8 (the commit after it): 32 behind step 8, nothing else claimed.
+    assert set(run_virtual(scenario)) == {(32, 0, 0)}

@@ -291,3 +291,17 @@ def test_the_link_sees_a_round_open_in_the_marks_between_two_full_reads_of_a_lar
         assert link.round_open()
 
     run_virtual(main)
+
+
+def test_the_record_publishes_the_size_of_the_plan_that_made_the_published_step():
+    """``plan_peers`` follows the step the record publishes (Matchmaker.plan_behind): the plan
+    of step r - 1 stands behind step r, and a step from elsewhere (a download) says 0."""
+    link, dht, state, _ = make_link()
+    assert link.record().plan_peers == 0  # no matchmaker wired yet: nothing is claimed
+    link.plan_behind = lambda step: 28 if step == 1 else 0
+    assert link.record().plan_peers == 0  # step 0: not made by that plan
+    state.params += 1.0
+    state.commit()
+    run_virtual(lambda loop: link.publish_record())
+    stored = dht.data[peers_key(link.config.run.name)]["me"]
+    assert PeerRecord.parse("me", stored).plan_peers == 28 and link.record().outer_step == 1
