@@ -115,13 +115,18 @@ def step_records(nodes: list[NodeProcess], peers: int) -> list[dict[str, Any]]:
 
 
 def buckets_on(settings: list[str]) -> bool:
-    """Whether the nodes matchmade in buckets: the last ``sync.matchmaking_buckets`` setting, else
-    the node's default (which changed to on at commit 90f09ea: records before it lack this field)."""
+    """Whether the nodes matchmade in buckets: the last ``sync.matchmaking_buckets`` setting, read
+    as the node reads ``--set``, else the node's default (on since commit 90f09ea: records before
+    it lack this field)."""
+    from lowcomm.node.config import parse_override
     from lowcomm.node.config_sections import SyncSection
 
-    chosen = [item.split("=", 1)[1].strip().lower() for item in settings
-              if item.startswith("sync.matchmaking_buckets=")]
-    return chosen[-1] in ("true", "1", "yes") if chosen else SyncSection().matchmaking_buckets
+    chosen: dict[str, object] = {}
+    for item in settings:
+        section, key, value = parse_override(item)
+        if (section, key) == ("sync", "matchmaking_buckets"):
+            chosen = {key: value}
+    return SyncSection(**chosen).matchmaking_buckets
 
 
 def main(argv: list[str] | None = None) -> int:

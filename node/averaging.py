@@ -181,18 +181,20 @@ class Averager:
             seen = unused_view.pop() if unused_view else await self.swarm.refresh_view()
             return decisions.expected_peers(seen, self.swarm.position())
 
-        # With [sync] matchmaking_buckets a large step matchmakes in buckets (protocol/buckets.py):
-        # B from this view, and its leaders wait for the peers expected in the heartbeat's latest
-        # one (no table read). Without it (the default), one leader per step as before.
+        # With [sync] matchmaking_buckets (the default) a large step matchmakes in buckets
+        # (protocol/buckets.py): B from this view or the plan behind our state, and its leaders
+        # wait for the peers expected in the heartbeat's latest one (no table read). Without it,
+        # one leader per step, and neither O(N) pass over the view below runs on the event loop.
         position = self.swarm.position()
         round_peers = RoundPeers(frozenset(decisions.expected_peers(view, position)),
                                  latest=lambda: decisions.expected_peers(self.swarm.last_view(), position),
-                                 plan_of_state=decisions.plan_of_state(view, position))
+                                 plan_of_state=decisions.plan_of_state(view, position)
+                                 ) if self.config.sync.matchmaking_buckets else None
         try:
             group = await self.matchmaker.form_group(
                 step, weight, self.stats.bandwidth_bps, expected_peers,
                 self.config.sync.matchmaking_timeout, params_hash=self.state.params_hash, numel=delta.numel(),
-                round_peers=round_peers if self.config.sync.matchmaking_buckets else None,
+                round_peers=round_peers,
             )
         except MatchmakingError as err:
             log.warning("round for step %d failed: %s; training on", step, err)
