@@ -185,6 +185,31 @@ class BucketLevel:
         return joined
 
     @staticmethod
+    def _adopt_buckets(current: _Round, registrants: dict[str, dict]) -> None:
+        """On a small step's key (our view gave B = 1), bucket leaders whose views gave B > 1
+        registered their B: their step is bucketed, and whoever leads here coordinates it. So
+        we take their B (the largest shown) and from now on act as its top level: wait for
+        every bucket instead of closing at a quorum (a bucket that comes after the close fails
+        its round and, a step behind, downloads the state), count the peers of a reported
+        bucket as covered, announce the plan we make and give up on one announced before us
+        (``one_plan``). Without this, a leader whose view counted one peer fewer than the others'
+        closed at its quorum before the buckets came up, and on eight real nodes in groups of
+        two a late bucket then planned the step a second time (two params hashes)."""
+        shown = [info.get("buckets") for info in registrants.values() if isinstance(info, dict)]
+        buckets = max((b for b in shown if isinstance(b, int) and not isinstance(b, bool) and b > 1), default=0)
+        if buckets:
+            current.buckets, current.one_plan = buckets, True
+
+    @staticmethod
+    def _label(current: _Round, expected: set[str]) -> None:
+        """Label the expected peers with their buckets at a bucketed step's top level (what a
+        reported bucket covers, ``_waiting_for``); the bucket level labels its own peers."""
+        if current.buckets > 1 and not current.bucket:
+            for peer in expected:
+                if peer not in current.labels:
+                    current.labels[peer] = bucket_label(current.step, peer, current.buckets)
+
+    @staticmethod
     def _waiting_for(current: _Round, expected: set[str]) -> set[str]:
         """The expected peers still to be waited for: those whose bucket has not reported yet
         (a bucket leader brings everybody of its bucket who came; the others will not come)."""

@@ -134,9 +134,10 @@ class _Round:
     # covering anybody else of its label).
     watch: "TopWatch | None" = None
     lonely: bool = False
-    # At either level of a bucketed step: B of our view, and a registrant of the top key that
-    # announced the step's plan as made (``"planned"``, buckets.py): coming later must not make
-    # a second one.
+    # At either level of a bucketed step: B of our view (or, on a small step's key, the B that
+    # bucket leaders registered there: buckets.py ``_adopt_buckets``), and a registrant of the
+    # top key that announced the step's plan as made (``"planned"``, buckets.py): coming later
+    # must not make a second one. 0: a small step's single level.
     buckets: int = 0
     plan_by: str = ""
 
@@ -252,6 +253,8 @@ class Election:
     async def _reachable_registrants(self: "Matchmaker", current: _Round, unreachable: set[str]) -> dict[str, str]:
         """Other registrants of this level that could lead (have an address), lowest id first."""
         registrants = await self.dht.get(current.key)
+        if current.buckets == 0 and not current.direct:
+            self._adopt_buckets(current, registrants)
         if current.buckets > 1:
             current.plan_by = current.plan_by or planned_by(registrants, self.peer_id)
         found = {
@@ -323,6 +326,7 @@ class Election:
         while True:
             joined = {self.peer_id} | self._joined(current)
             expected = fixed_expected if fixed_expected is not None else await expected_peers()
+            self._label(current, expected)
             now = self.clock.monotonic()
             if expected and self._waiting_for(current, expected) <= joined:
                 if quorum_at is not None:
@@ -338,7 +342,7 @@ class Election:
             # share of the timeout): a bucket that comes after the plan closed loses its round.
             if quorum_at is None and not current.labels and len(joined) >= max(2, math.ceil(self.quorum * len(expected))):
                 quorum_at = now
-            if quorum_at is not None and now - quorum_at >= self.straggler_wait():
+            if quorum_at is not None and not current.labels and now - quorum_at >= self.straggler_wait():
                 # Not recorded in the history: only complete arrivals measure how long stragglers take.
                 log.info("closing the group of step %d with %d of %d expected peers (stragglers waited %.1fs)",
                          current.step, len(joined), len(expected), now - quorum_at)

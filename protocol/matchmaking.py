@@ -149,7 +149,15 @@ class Matchmaker(Election, BucketLevel, DirectPath):
         key, ttl = current.key, timeout + self.reduce_timeout
 
         async def close(level: _Round) -> averaging_pb2.Group:
-            return self._close(level, me, bandwidth_bps)
+            if level.one_plan:  # bucket leaders joined this small step's key: we coordinate their step
+                return await self._close_plan(level, me, bandwidth_bps, {**registration, "buckets": level.buckets}, ttl)
+            group = self._close(level, me, bandwidth_bps)
+            if group.step_groups:
+                # A split plan says so, like a bucketed step's coordinator: a bucket leader whose
+                # view gave B > 1 and that comes up after we closed gives up instead of planning
+                # the step a second time (election.planned_by; peers of a small step ignore it).
+                self._register_soon(key, {**registration, "planned": True}, ttl)
+            return group
 
         try:
             async with overall:

@@ -110,9 +110,9 @@ def test_a_small_step_with_round_peers_is_the_single_level_path_unchanged():
         return [g.SerializeToString() for g in made], net.calls, dht.keys_read, planned
 
     bucketed, single = run_virtual(lambda loop: scenario(loop, True)), run_virtual(lambda loop: scenario(loop, False))
-    # The same groups through the same calls and DHT reads, and no plan announced: a plan
-    # without buckets in it is not the announcement of a bucketed step's plan (buckets.py).
-    assert bucketed == single and single[3] == set()
+    # The same groups through the same calls and DHT reads; the leader announces its split plan
+    # (for a bucket leader whose view gave B > 1: matchmaking.py), and only it.
+    assert bucketed == single and single[3] == {"peer-00"}  # peer-00, the lowest id, led
 
 
 @pytest.mark.parametrize("fault", ["down", "silent"])
@@ -302,6 +302,41 @@ def test_a_straggler_whose_bucket_went_up_without_it_still_reaches_the_open_plan
     assert len(plans(outcomes.values())) == 1
     placed = {m.peer_id for sg in outcomes[straggler][0].step_groups for m in sg.members}
     assert placed == view
+
+
+def test_a_peer_whose_view_gave_one_bucket_and_leads_the_top_key_waits_for_every_bucket():
+    """At the size where B changes, the lowest peer counted one peer fewer than the others: its
+    view gives B = 1, theirs B = 4. It leads the step's key, where the buckets' leaders come up.
+    It must coordinate their step as a bucketed step's coordinator does: wait for every bucket,
+    not close at a quorum before a late bucket comes (which then failed its round), and
+    announce its plan. Before, on eight real nodes in groups of two, such a close came before a
+    bucket whose leader had a lower id, and that one planned the step again (two hashes)."""
+    step, view = 3, {f"peer-{i:02d}" for i in range(16)}  # at step 3, peer-15's bucket holds three
+    assert bucket_count(len(view), GROUP) == 4 and bucket_count(len(view) - 1, GROUP) == 1
+    short = view - {"peer-15"}  # peer-00's view misses one peer's record
+    late_bucket = bucket_label(step, "peer-15", 4)
+    late = {p for p in view if bucket_label(step, p, 4) == late_bucket} - {"peer-00"}
+    straggle_wait = 4 * 2.0  # no history yet: min_straggler_wait x 4 (election.straggler_wait)
+
+    async def scenario(loop: VirtualTimeLoop):
+        net, dht = FakeNet(), FakeDHT(loop)
+        group = {m.peer_id: m for m in swarm(net, dht, loop, 16)}
+
+        async def arrive(peer: str):
+            await asyncio.sleep(straggle_wait + 3.0 if peer in late else 0.0)
+            return peer, await form(group[peer], step, short if peer == "peer-00" else view)
+
+        outcomes = dict(await asyncio.gather(*(arrive(p) for p in sorted(view))))
+        top = dht.data[round_key("unit", step, "ab" * 32)]
+        return outcomes, {pid for pid, (info, _) in top.items() if info.get("planned")}
+
+    assert late and len(view - late) - 1 >= 2 / 3 * len(short)  # a quorum is in before the late bucket
+    outcomes, announced = run_virtual(scenario)
+    assert all(isinstance(g, averaging_pb2.Group) for g, _ in outcomes.values()), \
+        {p: g for p, (g, _) in outcomes.items() if not isinstance(g, averaging_pb2.Group)}
+    assert len(plans(outcomes.values())) == 1 and outcomes["peer-00"][0].step_groups
+    assert {m.peer_id for sg in outcomes["peer-00"][0].step_groups for m in sg.members} == view
+    assert announced == {"peer-00"}
 
 
 def test_a_member_of_a_split_plan_says_which_step_that_plan_made_and_how_many_it_held():
