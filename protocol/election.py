@@ -67,10 +67,12 @@ class PlanClosed(MatchmakingError):
 
 def planned_by(registrants: dict[str, dict], me: str) -> str:
     """The registrant (not ``me``) of the step's top key whose registration announces the step's
-    plan as made (buckets.py ``_close_plan``). At the top level any such plan counts, whatever B
-    its coordinator's view gave: a bucket leader there has closed its bucket and would otherwise
-    plan the step a second time. (A bucket still open gives up only on a plan of its own B:
-    ``buckets.TopWatch``.)"""
+    plan as made: a bucketed step's coordinator (buckets.py ``_close_plan``) or the leader of a
+    small step that split it into several groups (matchmaking.py). At the top level any such
+    plan counts, whatever B its coordinator's view gave: a bucket leader there has closed its
+    bucket and would otherwise plan the step a second time, and so would late peers of a small
+    step (in the simulator at 16 peers in groups of 4, two stragglers made a plan of their own).
+    (A bucket still open gives up only on a plan of its own B: ``buckets.TopWatch``.)"""
     for pid, info in sorted(registrants.items()):
         if pid != me and isinstance(info, dict) and info.get("planned"):
             return pid
@@ -255,8 +257,9 @@ class Election:
         registrants = await self.dht.get(current.key)
         if current.buckets == 0 and not current.direct:
             self._adopt_buckets(current, registrants)
-        if current.buckets > 1:
-            current.plan_by = current.plan_by or planned_by(registrants, self.peer_id)
+        # A split step has one plan: who comes after it was announced gives up (PlanClosed)
+        # rather than plan the step again with the other late peers (two params hashes).
+        current.plan_by = current.plan_by or planned_by(registrants, self.peer_id)
         found = {
             pid: str(info["address"]) for pid, info in registrants.items()
             if isinstance(info, dict) and info.get("address") and pid not in unreachable and pid != self.peer_id

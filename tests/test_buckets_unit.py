@@ -339,6 +339,32 @@ def test_a_peer_whose_view_gave_one_bucket_and_leads_the_top_key_waits_for_every
     assert announced == {"peer-00"}
 
 
+def test_peers_that_come_after_a_small_steps_split_plan_closed_give_up_instead_of_planning_again():
+    """A step below the bucket threshold whose leader split it into groups (12 peers in groups of
+    4) closes at its quorum and the straggler wait; two peers that come later find its plan
+    announced and fail their round (PlanClosed), where before they made a plan of their own and
+    the step ended with two params hashes (the simulator at 16 peers in groups of 4, seed 5)."""
+    step, view = 4, {f"peer-{i:02d}" for i in range(12)}
+    assert bucket_count(len(view), GROUP) == 1
+    late = {"peer-10", "peer-11"}
+    straggle_wait = 4 * 2.0  # no history yet: min_straggler_wait x 4 (election.straggler_wait)
+
+    async def scenario(loop: VirtualTimeLoop):
+        net, dht = FakeNet(), FakeDHT(loop)
+        group = {m.peer_id: m for m in swarm(net, dht, loop, 12)}
+
+        async def arrive(peer: str):
+            await asyncio.sleep(straggle_wait + 3.0 if peer in late else 0.0)
+            return peer, await form(group[peer], step, view)
+
+        return dict(await asyncio.gather(*(arrive(p) for p in sorted(view))))
+
+    outcomes = run_virtual(scenario)
+    assert len(plans(outcomes.values())) == 1
+    assert {p for p, (g, _) in outcomes.items() if isinstance(g, averaging_pb2.Group)} == view - late
+    assert all(isinstance(outcomes[p][0], PlanClosed) for p in late), {p: outcomes[p][0] for p in late}
+
+
 def test_a_member_of_a_split_plan_says_which_step_that_plan_made_and_how_many_it_held():
     async def scenario(loop: VirtualTimeLoop):
         net, dht = FakeNet(), FakeDHT(loop)
