@@ -22,7 +22,9 @@ proposed 2·group_size, see ``bucket_count``), it matchmakes in two levels:
 2. **The top level.** A bucket leader whose bucket closed registers under the step's round key
    (the key of a small step, so a peer whose view gave B = 1 meets it there) and runs the same
    election with its bucket's members attached (``JoinRequest.bucket_members``, one call): the
-   lowest registrant is the step coordinator. It expects the whole round-start view, and a
+   lowest registrant is the step coordinator. A peer whose view gave B = 1 that is the lowest
+   there takes the B that the bucket leaders registered and coordinates as one of them would
+   (``BucketLevel._adopt_buckets``). It expects the whole round-start view, and a
    bucket that reported covers its members that did not come. Closing, it splits everybody into
    groups with one step plan (layout.py: so all groups of the step end with one θ,
    crossgroup.py) and answers each bucket leader with the leader's group; the bucket leader
