@@ -326,15 +326,24 @@ class Election:
             return True  # a bucket that closed without us: we go up alone (_follow)
         lonely_since = self.clock.monotonic()
         quorum_at: float | None = None
+        covered_at: float | None = None  # the top level: when every bucket had reported
         while True:
             joined = {self.peer_id} | self._joined(current)
             expected = fixed_expected if fixed_expected is not None else await expected_peers()
             self._label(current, expected)
             now = self.clock.monotonic()
             if expected and self._waiting_for(current, expected) <= joined:
-                if quorum_at is not None:
-                    self.straggle_history.append(now - quorum_at)
-                return True
+                # At the top level, a bucket that closed on its quorum reported without its
+                # stragglers; one that comes now goes up alone (AT_TOP, _follow). Give them the
+                # straggler wait once more before the plan closes: a straggler that misses the
+                # plan fails its round and, a step behind, downloads the whole state.
+                missing = expected - joined if current.labels else set()
+                if missing and covered_at is None:
+                    covered_at = now
+                if not missing or now - covered_at >= self.straggler_wait():
+                    if quorum_at is not None:
+                        self.straggle_history.append(now - quorum_at)
+                    return True
             close_at = self._close_at(current, deadline)
             if now >= close_at:
                 if fixed_expected is not None and not current.followers:
