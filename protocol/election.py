@@ -341,6 +341,9 @@ class Election:
                 if missing and covered_at is None:
                     covered_at = now
                 if not missing or now - covered_at >= self.straggler_wait():
+                    if missing:
+                        log.info("closing the plan of step %d without %d straggler(s) that their buckets did not "
+                                 "bring (waited %.1fs for them)", current.step, len(missing), now - covered_at)
                     if quorum_at is not None:
                         self.straggle_history.append(now - quorum_at)
                     return True

@@ -153,9 +153,9 @@ class Matchmaker(Election, BucketLevel, DirectPath):
                 return await self._close_plan(level, me, bandwidth_bps, {**registration, "buckets": level.buckets}, ttl)
             group = self._close(level, me, bandwidth_bps)
             if group.step_groups:
-                # A split plan says so, like a bucketed step's coordinator: a bucket leader whose
-                # view gave B > 1 and that comes up after we closed gives up instead of planning
-                # the step a second time (election.planned_by; peers of a small step ignore it).
+                # A split plan says so, like a bucketed step's coordinator: a late peer of the
+                # step, or a bucket leader whose view gave B > 1, that comes after we closed gives
+                # up instead of planning the step a second time (election.planned_by).
                 self._register_soon(key, {**registration, "planned": True}, ttl)
             return group
 
