@@ -29,7 +29,7 @@ demo: install
 # Debian packages some tests use, as package:command. Missing ones are installed where that is
 # possible (root with apt-get) and left alone otherwise: those tests then skip and say why. The
 # test session itself installs nothing.
-TEST_DEBS ?= prometheus:promtool faketime:faketime
+TEST_DEBS ?= prometheus:promtool faketime:faketime shellcheck:shellcheck
 test-tools:
 	@missing=""; for pair in $(TEST_DEBS); do \
 	  command -v "$${pair#*:}" >/dev/null 2>&1 || missing="$$missing $${pair%%:*}"; done; \
