@@ -363,7 +363,7 @@ def real_swarm_lines(path: Path) -> list[str]:
     """The newest real-swarm summary per N and matchmaking (bench/real_swarm.py): real processes next to sim/."""
     newest_by_n: dict[tuple[int, str], dict] = {}
     for r in read_jsonl(path):
-        if r.get("kind") == "summary":
+        if r.get("kind") == "summary" and r.get("steps_measured"):  # a run that measured no step has no row
             # Records written before the field (and before buckets became the default) say it
             # only through their settings.
             buckets = "sync.matchmaking_buckets=true" in (r.get("settings") or [])

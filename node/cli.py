@@ -88,12 +88,28 @@ def _validation_message(err: Exception) -> str:
     return f"a bootstrap peer was refused: {text.splitlines()[0] if text else type(err).__name__}"
 
 
+# A bootstrap peer that accepted the connection but did not answer hivemind's DHT ping in time
+# (3 s) is busy, not gone: 32 nodes starting at once on 2 cores made one of them exit here. The
+# DHT start is tried again after these pauses (seconds) before the node gives up.
+BOOTSTRAP_RETRY_PAUSES = (2.0, 4.0, 8.0)
+_UNANSWERED_PINGS = "none of the initial_peers responded to a ping"
+
+
+def _sleep(seconds: float) -> None:  # a seam for the tests
+    import time
+
+    time.sleep(seconds)
+
+
 def start_dht(config: Config):
     """Create the hivemind DHT before any event loop or gRPC object exists (it forks).
 
     On the way the DHT process measures this machine's clock offset from the bootstrap peers and
-    adopts it (node/clock.py); a warning says so here.
+    adopts it (node/clock.py); a warning says so here. When the bootstrap peers are reachable
+    but none answers the DHT's ping in time, the start is tried again (``BOOTSTRAP_RETRY_PAUSES``).
     """
+    import logging
+
     from hivemind.dht.protocol import ValidationError
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
@@ -104,14 +120,33 @@ def start_dht(config: Config):
     host = node.host
     proto = "ip6" if ":" in host else "ip4"
     config.identity_path.parent.mkdir(parents=True, exist_ok=True)
+    import time
+
+    began = time.monotonic()
     try:
-        dht = SupervisedDHT(
-            initial_peers=node.peers,
-            host_maddrs=[f"/{proto}/{host}/tcp/{node.dht_port}"],
-            identity_path=str(config.identity_path),
-            start=True,
-            max_clock_offset=node.max_clock_offset,
-        )
+        for attempt, pause in enumerate((*BOOTSTRAP_RETRY_PAUSES, None), start=1):
+            try:
+                dht = SupervisedDHT(
+                    initial_peers=node.peers,
+                    host_maddrs=[f"/{proto}/{host}/tcp/{node.dht_port}"],
+                    identity_path=str(config.identity_path),
+                    start=True,
+                    max_clock_offset=node.max_clock_offset,
+                )
+                break
+            except RuntimeError as err:
+                if _UNANSWERED_PINGS not in str(err):
+                    raise
+                if pause is None:  # the DHT process has exited, and its p2pd with it
+                    raise RuntimeError(
+                        f"none of the peers answered the DHT's ping in {attempt} tries over "
+                        f"{time.monotonic() - began:.0f} s: {' '.join(node.peers)}; they accept connections but "
+                        f"may be overloaded, or run another DHT protocol: try again later or join through "
+                        f"another peer") from None
+                logging.getLogger("lowcomm.node").warning(
+                    "none of the peers answered the DHT's ping (try %d of %d); trying again in %.0f s",
+                    attempt, len(BOOTSTRAP_RETRY_PAUSES) + 1, pause)
+                _sleep(pause)
     except ClockOffsetError as err:
         raise RuntimeError(str(err)) from None
     except ValidationError as err:
