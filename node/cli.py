@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -95,10 +97,7 @@ BOOTSTRAP_RETRY_PAUSES = (2.0, 4.0, 8.0)
 _UNANSWERED_PINGS = "none of the initial_peers responded to a ping"
 
 
-def _sleep(seconds: float) -> None:  # a seam for the tests
-    import time
-
-    time.sleep(seconds)
+_sleep = time.sleep  # a seam for the tests
 
 
 def start_dht(config: Config):
@@ -108,8 +107,6 @@ def start_dht(config: Config):
     adopts it (node/clock.py); a warning says so here. When the bootstrap peers are reachable
     but none answers the DHT's ping in time, the start is tried again (``BOOTSTRAP_RETRY_PAUSES``).
     """
-    import logging
-
     from hivemind.dht.protocol import ValidationError
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
@@ -120,8 +117,6 @@ def start_dht(config: Config):
     host = node.host
     proto = "ip6" if ":" in host else "ip4"
     config.identity_path.parent.mkdir(parents=True, exist_ok=True)
-    import time
-
     began = time.monotonic()
     try:
         for attempt, pause in enumerate((*BOOTSTRAP_RETRY_PAUSES, None), start=1):

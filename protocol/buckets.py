@@ -204,8 +204,9 @@ class BucketLevel:
 
     @staticmethod
     def _label(current: _Round, expected: set[str]) -> None:
-        """Label the expected peers with their buckets at a bucketed step's top level (what a
-        reported bucket covers, ``_waiting_for``); the bucket level labels its own peers."""
+        """Label the expected peers with their buckets at a bucketed step's top level, whether
+        this peer led a bucket there or took B from the bucket leaders (``_adopt_buckets``):
+        what a reported bucket covers (``_waiting_for``). The bucket level labels its own peers."""
         if current.buckets > 1 and not current.bucket:
             for peer in expected:
                 if peer not in current.labels:
@@ -245,11 +246,8 @@ class BucketLevel:
         async def bucket_peers() -> set[str]:
             return {p for p in peers.now(self.peer_id) if label(p) == current.bucket} - unreachable
 
-        async def all_peers() -> set[str]:
-            expected = peers.now(self.peer_id)
-            for peer in expected:
-                label(peer)  # the top level's coverage by reported buckets reads ``labels``
-            return expected
+        async def all_peers() -> set[str]:  # the top level labels them (``_label``, in election._gather)
+            return peers.now(self.peer_id)
 
         async def to_top(bucket: _Round) -> averaging_pb2.Group:
             return await self._through_top(bucket, me, request, registration, ttl, all_peers, labels,

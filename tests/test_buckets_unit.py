@@ -49,6 +49,42 @@ def plans(outcomes) -> Counter:
                    for g, _ in outcomes if isinstance(g, averaging_pb2.Group))
 
 
+STRAGGLE_WAIT = 4 * 2.0  # no history yet: min_straggler_wait x 4 (election.straggler_wait)
+
+
+def arrivals(step: int, view: set[str], delays: dict[str, float], views: dict[str, set[str]] | None = None):
+    """Every peer of ``view`` (``peer-00`` ...) forms its group of ``step`` after its delay (0 when
+    not in ``delays``) with its own view (``views``, default ``view``): (outcomes by peer, the
+    registrants of the step's top key that announced a plan)."""
+    async def scenario(loop: VirtualTimeLoop):
+        net, dht = FakeNet(), FakeDHT(loop)
+        group = {m.peer_id: m for m in swarm(net, dht, loop, len(view))}
+        assert set(group) == view
+
+        async def arrive(peer: str):
+            await asyncio.sleep(delays.get(peer, 0.0))
+            return peer, await form(group[peer], step, (views or {}).get(peer, view))
+
+        outcomes = dict(await asyncio.gather(*(arrive(p) for p in sorted(view))))
+        top = dht.data.get(round_key("unit", step, "ab" * 32), {})
+        return outcomes, {pid for pid, (info, _) in top.items() if info.get("planned")}
+
+    return run_virtual(scenario)
+
+
+def members_by_bucket(step: int, view: set[str], buckets: int) -> dict[str, list[str]]:
+    """Each bucket label of ``step`` and its members, in id order."""
+    by_label: dict[str, list[str]] = {}
+    for peer in sorted(view):
+        by_label.setdefault(bucket_label(step, peer, buckets), []).append(peer)
+    return by_label
+
+
+def assert_all_grouped(outcomes: dict) -> None:
+    assert all(isinstance(g, averaging_pb2.Group) for g, _ in outcomes.values()), \
+        {p: g for p, (g, _) in outcomes.items() if not isinstance(g, averaging_pb2.Group)}
+
+
 def test_the_bucket_count_is_one_below_four_groups_and_a_power_of_two_near_the_root_above():
     assert [bucket_count(n, 16) for n in (1, 31, 32, 63, 64, 100, 255, 256, 1024, 4096)] == \
         [1, 1, 1, 1, 4, 4, 8, 16, 32, 64]
@@ -275,31 +311,15 @@ def test_a_straggler_whose_bucket_went_up_without_it_still_reaches_the_open_plan
     it polled its empty bucket until the coordinator was about to close and got PlanClosed)."""
     step, view = 7, {f"peer-{i:02d}" for i in range(32)}
     buckets = bucket_count(len(view), GROUP)
-    by_label: dict[str, list[str]] = {}
-    for peer in sorted(view):
-        by_label.setdefault(bucket_label(step, peer, buckets), []).append(peer)
+    by_label = members_by_bucket(step, view, buckets)
     # The bucket with the lowest id (its leader coordinates) is on time; in another one of three
     # or more, one member (not its lowest) is a straggler; a third bucket comes late as a whole.
     on_time = by_label[bucket_label(step, "peer-00", buckets)]
     closing = next(ids for label, ids in sorted(by_label.items()) if len(ids) >= 3 and ids is not on_time)
     straggler = closing[-1]
     late = next(ids for ids in by_label.values() if ids is not on_time and ids is not closing)
-    straggle_wait = 4 * 2.0  # no history yet: min_straggler_wait x 4 (election.straggler_wait)
-
-    async def scenario(loop: VirtualTimeLoop):
-        net, dht = FakeNet(), FakeDHT(loop)
-        group = {m.peer_id: m for m in swarm(net, dht, loop, 32)}
-
-        async def arrive(peer: str):
-            start = {straggler: straggle_wait + 1.5, **{p: straggle_wait + 2.0 for p in late}}.get(peer, 0.0)
-            await asyncio.sleep(start)
-            return peer, await form(group[peer], step, view)
-
-        return dict(await asyncio.gather(*(arrive(p) for p in sorted(view))))
-
-    outcomes = run_virtual(scenario)
-    assert all(isinstance(g, averaging_pb2.Group) for g, _ in outcomes.values()), \
-        {p: g for p, (g, _) in outcomes.items() if not isinstance(g, averaging_pb2.Group)}
+    outcomes, _ = arrivals(step, view, {straggler: STRAGGLE_WAIT + 1.5, **{p: STRAGGLE_WAIT + 2.0 for p in late}})
+    assert_all_grouped(outcomes)
     assert len(plans(outcomes.values())) == 1
     placed = {m.peer_id for sg in outcomes[straggler][0].step_groups for m in sg.members}
     assert placed == view
@@ -317,24 +337,9 @@ def test_a_peer_whose_view_gave_one_bucket_and_leads_the_top_key_waits_for_every
     short = view - {"peer-15"}  # peer-00's view misses one peer's record
     late_bucket = bucket_label(step, "peer-15", 4)
     late = {p for p in view if bucket_label(step, p, 4) == late_bucket} - {"peer-00"}
-    straggle_wait = 4 * 2.0  # no history yet: min_straggler_wait x 4 (election.straggler_wait)
-
-    async def scenario(loop: VirtualTimeLoop):
-        net, dht = FakeNet(), FakeDHT(loop)
-        group = {m.peer_id: m for m in swarm(net, dht, loop, 16)}
-
-        async def arrive(peer: str):
-            await asyncio.sleep(straggle_wait + 3.0 if peer in late else 0.0)
-            return peer, await form(group[peer], step, short if peer == "peer-00" else view)
-
-        outcomes = dict(await asyncio.gather(*(arrive(p) for p in sorted(view))))
-        top = dht.data[round_key("unit", step, "ab" * 32)]
-        return outcomes, {pid for pid, (info, _) in top.items() if info.get("planned")}
-
     assert late and len(view - late) - 1 >= 2 / 3 * len(short)  # a quorum is in before the late bucket
-    outcomes, announced = run_virtual(scenario)
-    assert all(isinstance(g, averaging_pb2.Group) for g, _ in outcomes.values()), \
-        {p: g for p, (g, _) in outcomes.items() if not isinstance(g, averaging_pb2.Group)}
+    outcomes, announced = arrivals(step, view, {p: STRAGGLE_WAIT + 3.0 for p in late}, {"peer-00": short})
+    assert_all_grouped(outcomes)
     assert len(plans(outcomes.values())) == 1 and outcomes["peer-00"][0].step_groups
     assert {m.peer_id for sg in outcomes["peer-00"][0].step_groups for m in sg.members} == view
     assert announced == {"peer-00"}
@@ -348,19 +353,7 @@ def test_peers_that_come_after_a_small_steps_split_plan_closed_give_up_instead_o
     step, view = 4, {f"peer-{i:02d}" for i in range(12)}
     assert bucket_count(len(view), GROUP) == 1
     late = {"peer-10", "peer-11"}
-    straggle_wait = 4 * 2.0  # no history yet: min_straggler_wait x 4 (election.straggler_wait)
-
-    async def scenario(loop: VirtualTimeLoop):
-        net, dht = FakeNet(), FakeDHT(loop)
-        group = {m.peer_id: m for m in swarm(net, dht, loop, 12)}
-
-        async def arrive(peer: str):
-            await asyncio.sleep(straggle_wait + 3.0 if peer in late else 0.0)
-            return peer, await form(group[peer], step, view)
-
-        return dict(await asyncio.gather(*(arrive(p) for p in sorted(view))))
-
-    outcomes = run_virtual(scenario)
+    outcomes, _ = arrivals(step, view, {p: STRAGGLE_WAIT + 3.0 for p in late})
     assert len(plans(outcomes.values())) == 1
     assert {p for p, (g, _) in outcomes.items() if isinstance(g, averaging_pb2.Group)} == view - late
     assert all(isinstance(outcomes[p][0], PlanClosed) for p in late), {p: outcomes[p][0] for p in late}
@@ -375,26 +368,11 @@ def test_the_coordinator_gives_the_stragglers_of_a_bucket_that_reported_short_th
     2: 21 failed rounds and 10 downloads over 12 seeds, 2 and 1 with the wait)."""
     step, view = 7, {f"peer-{i:02d}" for i in range(32)}
     buckets = bucket_count(len(view), GROUP)
-    by_label: dict[str, list[str]] = {}
-    for peer in sorted(view):
-        by_label.setdefault(bucket_label(step, peer, buckets), []).append(peer)
+    by_label = members_by_bucket(step, view, buckets)
     closing = next(ids for _, ids in sorted(by_label.items()) if len(ids) >= 3 and "peer-00" not in ids)
     straggler = closing[-1]  # not its bucket's lowest: the bucket closes on its quorum without it
-    straggle_wait = 4 * 2.0  # no history yet: min_straggler_wait x 4 (election.straggler_wait)
-
-    async def scenario(loop: VirtualTimeLoop):
-        net, dht = FakeNet(), FakeDHT(loop)
-        group = {m.peer_id: m for m in swarm(net, dht, loop, 32)}
-
-        async def arrive(peer: str):
-            await asyncio.sleep(straggle_wait + 2.0 if peer == straggler else 0.0)
-            return peer, await form(group[peer], step, view)
-
-        return dict(await asyncio.gather(*(arrive(p) for p in sorted(view))))
-
-    outcomes = run_virtual(scenario)
-    assert all(isinstance(g, averaging_pb2.Group) for g, _ in outcomes.values()), \
-        {p: g for p, (g, _) in outcomes.items() if not isinstance(g, averaging_pb2.Group)}
+    outcomes, _ = arrivals(step, view, {straggler: STRAGGLE_WAIT + 2.0})
+    assert_all_grouped(outcomes)
     assert len(plans(outcomes.values())) == 1
     assert {m.peer_id for sg in outcomes[straggler][0].step_groups for m in sg.members} == view
 
