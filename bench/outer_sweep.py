@@ -2,7 +2,8 @@
 """Outer-optimizer sweep on an in-process DiLoCo emulator (issue 16 item 5).
 
     nice -n 19 python bench/outer_sweep.py [--lr 0.4,0.7,1.0] [--momentum 0,0.5,0.9] [--H 50]
-                                           [--seeds 0] [--steps 1000] [--json-out bench/out/outer_sweep.jsonl]
+                                           [--seeds 0] [--inner-lr 1e-3] [--codec int8] [--steps 1000]
+                                           [--reference single] [--json-out bench/out/outer_sweep.jsonl]
                                            [--eval-every 1] [--validate]
 
 The long benchmark (bench/convergence.py --long) runs 4 real ``lowcomm-node`` processes for
@@ -25,6 +26,11 @@ out of reach that way. This emulator does the same arithmetic in one process, wi
   replicas restart from θ_global (blocking rounds).
 * Eval: the node's replica evaluator (``Trainer.replica_evaluator``: its fixed held-out batches)
   on θ_global after every ``--eval-every``-th outer step and after the last one.
+
+``--inner-lr`` sweeps the inner AdamW's lr too, and ``--reference single`` trains the `single`
+baseline (one process with the global batch, as bench/baselines/ddp.py does) at those lrs, so
+that a DiLoCo configuration is compared with the reference at its own best lr: the inner lr
+moves both.
 
 What it leaves out, on purpose: time. A real round can cut a slow peer's inner phase short, fail
 under load, or size shards by measured bandwidth (which moves int8's block boundaries); the
@@ -73,14 +79,26 @@ class RunConfig:
     seq_len: int = 128
     preset: str = "tiny"
     codec: str = "int8"
+    inner_lr: float = 1e-3
+    """The inner AdamW's peak lr ([train] lr; the workload's and the node's default is 1e-3)."""
+    method: str = "diloco"
+    """diloco: the emulated rounds. single: the reference, one Trainer with the global batch
+    (peers × batch_size) for ``steps`` steps, as bench/baselines/ddp.py's `single` trains."""
+    overlap_delay: int | None = None
+    """None: blocking rounds. D: ``[sync] overlap = "delayed"`` with the round's result landing
+    after D inner steps of the next phase (0 ≤ D ≤ H; the real node's D is the round's duration
+    in inner steps)."""
 
     def key(self) -> tuple:
         return (round(self.lr, 6), round(self.momentum, 6), self.inner_steps, self.seed, self.steps, self.peers,
-                self.batch_size, self.seq_len, self.preset, self.codec)
+                self.batch_size, self.seq_len, self.preset, self.codec, round(self.inner_lr, 9), self.method,
+                self.overlap_delay)
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> "RunConfig":
-        return cls(**{name: record["config"][name] for name in cls.__dataclass_fields__})
+        # Records written before inner_lr and method existed ran the defaults of both.
+        return cls(**{name: record["config"][name] for name in cls.__dataclass_fields__
+                      if name in record["config"]})
 
     def workload(self) -> Workload:
         return Workload(peers=self.peers, steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len,
@@ -89,7 +107,14 @@ class RunConfig:
     def node_sets(self) -> list[str]:
         """The node settings of this run on top of the workload's (``--set`` syntax)."""
         return [f"train.inner_steps={self.inner_steps}", f"sync.codec={self.codec}", f"sync.outer_lr={self.lr}",
-                f"sync.outer_momentum={self.momentum}", "node.torch_threads=1"]
+                f"sync.outer_momentum={self.momentum}", f"train.lr={self.inner_lr}", "node.torch_threads=1"]
+
+    def name(self) -> str:
+        if self.method == "single":
+            return f"emu-single-ilr{self.inner_lr:g}"
+        inner = "" if self.inner_lr == RunConfig.inner_lr else f"-ilr{self.inner_lr:g}"
+        overlap = "" if self.overlap_delay is None else f"-delayed{self.overlap_delay}"
+        return f"emu-{self.codec}-H{self.inner_steps}-lr{self.lr:g}-m{self.momentum:g}{inner}{overlap}"
 
 
 def default_peer_ids(peers: int) -> list[str]:
@@ -127,6 +152,7 @@ class Emulator:
         self.owner_residuals = [torch.zeros(self.numel) for _ in self.peer_ids]
         self.evaluate = self.trainers[0].replica_evaluator()
         self.tokens = 0
+        self.shifts: list[torch.Tensor | None] = [None] * len(self.peer_ids)  # delayed overlap's pending merges
 
     def slices(self) -> list[slice]:
         from lowcomm.protocol.layout import shard_layout
@@ -135,12 +161,24 @@ class Emulator:
         return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
     def inner_phases(self) -> tuple[list[torch.Tensor], list[float]]:
-        """H inner steps on every replica; (Δ_i = θ_global − θ_i, tokens_i)."""
+        """H inner steps on every replica; (Δ_i = θ_global − θ_i, tokens_i). With an overlap delay
+        D, the last round's result reaches replica i after D steps of this phase, as the node's
+        ``overlap_apply = "arrival"`` merges it (node/overlap.py ``_merge``): the local model is
+        shifted by θ_global − (the local model when its Δ was taken)."""
         deltas, weights = [], []
-        for trainer in self.trainers:
-            stats = trainer.train_phase(self.run.inner_steps, lambda: False)
+        for i, trainer in enumerate(self.trainers):
+            steps = self.run.inner_steps
+            shift, self.shifts[i] = self.shifts[i], None
+            if shift is not None:
+                early = trainer.train_phase(self.run.overlap_delay, lambda: False)
+                trainer.add_to_slice(slice(0, self.numel), shift)
+                self.tokens += early.tokens
+                weights_early, steps = early.tokens, steps - early.steps
+            else:
+                weights_early = 0
+            stats = trainer.train_phase(steps, lambda: False)
             deltas.append(self.state.params - trainer.get_params())
-            weights.append(float(stats.tokens))
+            weights.append(float(stats.tokens + weights_early))
             self.tokens += stats.tokens
         return deltas, weights
 
@@ -184,13 +222,17 @@ class Emulator:
         from lowcomm.protocol.allreduce import AllReduceResult
 
         deltas, tokens = self.inner_phases()
+        local_at_send = [trainer.get_params() for trainer in self.trainers]
         averages = self.allreduce(deltas, tokens)
         apply_averages(self.state, slice(0, self.numel),
                        AllReduceResult(averages=averages, slices=self.slices(), bytes_sent=0, bytes_received=0,
                                        payload_bytes=0))
         self.state.commit()
-        for trainer in self.trainers:
-            trainer.set_params(self.state.params)
+        if self.run.overlap_delay is None:  # blocking rounds: every replica restarts from θ_global
+            for trainer in self.trainers:
+                trainer.set_params(self.state.params)
+        else:  # delayed overlap: the replicas train on; the result lands overlap_delay steps later
+            self.shifts = [self.state.params - local for local in local_at_send]
 
     def train(self, eval_every: int = 1, on_point: Callable[[dict], None] | None = None) -> list[dict]:
         """All rounds of the run; the curve (outer step, tokens, eval loss) at the evaluated steps."""
@@ -207,16 +249,52 @@ class Emulator:
         return curve
 
 
+class SingleReference:
+    """The `single` baseline in this process: one ``Trainer`` with the global batch (peers ×
+    batch_size sequences per step) under the data-shard key "single", as bench/baselines/ddp.py
+    trains it with ``--world-size 1``, evaluated on the same held-out batches as the emulated
+    θ_global (a Trainer of the per-peer batch size builds them). With the same inner lr it gives
+    the real `single` run's numbers; its point here is the reference at other inner lrs."""
+
+    def __init__(self, run: RunConfig, corpus=None) -> None:
+        from lowcomm.node.data import load_data
+        from lowcomm.node.trainer import Trainer
+
+        self.run = run
+        work = run.workload()
+        config = work.config(batch_size=work.global_batch, extra=run.node_sets())
+        corpus = corpus if corpus is not None else load_data(config.data)
+        self.trainer = Trainer(config, "single", corpus)
+        self.numel = self.trainer.numel
+        self.evaluate = Trainer(work.config(extra=run.node_sets()), "single", corpus).replica_evaluator()
+        self.tokens = 0
+
+    def train(self, eval_every: int = 1, on_point: Callable[[dict], None] | None = None) -> list[dict]:
+        """``steps`` steps, evaluated every ``inner_steps`` × ``eval_every`` steps (the emulator's points)."""
+        every = self.run.inner_steps * eval_every
+        curve, done = [], 0
+        while done < self.run.steps:
+            stats = self.trainer.train_phase(min(every, self.run.steps - done), lambda: False)
+            done += stats.steps
+            self.tokens += stats.tokens
+            point = {"outer_step": done // self.run.inner_steps, "step": done, "tokens": self.tokens,
+                     "eval_loss": self.evaluate(self.trainer.get_params())}
+            curve.append(point)
+            if on_point is not None:
+                on_point(point)
+        return curve
+
+
 def run_one(run: RunConfig, eval_every: int, peer_ids: list[str], corpus=None) -> dict[str, Any]:
     """One emulated run as a bench record (without the common record_base fields)."""
     started = time.monotonic()
-    emulator = Emulator(run, peer_ids, corpus)
-    curve = emulator.train(eval_every, lambda p: say(f"  outer step {p['outer_step']}: eval {p['eval_loss']:.4f}"))
+    trainer = SingleReference(run, corpus) if run.method == "single" else Emulator(run, peer_ids, corpus)
+    curve = trainer.train(eval_every, lambda p: say(f"  step {p['step']}: eval {p['eval_loss']:.4f}"))
     final = curve[-1]
     return {"config": {name: getattr(run, name) for name in RunConfig.__dataclass_fields__},
-            "method": f"emu-{run.codec}-H{run.inner_steps}-lr{run.lr:g}-m{run.momentum:g}", "seed": run.seed,
+            "method": run.name(), "seed": run.seed,
             "curve": curve, "final_eval_loss": final["eval_loss"], "tokens": final["tokens"],
-            "numel": emulator.numel, "eval_every": eval_every, "ok": bool(torch.isfinite(torch.tensor(
+            "numel": trainer.numel, "eval_every": eval_every, "ok": bool(torch.isfinite(torch.tensor(
                 final["eval_loss"]))), "wall_seconds": time.monotonic() - started}
 
 
@@ -234,9 +312,16 @@ def done_keys(path: Path) -> set[tuple]:
 
 def plan(args: argparse.Namespace) -> list[RunConfig]:
     """The grid of the flags, in the order it runs (seed outermost: a stage's first seed completes first)."""
+    if args.reference == "single":  # the outer settings do not apply: one run per inner lr and seed
+        return [RunConfig(lr=1.0, momentum=0.0, inner_steps=args.H[0], seed=seed, steps=args.steps,
+                          peers=args.peers, batch_size=args.batch_size, seq_len=args.seq_len, preset=args.preset,
+                          codec="fp32", inner_lr=ilr, method="single")
+                for seed in args.seeds for ilr in args.inner_lr]
     return [RunConfig(lr=lr, momentum=m, inner_steps=h, seed=seed, steps=args.steps, peers=args.peers,
-                      batch_size=args.batch_size, seq_len=args.seq_len, preset=args.preset, codec=args.codec)
-            for seed in args.seeds for h in args.H for lr in args.lr for m in args.momentum]
+                      batch_size=args.batch_size, seq_len=args.seq_len, preset=args.preset, codec=args.codec,
+                      inner_lr=ilr, overlap_delay=delay)
+            for seed in args.seeds for h in args.H for ilr in args.inner_lr for lr in args.lr for m in args.momentum
+            for delay in args.overlap_delay]
 
 
 def validation_lines(records: list[dict], long_records: list[dict]) -> list[str]:
@@ -276,12 +361,40 @@ def _ints(text: str, name: str, low: int) -> list[int]:
     return values
 
 
+def _delays(text: str | None, hs: list[int]) -> list[int | None]:
+    if text is None:
+        return [None]
+    values: list[int | None] = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        if item == "none":
+            values.append(None)
+            continue
+        try:
+            delay = int(item)
+        except ValueError:
+            raise UsageError(f"--overlap-delay {text!r}: expected comma-separated integers or 'none'") from None
+        if not 0 <= delay <= min(hs):
+            raise UsageError(f"--overlap-delay {text!r}: every delay must lie in [0, H={min(hs)}]")
+        values.append(delay)
+    if not values:
+        raise UsageError(f"--overlap-delay {text!r}: expected comma-separated integers or 'none'")
+    return values
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lr", default="0.7", help="comma-separated outer learning rates (default 0.7)")
     parser.add_argument("--momentum", default="0.9", help="comma-separated outer momenta in [0, 1) (default 0.9)")
     parser.add_argument("--H", default="50", help="comma-separated inner steps per round (default 50)")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    parser.add_argument("--inner-lr", default="1e-3",
+                        help="comma-separated peak lrs of the inner AdamW ([train] lr; default 1e-3, the workload's)")
+    parser.add_argument("--overlap-delay", default=None,
+                        help="comma-separated D: emulate [sync] overlap = \"delayed\" with each round's result "
+                             "landing D inner steps into the next phase ('none': blocking rounds; default none)")
+    parser.add_argument("--reference", choices=["single"],
+                        help="run the `single` baseline (one process, the global batch) at each --inner-lr and "
+                             "seed instead of emulated rounds; evaluated every H steps")
     parser.add_argument("--codec", default="int8", choices=CODEC_CHOICES)
     parser.add_argument("--steps", type=int, default=1000, help="inner steps per peer (default 1000: the long benchmark)")
     parser.add_argument("--peers", type=int, default=4)
@@ -297,6 +410,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.momentum = _floats(args.momentum, "momentum", 0.0, 1.0, high_open=True)
     args.H = _ints(args.H, "H", 1)
     args.seeds = _ints(args.seeds, "seeds", 0)
+    args.inner_lr = _floats(args.inner_lr, "inner-lr", 0.0, 1.0)
+    args.overlap_delay = _delays(args.overlap_delay, args.H)
     if args.peers < 2:
         raise UsageError(f"--peers {args.peers}: an all-reduce needs at least 2 peers")
     if args.steps < 1 or args.eval_every < 1:

@@ -51,6 +51,8 @@ def group_runs(records: list[dict[str, Any]]) -> dict[Key, dict[int, dict[str, A
         if r.get("bench") != "outer_sweep" or not r.get("ok") or (c.get("peers"), c.get("steps"), c.get("batch_size"),
                                                                    c.get("seq_len"), c.get("preset")) != (4, 1000, 8, 128, "tiny"):
             continue
+        if c.get("method", "diloco") != "diloco" or c.get("inner_lr", 1e-3) != 1e-3:
+            continue  # the inner-lr study (its own table): this sweep holds the workload's inner lr
         runs.setdefault(_key(r), {})[int(c["seed"])] = r
     return runs
 

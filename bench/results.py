@@ -24,6 +24,7 @@ from common import BENCH, OUT, nearest_rank, now_iso, read_jsonl
 from data_memory import results_section as data_memory_section
 from outer_sweep_results import node_defaults
 from outer_sweep_results import results_section as outer_sweep_section
+from inner_lr_results import results_section as inner_lr_section
 from overlap import stable_meetings
 from soak import soak_section
 
@@ -909,6 +910,7 @@ def main(argv: list[str] | None = None) -> int:
             + outer_sweep_section(read_jsonl(args.in_dir / "outer_sweep.jsonl"), old_default, seed_summary(long_run)[1],
                                   [r for r in long_all if r.get("method") == LONG_DEFAULT_METHOD
                                    and long_records.outer_settings(r) == current] + confirm)
+            + inner_lr_section(read_jsonl(args.in_dir / "outer_sweep.jsonl"))
             + slow_links_section(slow, plot_dir, goals)
             + transport_section(trans, slow, plot_dir, goals) + codecs_section(cod)
             + overlap_section(over, plot_dir, goals, other_overlap) + soak_section(soak_run)

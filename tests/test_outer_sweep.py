@@ -3,6 +3,7 @@ and refuses bad flags with one line. Socket-free: fake peer ids, a small synthet
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -94,6 +95,75 @@ def test_emulator_matches_codec_and_nesterov_by_hand(corpus: Corpus) -> None:
     assert not torch.equal(theta, Trainer(config, ids[0], corpus).get_params())  # it did train
 
 
+def test_single_reference_is_one_trainer_with_the_global_batch(corpus: Corpus) -> None:
+    """``--reference single`` trains what bench/baselines/ddp.py's `single` trains (one Trainer,
+    peers × batch_size sequences per step, shard key "single", the inner lr asked for) and
+    evaluates it on the held-out batches the emulator evaluates θ_global on."""
+    torch.set_num_threads(1)
+    run = outer_sweep.RunConfig(lr=1.0, momentum=0.0, inner_steps=2, seed=0, steps=4, peers=2, batch_size=2,
+                                seq_len=16, codec="fp32", inner_lr=3e-3, method="single")
+    curve = outer_sweep.SingleReference(run, corpus).train()
+    work = run.workload()
+    config = work.config(batch_size=4, extra=run.node_sets())
+    assert config.train.lr == 3e-3
+    by_hand = Trainer(config, "single", corpus)
+    evaluate = outer_sweep.Emulator(dataclasses.replace(run, method="diloco"), PEERS, corpus).evaluate
+    expected = []
+    for step in (2, 4):
+        by_hand.train_phase(2, lambda: False)
+        expected.append((step, step * 4 * 16, evaluate(by_hand.get_params())))
+    assert [(p["step"], p["tokens"], p["eval_loss"]) for p in curve] == expected
+    assert [p["outer_step"] for p in curve] == [1, 2]
+
+
+def test_delayed_overlap_lands_the_result_after_d_steps_and_at_zero_is_the_blocking_round(corpus: Corpus) -> None:
+    """``overlap_delay = D``: the replicas train on past the boundary and take the round's result
+    D steps into the next phase (node/overlap.py's arrival merge). At D = 0 the merge lands before
+    any step, so the run is the blocking one up to float rounding; at D = 1 it is not."""
+    torch.set_num_threads(1)
+    run = dataclasses.replace(small(lr=1.0, momentum=0.5), steps=6, codec="fp32")  # int8 would round a 1-ulp change up to a step
+    blocking = outer_sweep.Emulator(run, PEERS, corpus)
+    blocking.train()
+    at_once = outer_sweep.Emulator(dataclasses.replace(run, overlap_delay=0), PEERS, corpus)
+    at_once.train()
+    assert (at_once.state.params - blocking.state.params).abs().max() < 1e-5
+    assert at_once.tokens == blocking.tokens == 3 * 2 * (2 * 2 * 16)
+
+    late = outer_sweep.Emulator(dataclasses.replace(run, overlap_delay=1), PEERS, corpus)
+    seen: list[torch.Tensor] = []
+    trainer = late.trainers[0]
+    original = trainer.train_phase
+
+    def recording(steps, should_stop, on_step=None):  # the local model at the start of each call
+        seen.append(trainer.get_params())
+        return original(steps, should_stop, on_step)
+
+    trainer.train_phase = recording
+    late.round()
+    first_global = late.state.params.clone()
+    local_at_send = trainer.get_params()
+    late.round()
+    # Round 2 of replica 0: one step from where it sent its Δ, then the shift, then H − 1 steps.
+    assert [p.shape for p in seen] == [first_global.shape] * 3
+    assert torch.equal(seen[1], local_at_send)
+    assert late.tokens == blocking.tokens * 2 // 3
+    assert not torch.allclose(late.state.params, first_global)
+
+
+def test_records_before_the_inner_lr_axis_keep_their_key_and_stay_out_of_the_study() -> None:
+    """A record written before inner_lr and method existed is the workload's lr and a DiLoCo run:
+    resume still recognises it, and the outer sweep's table takes only such runs."""
+    import outer_sweep_results as section
+
+    old = fake_record(0.7, 0.9, 0, 1.83)
+    assert outer_sweep.RunConfig.from_record(old) == outer_sweep.RunConfig(lr=0.7, momentum=0.9, inner_steps=50, seed=0)
+    study = fake_record(0.7, 0.9, 1, 1.70)
+    study["config"]["inner_lr"] = 2e-3
+    single = fake_record(1.0, 0.0, 2, 1.60)
+    single["config"].update(method="single", codec="fp32")
+    assert section.group_runs([old, study, single]) == {("int8", 50, 0.7, 0.9): {0: old}}
+
+
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -128,6 +198,8 @@ def test_resume_skips_done_configs(tmp_path: Path, corpus: Corpus, capsys: pytes
     (["--H", "30"], "--steps 1000 is not a multiple of H=30"),
     (["--seeds", "0,x"], "--seeds '0,x': expected comma-separated integers"),
     (["--peers", "1"], "--peers 1: an all-reduce needs at least 2 peers"),
+    (["--inner-lr", "0"], "--inner-lr '0': every value must lie in (0.0, 1.0]"),
+    (["--overlap-delay", "60"], "--overlap-delay '60': every delay must lie in [0, H=50]"),
 ])
 def test_bad_flags_one_error_line(flags: list[str], message: str, tmp_path: Path,
                                   capsys: pytest.CaptureFixture) -> None:
