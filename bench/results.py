@@ -24,7 +24,10 @@ from common import BENCH, OUT, nearest_rank, now_iso, read_jsonl
 from data_memory import results_section as data_memory_section
 from outer_sweep_results import node_defaults
 from outer_sweep_results import results_section as outer_sweep_section
+from inner_lr_results import floor_text as inner_lr_floor
 from inner_lr_results import results_section as inner_lr_section
+from overlap_delay_results import profile_text as overlap_delay_profile
+from overlap_delay_results import results_section as overlap_delay_section
 from overlap import stable_meetings
 from soak import soak_section
 
@@ -269,9 +272,11 @@ def _seeds(n: int) -> str:
 
 
 def long_convergence_section(records: list[dict], goals: list[str], plot_dir: Path | None = None,
-                             current: tuple[float, float] | None = None) -> list[str]:
+                             current: tuple[float, float] | None = None,
+                             sweep_records: list[dict] = ()) -> list[str]:
     """``records``: the long benchmark's records combined across runs (long_records.combine: each
-    with its row in ``label``); ``current``: the node's outer defaults (the default method's row)."""
+    with its row in ``label``); ``current``: the node's outer defaults (the default method's row);
+    ``sweep_records``: the emulator's (outer_sweep.jsonl), for the profile of a missed goal."""
     lines = ["## 1b. Long convergence, mean and range over seeds (`python bench/convergence.py --long`)", ""]
     tokens, methods, short = seed_summary(records)
     if not methods:
@@ -334,13 +339,14 @@ def long_convergence_section(records: list[dict], goals: list[str], plot_dir: Pa
     old_text = "" if old_gap is None else (f"; the old defaults {old_gap * 100:+.1f} % on "
                                            f"{_seeds(len(methods[old_row]['losses']))}")
     default_gap = gap(default_row)
+    floor = inner_lr_floor(sweep_records)
     if default_gap is None:
         goals.append(f"- {default_row} within +2 % of ddp (long, mean of seeds): **not measured**{old_text}.")
     else:
         goals.append(f"- **{default_row} within +2 % of ddp (long benchmark, mean of "
                      f"{_seeds(len(methods[default_row]['losses']))}): "
                      f"{'met' if default_gap <= GOAL_LONG_DEFAULT else 'MISSED'}** ({default_gap * 100:+.1f} %"
-                     f"{old_text}).")
+                     f"{old_text}{'; ' + floor if floor and default_gap > GOAL_LONG_DEFAULT else ''}).")
     sparse = next((n for n in methods if n.startswith("sparseloco")), None)
     sparse_gap = gap(sparse) if sparse else None
     if sparse_gap is None:
@@ -678,7 +684,7 @@ def transport_section(records: list[dict], slow: list[dict], plot_dir: Path, goa
 
 
 def overlap_section(records: list[dict], plot_dir: Path, goals: list[str],
-                    others: dict[str, list[dict]] | None = None) -> list[str]:
+                    others: dict[str, list[dict]] | None = None, sweep: list[dict] = ()) -> list[str]:
     """Section 5 from the newest run in overlap.jsonl; ``others``: the newest run of every other
     overlap-*.jsonl (other settings, e.g. a shorter H), summarized below it."""
     lines = ["## 5. Overlap on 20 Mbit/s links", ""]
@@ -726,7 +732,7 @@ def overlap_section(records: list[dict], plot_dir: Path, goals: list[str],
     lines += failures(runs)
     first_seed = min(r.get("seed", 0) for r in runs)
     lines += images(plots.overlap([r for r in runs if r.get("seed", 0) == first_seed], plot_dir))
-    overlap_goals(runs, penalty, goals)
+    overlap_goals(runs, penalty, goals, sweep)
     for name, other in (others or {}).items():
         other_runs = [r for r in other if r.get("mode")]
         if not other_runs:
@@ -735,7 +741,7 @@ def overlap_section(records: list[dict], plot_dir: Path, goals: list[str],
         lines += [f"### Other settings: bench/out/{name}", ""]
         lines += overlap_summary(other_runs, other_penalty)
         lines += failures(other_runs)
-        overlap_goals(other_runs, other_penalty, goals)
+        overlap_goals(other_runs, other_penalty, goals, sweep)
     return lines
 
 
@@ -797,8 +803,9 @@ def swarm_tokens_per_second(record: dict) -> float | None:
     return sum(rates) if rates else None
 
 
-def overlap_goals(runs: list[dict], penalty: dict, goals: list[str]) -> None:
-    """The goal lines of one overlap run: utilization ≥0.95 and penalty ≤1 % per overlapped mode."""
+def overlap_goals(runs: list[dict], penalty: dict, goals: list[str], sweep: list[dict] = ()) -> None:
+    """The goal lines of one overlap run: utilization ≥0.95 and penalty ≤1 % per overlapped mode;
+    ``sweep``: the emulator's records (outer_sweep.jsonl), for the profile of a missed penalty."""
     r0 = runs[0]
     _, none_u, _ = mode_numbers(runs, "none", penalty)
     for mode in dict.fromkeys(r["mode"] for r in runs):
@@ -817,7 +824,10 @@ def overlap_goals(runs: list[dict], penalty: dict, goals: list[str]) -> None:
                      f"**Eval-loss penalty at equal tokens ≤1 %: "
                      + ("not measured**" if mean_pen is None else
                         f"{'met' if mean_pen <= GOAL_OVERLAP_PENALTY else 'MISSED'}** ({mean_pen * 100:+.2f} % mean, "
-                        f"{min(pens) * 100:+.2f} … {max(pens) * 100:+.2f} % over {len(pens)} seed(s))") + ".")
+                        f"{min(pens) * 100:+.2f} … {max(pens) * 100:+.2f} % over {len(pens)} seed(s)"
+                        + (f"; {why}" if mode == "delayed" and mean_pen > GOAL_OVERLAP_PENALTY
+                           and (why := overlap_delay_profile(sweep, r0["inner_steps"], GOAL_OVERLAP_PENALTY)) else "")
+                        + ")") + ".")
 
 
 def overlap_penalties(runs: list[dict]) -> tuple[dict, dict, dict]:
@@ -906,14 +916,17 @@ def main(argv: list[str] | None = None) -> int:
         long_all + [r for r in confirm if reference and long_records.same_workload(r, reference)], current)
     # Section 1c compares the emulator with the real node's records of the old defaults.
     old_default = [r for r in long_run if long_records.outer_settings(r) == long_records.OLD_OUTER]
-    body = (convergence_section(conv, plot_dir, goals) + long_convergence_section(long_run, goals, plot_dir, current)
-            + outer_sweep_section(read_jsonl(args.in_dir / "outer_sweep.jsonl"), old_default, seed_summary(long_run)[1],
+    sweep = read_jsonl(args.in_dir / "outer_sweep.jsonl")
+    body = (convergence_section(conv, plot_dir, goals)
+            + long_convergence_section(long_run, goals, plot_dir, current, sweep)
+            + outer_sweep_section(sweep, old_default, seed_summary(long_run)[1],
                                   [r for r in long_all if r.get("method") == LONG_DEFAULT_METHOD
                                    and long_records.outer_settings(r) == current] + confirm)
-            + inner_lr_section(read_jsonl(args.in_dir / "outer_sweep.jsonl"))
+            + inner_lr_section(sweep)
             + slow_links_section(slow, plot_dir, goals)
             + transport_section(trans, slow, plot_dir, goals) + codecs_section(cod)
-            + overlap_section(over, plot_dir, goals, other_overlap) + soak_section(soak_run)
+            + overlap_section(over, plot_dir, goals, other_overlap, sweep)
+            + overlap_delay_section(sweep) + soak_section(soak_run)
             + data_memory_section(read_jsonl(args.in_dir / "data_memory.jsonl"))
             + scale_section(args.in_dir / "scale" / "sweep.jsonl", goals))
     lines = ["# Benchmark results", "",

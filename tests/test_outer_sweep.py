@@ -266,3 +266,63 @@ def test_section_changes_the_default_only_beyond_the_range_overlap() -> None:
             "the starts); emulator 1.8000; the old default on the real node 1.8320; against the node default on "
             "the same seeds: -0.0050 (1 of 1 lower, mean -0.0050).") in text
     assert f"node/config_sections.py has outer_lr {current[0]:g}, outer_momentum {current[1]:g}" in text
+
+
+def study_record(seed: int, loss: float, **config) -> dict:
+    record = fake_record(1.0, 0.5, seed, loss)
+    record["config"].update(config)
+    return record
+
+
+def test_gap_section_compares_each_row_with_single_at_its_own_lr_and_at_the_best() -> None:
+    import inner_lr_results
+
+    lr, momentum = outer_sweep_results_defaults()
+    records = [study_record(s, loss, method="single", codec="fp32", lr=1.0, momentum=0.0, inner_lr=ilr)
+               for ilr, losses in ((1e-3, (1.70, 1.72)), (2e-3, (1.66, 1.68))) for s, loss in enumerate(losses)]
+    records += [study_record(s, loss, inner_lr=2e-3, lr=lr, momentum=momentum) for s, loss in enumerate((1.78, 1.80))]
+    records += [study_record(s, loss, lr=lr, momentum=momentum) for s, loss in enumerate((1.81, 1.83))]  # node default
+    records += [study_record(0, 1.90, lr=0.7, momentum=0.9)]  # the outer sweep's: not this section's row
+    text = "\n".join(inner_lr_results.results_section(records))
+    assert "| tiny | single | 0.001 | – | 0, 1 | 1.7100 | 1.7000 – 1.7200 | – | – |" in text
+    # 1.79 / 1.67 − 1 = +7.2 % against single at 2e-3, which is also the best single (1.67 < 1.71).
+    assert f"| tiny | diloco int8-H50 | 0.002 | {lr:g} / {momentum:g} | 0, 1 | 1.7900 | 1.7800 – 1.8000 | +7.2 % | +7.2 % (lr 0.002) |" in text
+    assert f"| tiny | diloco int8-H50 (node default) | 0.001 | {lr:g} / {momentum:g} | 0, 1 | 1.8200 |" in text
+    assert "+6.4 % | +9.0 % (lr 0.002) |" in text  # 1.82 / 1.71 and 1.82 / 1.67
+    assert "0.7 / 0.9" not in text
+    assert inner_lr_results.floor_text(records) is None  # no H = 1 run: nothing to say about the floor
+    records += [study_record(s, loss, codec="fp32", inner_steps=1, lr=1.0, momentum=0.0) for s, loss in enumerate((1.80, 1.84))]
+    assert inner_lr_results.floor_text(records).startswith(
+        "profile: averaging after every inner step in fp32 (H = 1, emulator) ends +6.4 % from `single` at the same "
+        "inner lr on seeds 0, 1,")  # 1.82 / 1.71
+
+
+def outer_sweep_results_defaults() -> tuple[float, float]:
+    import outer_sweep_results
+
+    return outer_sweep_results.node_defaults()
+
+
+def test_overlap_delay_section_gives_the_penalty_per_seed_against_the_blocking_run() -> None:
+    import overlap_delay_results
+
+    lr, momentum = outer_sweep_results_defaults()
+    common = {"inner_steps": 20, "steps": 400, "lr": lr, "momentum": momentum}
+    records = [study_record(s, loss, **common) for s, loss in enumerate((2.00, 2.10))]
+    records += [study_record(s, loss, overlap_delay=10, **common) for s, loss in enumerate((2.02, 2.1105))]
+    other = {**common, "lr": 0.3}
+    records += [study_record(0, 2.20, **other), study_record(0, 2.09, overlap_delay=10, **other)]
+    records += [study_record(s, 2.5, **{**common, "inner_steps": 50}) for s in range(2)]  # blocking only: no table
+    text = "\n".join(overlap_delay_results.results_section(records))
+    assert f"| {lr:g} / {momentum:g} (node default) | blocking | – | 0, 1 | 2.0500 | – | – | – |" in text
+    assert f"| {lr:g} / {momentum:g} (node default) | 10 | 0.50 | 0, 1 | 2.0652 | +0.75 % | +0.50 … +1.00 % | +0.75 % |" in text
+    # Another outer setting: its penalty against its own blocking run (−5 %) and the default's (+4.5 %).
+    assert f"| 0.3 / {momentum:g} | 10 | 0.50 | 0 | 2.0900 | -5.00 % | -5.00 … -5.00 % | +4.50 % |" in text
+    assert f"| 0.3 / {momentum:g} | blocking | – | 0 | 2.2000 | – | – | +10.00 % |" in text
+    assert "H = 50" not in text
+    records += [study_record(s, loss, overlap_delay=5, **common) for s, loss in enumerate((2.01, 2.11))]
+    assert overlap_delay_results.profile_text(records, 20, 0.007) == (
+        "profile: on the emulator (section 5b) staleness alone keeps the penalty within 0.7 % only while the "
+        "round's result lands within 5 of the 20 inner steps (+0.75 % at 10)")
+    assert overlap_delay_results.profile_text(records, 20, 0.001).endswith("at none of the delays run (+0.49 % at 5)")
+    assert overlap_delay_results.profile_text(records, 50, 0.01) is None  # no delayed run at H = 50
