@@ -18,6 +18,9 @@ from typing import Any
 # them then); unless their --set flags say otherwise, they ran with the defaults of that time.
 DEFAULTS_CHANGED = "2026-12-01T15:54:43+00:00"
 OLD_OUTER = (0.7, 0.9)
+# SparseLoCo's step size α ([sync] outer_lr under method = "sparseloco") was 1.5 until the long
+# benchmark's sweep of it (bench/analysis.md); records that do not say theirs ran with it.
+OLD_SPARSELOCO_ALPHA = 1.5
 OUTER_KEYS = ("sync.outer_lr", "sync.outer_momentum")
 BASELINES = ("single", "ddp", "hivemind")
 Outer = tuple[float, float]
@@ -54,6 +57,19 @@ def outer_settings(record: dict[str, Any]) -> Outer | None:
     return None
 
 
+def sparseloco_alpha(record: dict[str, Any]) -> float:
+    """The α a SparseLoCo record ran with: recorded, else its --set flag, else the old default."""
+    if record.get("outer_lr") is not None:
+        return float(record["outer_lr"])
+    return float(_sets(record).get(OUTER_KEYS[0], OLD_SPARSELOCO_ALPHA))
+
+
+def current_sparseloco_alpha() -> float:
+    from lowcomm.node.config_sections import METHOD_DEFAULTS
+
+    return float(METHOD_DEFAULTS["sparseloco"]["outer_lr"])
+
+
 def outer_text(outer: Outer) -> str:
     """``1.0/0.5``: the outer lr and momentum as the README and the config write them."""
     return "/".join(f"{v:.1f}" if v == round(v, 1) else f"{v:g}" for v in outer)
@@ -67,7 +83,10 @@ def label(record: dict[str, Any], current: Outer) -> str:
     extra = sorted(f"{k}={v}" for k, v in _sets(record).items()
                    if k not in OUTER_KEYS and not (k == "sync.method" and v == named))
     text = method
-    if _is_node(record) and not _is_sparseloco(record):
+    if _is_sparseloco(record):
+        alpha = sparseloco_alpha(record)
+        text += f" (default α {alpha:g})" if alpha == current_sparseloco_alpha() else f" (α {alpha:g})"
+    elif _is_node(record):
         outer = outer_settings(record)
         if outer is None:
             text += " (outer settings not recorded)"

@@ -58,7 +58,9 @@ from common import OUT, Workload, append_jsonl, machine, read_jsonl, record_base
 
 DEFAULT_JSON = OUT / "outer_sweep.jsonl"
 LONG_JSON = OUT / "convergence_long.jsonl"
-CODEC_CHOICES = ("fp32", "fp16", "bf16", "int8", "int4")  # the plain DiLoCo codecs (Nesterov outer rule)
+# The plain DiLoCo codecs (Nesterov outer rule), and sparseloco: the node's [sync] method = "sparseloco"
+# (its codec with decayed error feedback, clipped-mean aggregation; --momentum must be 0, --lr is α).
+CODEC_CHOICES = ("fp32", "fp16", "bf16", "int8", "int4", "sparseloco")
 
 
 class UsageError(Exception):
@@ -106,7 +108,8 @@ class RunConfig:
 
     def node_sets(self) -> list[str]:
         """The node settings of this run on top of the workload's (``--set`` syntax)."""
-        return [f"train.inner_steps={self.inner_steps}", f"sync.codec={self.codec}", f"sync.outer_lr={self.lr}",
+        method = ["sync.method=sparseloco"] if self.codec == "sparseloco" else []
+        return [*method, f"train.inner_steps={self.inner_steps}", f"sync.codec={self.codec}", f"sync.outer_lr={self.lr}",
                 f"sync.outer_momentum={self.momentum}", f"train.lr={self.inner_lr}", "node.torch_threads=1"]
 
     def name(self) -> str:
@@ -416,6 +419,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise UsageError(f"--peers {args.peers}: an all-reduce needs at least 2 peers")
     if args.steps < 1 or args.eval_every < 1:
         raise UsageError("--steps and --eval-every must be >= 1")
+    if args.codec == "sparseloco" and args.momentum != [0.0] and not args.reference:
+        raise UsageError("--codec sparseloco has no outer momentum (its decayed error feedback plays that part): "
+                         "pass --momentum 0, and its step size α as --lr (the node's default 1.5)")
     bad = [h for h in args.H if args.steps % h]
     if bad:
         raise UsageError(f"--steps {args.steps} is not a multiple of H={bad[0]} (the tokens would differ)")

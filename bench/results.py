@@ -347,7 +347,9 @@ def long_convergence_section(records: list[dict], goals: list[str], plot_dir: Pa
                      f"{_seeds(len(methods[default_row]['losses']))}): "
                      f"{'met' if default_gap <= GOAL_LONG_DEFAULT else 'MISSED'}** ({default_gap * 100:+.1f} %"
                      f"{old_text}{'; ' + floor if floor and default_gap > GOAL_LONG_DEFAULT else ''}).")
-    sparse = next((n for n in methods if n.startswith("sparseloco")), None)
+    # The method's current default α first (long_records labels it), else any sparseloco row.
+    sparse = next((n for n in methods if n.startswith("sparseloco") and "(default" in n),
+                  next((n for n in methods if n.startswith("sparseloco")), None))
     sparse_gap = gap(sparse) if sparse else None
     if sparse_gap is None:
         goals.append("- sparseloco within +3 % of ddp at ≥1,000× fewer payload bytes (long): **not measured**.")

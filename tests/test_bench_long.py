@@ -141,9 +141,14 @@ def test_old_default_records_are_labelled_apart_from_the_new_defaults():
     assert label(long_record("diloco-int8-H50", 0, "r2", OLD, 2.0, node_sets=["sync.outer_momentum=0.5"])) == \
         "diloco-int8-H50 (outer lr 0.7 / momentum 0.5)"
     assert label(long_record("diloco-int8-H50", 0, "r2", NEW, 2.0)) == "diloco-int8-H50 (outer settings not recorded)"
-    # Baselines and SparseLoCo (its own outer rule) carry no outer label; other --set flags show.
+    # Baselines carry no outer label, SparseLoCo its step size α (its own outer rule); other --set flags show.
     assert label(long_record("ddp", 0, "r1", OLD, 1.7)) == "ddp"
-    assert label(long_record("sparseloco-H20", 0, "r1", OLD, 2.1)) == "sparseloco-H20"
+    alpha = long_records.current_sparseloco_alpha()
+    assert label(long_record("sparseloco-H20", 0, "r1", OLD, 2.1)) == (  # no α recorded: the old default's
+        "sparseloco-H20 (default α 1.5)" if alpha == 1.5 else "sparseloco-H20 (α 1.5)")
+    assert label(long_record("sparseloco-H20", 0, "r3", NEW, 2.0, outer_lr=alpha, outer_momentum=0.0)) == \
+        f"sparseloco-H20 (default α {alpha:g})"
+    assert label(long_record("sparseloco-H20", 0, "r3", NEW, 2.0, node_sets=["sync.outer_lr=7"])) == "sparseloco-H20 (α 7)"
     assert label(long_record("desloc-H50", 0, "r3", NEW, 1.9, outer_lr=1.0, outer_momentum=0.5,
                              node_sets=["sync.method=desloc", "sync.state_codec=fp32"])) == \
         "desloc-H50 (default 1.0/0.5) [sync.state_codec=fp32]"

@@ -164,6 +164,18 @@ def test_records_before_the_inner_lr_axis_keep_their_key_and_stay_out_of_the_stu
     assert section.group_runs([old, study, single]) == {("int8", 50, 0.7, 0.9): {0: old}}
 
 
+def test_sparseloco_runs_the_nodes_method_with_its_decayed_feedback_and_clipped_mean(corpus: Corpus) -> None:
+    """``--codec sparseloco`` is the node's ``[sync] method = "sparseloco"``: its codec, clipped-mean
+    aggregation and no outer momentum; the member residuals are the codec's decayed accumulators."""
+    torch.set_num_threads(1)
+    run = dataclasses.replace(small(lr=1.5, momentum=0.0), codec="sparseloco")
+    emulator = outer_sweep.Emulator(run, PEERS, corpus)
+    assert emulator.config.sync.method == "sparseloco" and emulator.aggregation.rule == "clipped_mean"
+    assert emulator.codec.feedback_decay == 0.95 and emulator.state.outer.momentum == 0.0
+    emulator.train()
+    assert all(bool(r.abs().sum() > 0) for r in emulator.residuals)  # top-k leaves most of Δ to later rounds
+
+
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -200,6 +212,7 @@ def test_resume_skips_done_configs(tmp_path: Path, corpus: Corpus, capsys: pytes
     (["--peers", "1"], "--peers 1: an all-reduce needs at least 2 peers"),
     (["--inner-lr", "0"], "--inner-lr '0': every value must lie in (0.0, 1.0]"),
     (["--overlap-delay", "60"], "--overlap-delay '60': every delay must lie in [0, H=50]"),
+    (["--codec", "sparseloco"], "--codec sparseloco has no outer momentum (its decayed error feedback plays that part)"),
 ])
 def test_bad_flags_one_error_line(flags: list[str], message: str, tmp_path: Path,
                                   capsys: pytest.CaptureFixture) -> None:
