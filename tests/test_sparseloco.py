@@ -213,7 +213,7 @@ def test_decoding_does_not_depend_on_thread_count():
 def test_method_sets_codec_and_outer_rule_and_explicit_tuning_wins():
     sync = load_config(overrides=["sync.method=sparseloco"], environ={}).sync
     assert (sync.codec, sync.outer_momentum, sync.outer_lr, sync.aggregation, sync.clip_factor) == (
-        "sparseloco", 0.0, 1.5, "clipped_mean", 1.0)
+        "sparseloco", 0.0, 3.0, "clipped_mean", 1.0)
     tuned = load_config(overrides=["sync.method=sparseloco", "sync.outer_lr=0.8", "sync.aggregation=mean"],
                         environ={}).sync
     assert (tuned.outer_lr, tuned.aggregation) == (0.8, "mean")
@@ -221,7 +221,7 @@ def test_method_sets_codec_and_outer_rule_and_explicit_tuning_wins():
     default = load_config(environ={}).sync
     assert (default.method, default.codec, default.outer_momentum, default.outer_lr) == ("diloco", "int8", 0.5, 1.0)
     a = load_config(overrides=["sync.method=sparseloco"], environ={})
-    b = load_config(overrides=["sync.codec=sparseloco", "sync.outer_momentum=0", "sync.outer_lr=1.5",
+    b = load_config(overrides=["sync.codec=sparseloco", "sync.outer_momentum=0", "sync.outer_lr=3.0",
                                "sync.aggregation=clipped_mean", "sync.clip_factor=1"], environ={})
     assert a.sync.model_dump(exclude={"method"}) == b.sync.model_dump(exclude={"method"})
     # The method is a shorthand: the same keys are the same run, and runs without it keep their fingerprint.
