@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Outer-optimizer sweep on an in-process DiLoCo emulator (issue 16 item 5).
+"""Outer-optimizer sweep on an in-process DiLoCo emulator (issue 16 item 5), and the studies it serves.
 
     nice -n 19 python bench/outer_sweep.py [--lr 0.4,0.7,1.0] [--momentum 0,0.5,0.9] [--H 50]
-                                           [--seeds 0] [--inner-lr 1e-3] [--codec int8] [--steps 1000]
-                                           [--reference single] [--json-out bench/out/outer_sweep.jsonl]
-                                           [--eval-every 1] [--validate]
+                                           [--seeds 0] [--inner-lr 1e-3] [--codec int8|...|sparseloco]
+                                           [--overlap-delay none,3,9] [--steps 1000] [--reference single]
+                                           [--json-out bench/out/outer_sweep.jsonl] [--eval-every 1] [--validate]
 
 The long benchmark (bench/convergence.py --long) runs 4 real ``lowcomm-node`` processes for
 3–6 minutes per run on a shared 2-core machine; a grid of outer lr × momentum × H × seeds is
@@ -30,7 +30,10 @@ out of reach that way. This emulator does the same arithmetic in one process, wi
 ``--inner-lr`` sweeps the inner AdamW's lr too, and ``--reference single`` trains the `single`
 baseline (one process with the global batch, as bench/baselines/ddp.py does) at those lrs, so
 that a DiLoCo configuration is compared with the reference at its own best lr: the inner lr
-moves both.
+moves both (RESULTS.md section 1d). ``--overlap-delay D`` emulates ``[sync] overlap = "delayed"``
+with each round's result landing D inner steps into the next phase (section 5b).
+``--codec sparseloco`` is the node's ``[sync] method = "sparseloco"`` (``--momentum 0``, α as
+``--lr``).
 
 What it leaves out, on purpose: time. A real round can cut a slow peer's inner phase short, fail
 under load, or size shards by measured bandwidth (which moves int8's block boundaries); the
@@ -98,7 +101,7 @@ class RunConfig:
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> "RunConfig":
-        # Records written before inner_lr and method existed ran the defaults of both.
+        # Records written before inner_lr, method and overlap_delay existed ran their defaults.
         return cls(**{name: record["config"][name] for name in cls.__dataclass_fields__
                       if name in record["config"]})
 
@@ -170,19 +173,16 @@ class Emulator:
         shifted by θ_global − (the local model when its Δ was taken)."""
         deltas, weights = [], []
         for i, trainer in enumerate(self.trainers):
-            steps = self.run.inner_steps
+            steps, tokens = self.run.inner_steps, 0
             shift, self.shifts[i] = self.shifts[i], None
-            if shift is not None:
+            if shift is not None:  # delayed overlap: D steps on the stale model, then the merge
                 early = trainer.train_phase(self.run.overlap_delay, lambda: False)
                 trainer.add_to_slice(slice(0, self.numel), shift)
-                self.tokens += early.tokens
-                weights_early, steps = early.tokens, steps - early.steps
-            else:
-                weights_early = 0
+                steps, tokens = steps - early.steps, early.tokens
             stats = trainer.train_phase(steps, lambda: False)
             deltas.append(self.state.params - trainer.get_params())
-            weights.append(float(stats.tokens + weights_early))
-            self.tokens += stats.tokens
+            weights.append(float(tokens + stats.tokens))
+            self.tokens += tokens + stats.tokens
         return deltas, weights
 
     def allreduce(self, deltas: list[torch.Tensor], tokens: list[float]) -> list[torch.Tensor | None]:
@@ -225,17 +225,18 @@ class Emulator:
         from lowcomm.protocol.allreduce import AllReduceResult
 
         deltas, tokens = self.inner_phases()
-        local_at_send = [trainer.get_params() for trainer in self.trainers]
+        delayed = self.run.overlap_delay is not None
+        local_at_send = [trainer.get_params() for trainer in self.trainers] if delayed else []
         averages = self.allreduce(deltas, tokens)
         apply_averages(self.state, slice(0, self.numel),
                        AllReduceResult(averages=averages, slices=self.slices(), bytes_sent=0, bytes_received=0,
                                        payload_bytes=0))
         self.state.commit()
-        if self.run.overlap_delay is None:  # blocking rounds: every replica restarts from θ_global
+        if delayed:  # the replicas train on; the result lands overlap_delay steps into the next phase
+            self.shifts = [self.state.params - local for local in local_at_send]
+        else:  # blocking rounds: every replica restarts from θ_global
             for trainer in self.trainers:
                 trainer.set_params(self.state.params)
-        else:  # delayed overlap: the replicas train on; the result lands overlap_delay steps later
-            self.shifts = [self.state.params - local for local in local_at_send]
 
     def train(self, eval_every: int = 1, on_point: Callable[[dict], None] | None = None) -> list[dict]:
         """All rounds of the run; the curve (outer step, tokens, eval loss) at the evaluated steps."""
