@@ -63,8 +63,13 @@ def results_section(records: list[dict[str, Any]]) -> list[str]:
 
     default = ("tiny", "diloco", 1e-3, "int8", DEFAULT_H, *node_defaults())
     presets = {k[0] for k in singles}
-    shown = [k for k in runs if k[0] in presets and (k[1] == "single" or k[2] != 1e-3 or k[4] != DEFAULT_H
-                                                      or k[3] != "int8" or k == default or k[0] != "tiny")]
+
+    def in_study(k: Key) -> bool:
+        """A row of this study rather than of the plain outer sweep (tiny, int8, H = DEFAULT_H, lr 1e-3)."""
+        outer_sweep_row = k[:5] == ("tiny", "diloco", 1e-3, "int8", DEFAULT_H) and k != default
+        return k[0] in presets and not outer_sweep_row
+
+    shown = [k for k in runs if in_study(k)]
     lines = ["## 1d. Where the gap to ddp comes from (`python bench/outer_sweep.py --inner-lr ... [--reference single]`)",
              "",
              "The emulator of section 1c on the long benchmark's workload (4 peers, 1,000 steps of 8 × 128 tokens "
