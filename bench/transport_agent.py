@@ -52,7 +52,7 @@ class Trace:
 
 class TracingTransport:
     """A ReduceTransport that marks, for every Reduce stream this peer opens, when it starts, when
-    its upload was taken, when the owner's receipt came, and when its average starts and ends."""
+    its upload was taken, and when the owner's answer starts and ends."""
 
     def __init__(self, inner, trace: "Trace | None" = None) -> None:
         self.inner = inner
@@ -72,9 +72,7 @@ class TracingTransport:
         async def answer():
             first = True
             async for message in self.inner.reduce(address, outgoing(), timeout):
-                if message.HasField("receipt"):
-                    trace.mark("up_arrived", shard[0], address)  # the owner's receipt: the next stage may start
-                elif first:
+                if first:
                     trace.mark("result_start", shard[0], address)
                     first = False
                 yield message
@@ -90,9 +88,8 @@ class TracingTransport:
 
 
 class TracingRegistry:
-    """The owner's side of the trace: when a sender's header passes this peer's Reduce handler,
-    when its whole part is in (the owner's receipt), and the first and last message of the
-    average sent back."""
+    """The owner's side of the trace: when a sender's header, its last chunk and the first and
+    last message of the average sent back pass this peer's Reduce handler."""
 
     def __init__(self, registry, transport: TracingTransport) -> None:
         self.registry = registry
@@ -105,17 +102,21 @@ class TracingRegistry:
         trace, who = self.transport.trace, ["", -1]
 
         async def incoming():
+            done = False
             async for message in requests:
                 if message.HasField("header"):
                     who[:] = [message.header.sender_peer_id, message.header.shard_index]
                     trace.mark("in_header", who[1], who[0])
+                elif message.HasField("chunk") and not message.chunk and not done:  # the payload's end
+                    trace.mark("in_done", who[1], who[0])
+                    done = True
                 yield message
+            if not done:
+                trace.mark("in_done", who[1], who[0])
 
         first = True
         async for message in self.registry.handle(incoming(), context):
-            if message.HasField("receipt"):  # the owner has the whole part: its receipt goes out
-                trace.mark("in_done", who[1], who[0])
-            elif first:
+            if first:
                 trace.mark("out_result_start", who[1], who[0])
                 first = False
             yield message

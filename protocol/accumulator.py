@@ -62,11 +62,6 @@ class ShardAccumulator:
     awaiting: set[str] = field(default_factory=set)  # senders whose stream waits for the average
     turns: list[str] = field(default_factory=list)  # after finalize: who gets the average when (schedule.py)
     _served: dict[str, asyncio.Event] = field(default_factory=dict)  # per turn: that sender has it
-    _turns_from: float = 0.0  # when the average was made: the turns' budgets count from here
-    # Set when the owner's own parts have arrived at their owners (or failed): the first result
-    # stage waits for it, so that the average never shares the owner's uplink with a part some
-    # other shard still waits for (schedule.py). None: no wait.
-    uploads_over: asyncio.Event | None = None
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # no Reduce stream is open
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     clock: Clock = field(default_factory=LoopClock)  # the time base of ``wait_for_senders``' deadline
@@ -186,7 +181,6 @@ class ShardAccumulator:
                     self.turns = [s for s in result_order(self.group, self.owner_id)
                                   if s in self.awaiting] if self.staggered else []
                     self._served = {s: asyncio.Event() for s in self.turns}
-                    self._turns_from = self.clock.monotonic()
                     self.finalized.set()
                 if contributors is not None:  # a split step: who is inside the step's average
                     self.contributors = contributors if self.result is not None else []
@@ -205,20 +199,14 @@ class ShardAccumulator:
         return self._result_chunks
 
     async def wait_turn(self, sender: str, budget: float) -> None:
-        """Staggered results: return once the sender before ``sender`` has its average (the first
-        one: once the owner's own uploads are over), or ``budget`` seconds per turn after the
-        average was made (turn k by (k + 1)·budget: a slow downloader or uploader delays each
-        later turn by at most one budget, and the turns stay one after the other)."""
-        if sender not in self._served:
+        """Staggered results: return once the sender before ``sender`` has its average, or after
+        ``budget`` seconds (a slow downloader delays the next one that long at most)."""
+        if sender not in self._served or self.turns.index(sender) == 0:
             return
-        turn = self.turns.index(sender)
-        gate = self._served[self.turns[turn - 1]] if turn else self.uploads_over
-        if gate is None:
-            return
-        latest = self._turns_from + (turn + 1) * budget
+        before = self.turns[self.turns.index(sender) - 1]
         try:
-            async with asyncio.timeout(max(0.0, latest - self.clock.monotonic())):
-                await gate.wait()
+            async with asyncio.timeout(budget):
+                await self._served[before].wait()
         except TimeoutError:
             pass
 

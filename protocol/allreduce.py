@@ -55,7 +55,7 @@ from .accumulator import MAX_WEIGHT_RATIO, RejectCallback, ShardAccumulator, bou
 from .aggregation import Aggregation
 from .crossgroup import TeamBook, stretch
 from .member import EXCHANGE_END, EXCHANGE_MIN_SECONDS, RESULT_MARGIN, AllReduceResult, run_allreduce, shard_slices
-from .schedule import receipt_point, result_budget
+from .schedule import result_budget
 from .sender import CHUNK_BYTES, Inbox
 from .transport import Clock, Code, LoopClock, Refused
 from .validate import ContributionRejected
@@ -145,18 +145,8 @@ class ReduceRegistry:
         # The header used up this sender's one try: if its contribution does not make it into the
         # accumulator, nothing more can come from it, and the owner stops waiting for it.
         decoded = None
-        payload = Inbox(header.payload_bytes)  # bounded: equals the codec's size for this shard
-        # A sender that declared its size and then stalls must not hold this buffer (nor the
-        # stream) past the round: the same margin as for the owner's average below.
-        until = asyncio.get_running_loop().time() + acc.group.reduce_timeout_s * 1.5
         try:
-            point = receipt_point(header.payload_bytes, CHUNK_BYTES)
-            await self._receive(acc, sender, header, requests, payload, until, point)
-            # All but the part's last message is here: the member's next upload stage may start
-            # while that one arrives (schedule.py).
-            yield averaging_pb2.ReduceMessage(receipt=averaging_pb2.ReduceReceipt(payload_bytes=payload.filled))
-            await self._receive(acc, sender, header, requests, payload, until)
-            decoded = await self._decode(acc, sender, payload)
+            decoded = await self._receive(acc, sender, header, requests, context)
         finally:
             if decoded is None:
                 acc.give_up(sender)
@@ -170,8 +160,8 @@ class ReduceRegistry:
             raise Refused(Code.DEADLINE_EXCEEDED, "the shard's average was never computed") from None
         if acc.result is None:
             raise Refused(Code.ABORTED, f"no average for this shard this round: {acc.failure}")
-        try:  # the first turn waits for our own uploads: one budget more
-            await acc.wait_turn(sender, result_budget(acc.group, len(acc.turns) + 1))
+        try:
+            await acc.wait_turn(sender, result_budget(acc.group, len(acc.turns)))
             yield averaging_pb2.ReduceMessage(result=averaging_pb2.ReduceResult(
                 codec=acc.codec.id, numel=acc.numel, payload_bytes=len(acc.result_payload),
                 contributors=acc.contributors))
@@ -182,26 +172,25 @@ class ReduceRegistry:
             acc.served(sender)
 
     async def _receive(self, acc: ShardAccumulator, sender: str, header: averaging_pb2.ReduceHeader,
-                       requests: AsyncIterator[averaging_pb2.ReduceMessage], payload: Inbox, until: float,
-                       point: int | None = None) -> None:
-        """Read the payload's chunks into ``payload`` by loop time ``until``: until ``point`` bytes
-        are in, or (None) to the end of the member's stream, which must bring exactly the
-        declared bytes; Refused otherwise."""
+                       requests: AsyncIterator[averaging_pb2.ReduceMessage],
+                       context: object = None) -> torch.Tensor:
+        """The declared payload, decoded and checked (length, codec, finite values), or Refused."""
+        payload = Inbox(header.payload_bytes)  # bounded: equals the codec's size for this shard
+        # A sender that declared its size and then stalls must not hold this buffer (nor the
+        # stream) past the round: the same margin as for the owner's average below.
+        limit = acc.group.reduce_timeout_s * 1.5
         try:
-            async with asyncio.timeout_at(until):
+            async with asyncio.timeout(limit):
                 async for message in requests:
                     if not message.HasField("chunk") or not payload.add(message.chunk):
                         payload.release()
                         self.on_reject("length", sender, "unexpected message or more bytes than declared")
                         raise Refused(Code.INVALID_ARGUMENT, "unexpected message or more bytes than declared")
-                    if point is not None and payload.filled >= point:
-                        return
         except TimeoutError:
             filled = payload.filled
             payload.release()  # released now: the refusal's exception chain keeps this frame alive
             raise Refused(Code.DEADLINE_EXCEEDED,
-                          f"{filled} of {header.payload_bytes} declared bytes arrived within "
-                          f"{acc.group.reduce_timeout_s * 1.5:.1f}s") from None
+                          f"{filled} of {header.payload_bytes} declared bytes arrived within {limit:.1f}s") from None
         if not payload.complete:
             filled = payload.filled
             payload.release()
@@ -209,8 +198,6 @@ class ReduceRegistry:
             raise Refused(Code.INVALID_ARGUMENT, f"{filled} of {header.payload_bytes} declared bytes arrived")
         acc.bytes_in += payload.filled
 
-    async def _decode(self, acc: ShardAccumulator, sender: str, payload: Inbox) -> torch.Tensor:
-        """The payload decoded and checked (codec, finite values), or Refused."""
         loop = asyncio.get_running_loop()
         try:  # decoded in place and checked for finite values off the event loop
             decoded = await loop.run_in_executor(self.executor, payload.decode, acc.codec, acc.numel)

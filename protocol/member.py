@@ -107,20 +107,10 @@ async def run_allreduce(
     # leaves in the residual) and, for shards it owns, its owner residual before the round.
     carried: list[torch.Tensor | None] = [None] * len(slices)
     owner_before: dict[int, torch.Tensor] = {}
-    # Stage k's upload waits until stage k-1's part has arrived at its owner (or its budget): each
-    # owner's downlink and each member's uplink carry one transfer at a time.
+    # Stage k's upload waits for stage k-1's (or its budget): each owner's downlink gets one sender at a time.
     order = upload_order(group, peer_id)
     after = {shard: order[k - 1] for k, shard in enumerate(order) if k > 0 and staggered}
-    arrived = {shard: asyncio.Event() for shard in order}
-    uploads_over = asyncio.Event()  # every part of ours arrived or failed: our averages may go out
-
-    def part_over(shard: int) -> None:
-        arrived[shard].set()
-        if all(event.is_set() for event in arrived.values()):
-            uploads_over.set()
-
-    if not order or not staggered:
-        uploads_over.set()
+    uploaded = {shard: asyncio.Event() for shard in order}
     budget = stage_budget(group, len(order))
     refused: set[int] = set()  # shards whose owner refused our contribution: our fault, we ask no skip
 
@@ -151,7 +141,7 @@ async def run_allreduce(
                 owner_residual=owner_residual[slices[index]], own=own,
                 expected={m.peer_id for m in members} - {peer_id},
                 weights=weights, aggregation=registry.aggregation, on_reject=registry.on_reject,
-                staggered=staggered, clock=clock, uploads_over=uploads_over,
+                staggered=staggered, clock=clock,
                 publish=None if team is None else team.publisher(index, owner_residual[slices[index]]),
             ))
         if team is not None:  # before the group's accumulators: other groups' owners may be faster
@@ -186,15 +176,14 @@ async def run_allreduce(
                 x, payload = await loop.run_in_executor(executor, encode)
                 carried[index] = x
                 stats["payload"] += len(payload)
-                if index in after:  # stage k starts by k budgets after the round's start at the latest
-                    latest = started + order.index(index) * budget
+                if index in after:
                     try:
-                        async with asyncio.timeout(max(0.0, latest - clock.monotonic())):
-                            await arrived[after[index]].wait()
+                        async with asyncio.timeout(budget):
+                            await uploaded[after[index]].wait()
                     except TimeoutError:
                         pass  # a slow owner delays our later stages by the budget at most
             except BaseException:
-                part_over(index)
+                uploaded[index].set()
                 raise
             # The owner answers by its own deadline; give it a margin for the transfer back.
             timeout = max(1.0, deadline - clock.monotonic()) + margin
@@ -209,7 +198,7 @@ async def run_allreduce(
             try:
                 result, received = await reduce_with_owner(
                     transport, owner.address, header, payload, codec.encoded_size(sl.stop - sl.start), timeout,
-                    count_sent, lambda: part_over(index))
+                    count_sent, uploaded[index].set)
                 stats["received"] += received.size
                 average = await loop.run_in_executor(executor, received.decode, codec, result.numel)
                 contributors = list(result.contributors)
@@ -220,7 +209,7 @@ async def run_allreduce(
                     refused.add(index)
                 average = None
             finally:
-                part_over(index)  # also when the stream failed before the owner had it all
+                uploaded[index].set()  # also when the stream failed before its upload ended
             if average is None and plan is not None:
                 # A split step: the other groups' owners of this shard hold the same bytes.
                 average, contributors = await fetch_from_team(index, sl, owner.peer_id)

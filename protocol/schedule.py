@@ -9,20 +9,10 @@ k to the member k places after itself: when the group has as many owners as memb
 downlink has one sender per stage, and every uplink one receiver. A client-mode member (no
 shard of its own) counts from its index in the member list.
 
-Stages are not a barrier: a member's stage k starts when its stage k−1 part has nearly
-*arrived* (the owner's receipt, the first message of its answer, sent once all but the part's
-last message are in: ``receipt_point``) or failed, or after a budget
-(``stage_budget`` per stage: stage k by k budgets after the round's start) even if neither
-happened. Arrival, not the end of the upload, because gRPC and the kernel take about a
-megabyte at once: "taken" comes long before the bytes are off a slow uplink, and a stage that
-started then shares the link with the previous one (protocol version 6; before, stages
-overlapped that way). An owner's first result stage waits until its own parts have arrived
-(its uplink is then free for the average, and no shard still waits for a part of ours behind
-it), its stage k until its stage k−1 average is sent, each by k + 1 ``result_budget`` after the
-average was made at the latest. So one slow or dead peer delays the later stages by at most a
-budget each, never past the owners' deadlines. (Result stages gated on the member's receipt
-of the average were measured and not kept: at 20 Mbit/s the owners' uplinks then idled while
-the averages' downlinks were shared; bench/analysis.md.) The
+Stages are not a barrier: a member's stage k starts when its own stage k−1 upload is done (or
+failed), or after a budget (``stage_budget``) even if it is not (an owner's stage k likewise
+after its stage k−1 average is sent, or ``result_budget``), so that one slow or dead owner
+delays a member's later uploads by at most that budget, never past the owners' deadlines. The
 results come back over the same streams whenever the owners finalize, and skip-on-failure,
 deadlines and the shard agreement are the same as without stages. Owners aggregate in the order
 of sender ids (aggregation.py), not of arrival, so the schedule never changes a bit of the
@@ -31,11 +21,8 @@ result.
 
 from __future__ import annotations
 
-import math
-
 from ._pb.lowcomm.v1 import averaging_pb2
 
-PART_MESSAGES = 4  # a part goes up in at least this many messages: the owner's receipt comes before the last
 STAGES_WITHIN = 0.5  # every upload stage has started by this fraction of the reduce timeout at the latest
 RESULTS_WITHIN = 0.125  # every result stage by this fraction of it after the owner's average exists
 
@@ -48,19 +35,6 @@ def upload_order(group: averaging_pb2.Group, peer_id: str) -> list[int]:
     rank = owners.index(peer_id) if peer_id in owners else members.index(peer_id)
     remote = [s for s in range(shards) if owners[s] != peer_id]
     return sorted(remote, key=lambda s: (s - rank) % shards)
-
-
-def part_message_bytes(payload_bytes: int, chunk_bytes: int) -> int:
-    """The size of the messages a member's part of ``payload_bytes`` goes up in (at most
-    ``chunk_bytes``, and at least PART_MESSAGES of them for a part that small)."""
-    return min(chunk_bytes, max(1, math.ceil(payload_bytes / PART_MESSAGES)))
-
-
-def receipt_point(payload_bytes: int, chunk_bytes: int) -> int:
-    """Bytes of a part after which its owner sends the receipt: all but the last message, so that
-    the member's next stage starts while that message is still on the way and the receipt's
-    trip back costs the member's uplink no idle time."""
-    return max(0, payload_bytes - part_message_bytes(payload_bytes, chunk_bytes))
 
 
 def stage_budget(group: averaging_pb2.Group, stages: int) -> float:

@@ -1,6 +1,5 @@
-"""One member's Reduce stream to one shard owner: its encoded part goes up, the owner's receipt
-for it and then the encoded average come back on the same stream (the sender side of
-allreduce.py)."""
+"""One member's Reduce stream to one shard owner: its encoded part goes up, the encoded average
+comes back on the same stream (the sender side of allreduce.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import torch
 
 from . import codecs, wire
 from .channels import STREAM_CHUNK_BYTES
-from .schedule import part_message_bytes
 from ._pb.lowcomm.v1 import averaging_pb2
 from .transport import ReduceTransport
 from .validate import check_contribution
@@ -64,38 +62,29 @@ class Inbox:
 
 async def reduce_with_owner(transport: ReduceTransport, address: str, header: averaging_pb2.ReduceHeader,
                             payload: bytes, result_bytes: int, timeout: float, on_sent: Callable[[int], None],
-                            on_arrived: Callable[[], None]) -> tuple[averaging_pb2.ReduceResult, Inbox]:
+                            on_uploaded: Callable[[], None]) -> tuple[averaging_pb2.ReduceResult, Inbox]:
     """Upload ``payload`` after ``header`` to the owner at ``address``, then return the owner's
     result header and payload (an Inbox: ``inbox.decode`` in the executor).
 
     ``result_bytes`` is the encoded size the average must have; ``on_sent(n)`` counts bytes as
-    they go, ``on_arrived()`` runs when the owner's receipt says it has all but the last message
-    of the payload (the next upload stage starts on it, schedule.py). Raises transport.CallFailed for a failed call
-    and ValueError for an answer that breaks the protocol.
+    they go, ``on_uploaded()`` runs once the transport has taken the last chunk. Raises
+    transport.CallFailed for a failed call and ValueError for an answer that breaks the protocol.
     """
     async def outgoing() -> AsyncIterator[wire.Message]:
         yield averaging_pb2.ReduceMessage(header=header)
-        # Views of the payload, framed once by the transport, in messages small enough that the
-        # owner's receipt comes before the last one arrives (schedule.py).
-        for chunk in wire.chunks(payload, part_message_bytes(len(payload), CHUNK_BYTES)):
+        for chunk in wire.chunks(payload, CHUNK_BYTES):  # views of the payload, framed once by the transport
             on_sent(len(chunk.chunk))
             yield chunk
+        on_uploaded()  # the transport asked for more after the last chunk: it has all of them
 
     result = None
-    receipt = False
     received = Inbox(0)
     answer = transport.reduce(address, outgoing(), timeout)
     try:
         async for message in answer:
-            if not receipt:
-                if not message.HasField("receipt") or not 0 <= message.receipt.payload_bytes <= len(payload):
-                    raise ValueError("owner's answer does not start with a receipt for our payload")
-                receipt = True
-                on_arrived()
-                continue
             if result is None:
                 if not message.HasField("result"):
-                    raise ValueError("owner's answer does not go on with a result header")
+                    raise ValueError("owner's answer does not start with a result header")
                 result = message.result
                 if result.numel != header.numel or result.payload_bytes != result_bytes:
                     raise ValueError("owner's result does not match the shard")

@@ -50,9 +50,8 @@ def test_three_peers_end_bit_identical(codec):
 
 
 class RecordingChannels:
-    """A peer's ``channel_for`` that records, per Reduce stream, when it was opened, when its
-    upload was done (gRPC took the last request message) and when the owner's receipt came (the
-    whole part had arrived), into one shared list."""
+    """A peer's ``channel_for`` that records, per Reduce stream, when it was opened and when its
+    upload was done (gRPC took the last request message), into one shared list."""
 
     def __init__(self, channels, caller: str, log: list[tuple[str, str, str]]) -> None:
         self._channels, self._caller, self._log = channels, caller, log
@@ -84,26 +83,9 @@ class _RecordingChannel:
                     yield message
                 self._log.append(("uploaded", self._caller, self._address))
 
-            return _RecordingCall(real(recorded(), **call_kwargs), lambda: self._log.append(
-                ("arrived", self._caller, self._address)))
+            return real(recorded(), **call_kwargs)
 
         return call
-
-
-class _RecordingCall:
-    """A Reduce call whose answer calls ``on_receipt`` when the owner's receipt comes."""
-
-    def __init__(self, call, on_receipt) -> None:
-        self._call, self._on_receipt = call, on_receipt
-
-    def __getattr__(self, name: str):
-        return getattr(self._call, name)
-
-    async def __aiter__(self):
-        async for message in self._call:
-            if message.HasField("receipt"):
-                self._on_receipt()
-            yield message
 
 
 def record_results(owner, log: list[tuple[str, str, str]]) -> None:
@@ -155,10 +137,9 @@ def test_staggered_schedule_gives_the_same_bits_as_uploading_to_all_at_once(code
 
 
 def test_staggered_members_upload_to_one_owner_after_the_other():
-    """Each member opens its stream to the owner k shards after its own only once its part for
-    the owner k-1 shards after has arrived there (the owner's receipt), in schedule order, and
-    each owner sends its average to one member after the other, so that every downlink sees one
-    sender per stage."""
+    """Each member opens its stream to the owner k shards after its own only once its upload to
+    the owner k-1 shards after is done, in schedule order, and each owner sends its average to
+    one member after the other, so that every downlink sees one sender per stage."""
     numel = 400_000  # a few chunks of int8 per shard: uploads take a while
 
     async def scenario():
@@ -179,10 +160,7 @@ def test_staggered_members_upload_to_one_owner_after_the_other():
             for p in peers:
                 mine = [(kind, address) for kind, caller, address in events if caller == p.peer_id]
                 order = [address_of[owners[s]] for s in upload_order(group, p.peer_id)]
-                assert [a for kind, a in mine if kind == "open"] == order, p.peer_id
-                assert sorted(mine) == sorted((kind, a) for a in order for kind in ("open", "uploaded", "arrived"))
-                for before, after in zip(order, order[1:]):  # "uploaded" alone is only gRPC's buffers
-                    assert mine.index(("arrived", before)) < mine.index(("open", after)), p.peer_id
+                assert mine == [e for a in order for e in (("open", a), ("uploaded", a))], p.peer_id
             # Stage 1 of member i goes to the owner of shard i+1: no two members upload to one
             # owner in the same stage.
             firsts = [upload_order(group, p.peer_id)[0] for p in peers]

@@ -131,24 +131,16 @@ class ReduceResult(_message.Message):
     def __init__(self, codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., contributors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReduceMessage(_message.Message):
-    __slots__ = ("header", "result", "chunk", "team_header", "receipt")
+    __slots__ = ("header", "result", "chunk", "team_header")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TEAM_HEADER_FIELD_NUMBER: _ClassVar[int]
-    RECEIPT_FIELD_NUMBER: _ClassVar[int]
     header: ReduceHeader
     result: ReduceResult
     chunk: bytes
     team_header: TeamHeader
-    receipt: ReduceReceipt
-    def __init__(self, header: _Optional[_Union[ReduceHeader, _Mapping]] = ..., result: _Optional[_Union[ReduceResult, _Mapping]] = ..., chunk: _Optional[bytes] = ..., team_header: _Optional[_Union[TeamHeader, _Mapping]] = ..., receipt: _Optional[_Union[ReduceReceipt, _Mapping]] = ...) -> None: ...
-
-class ReduceReceipt(_message.Message):
-    __slots__ = ("payload_bytes",)
-    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
-    payload_bytes: int
-    def __init__(self, payload_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[ReduceHeader, _Mapping]] = ..., result: _Optional[_Union[ReduceResult, _Mapping]] = ..., chunk: _Optional[bytes] = ..., team_header: _Optional[_Union[TeamHeader, _Mapping]] = ...) -> None: ...
 
 class TeamHeader(_message.Message):
     __slots__ = ("group_id", "shard_index", "from_group", "sender_peer_id", "numel", "contributors", "payload_bytes", "fetch")
