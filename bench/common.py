@@ -461,8 +461,26 @@ def node_argv(net: Network, index: int, workdir: Path, peers: list[str], extra: 
     return net.wrap(index, argv + list(extra))
 
 
+def code_version() -> dict[str, Any] | None:
+    """The commit a record was measured on, and whether the code differed from it (``dirty``;
+    the benchmarks' own outputs, which change during every run, do not count), or None outside
+    a git checkout. Comparing two versions of the code is then a matter of reading records."""
+    outputs = [":(exclude)bench/out", ":(exclude)bench/RESULTS.md", ":(exclude)bench/plots"]
+    try:
+        top, commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--show-toplevel", "--short", "HEAD"],
+                                     capture_output=True, text=True, timeout=10, check=True).stdout.splitlines()
+        if Path(top).resolve() != Path(REPO).resolve():  # bench/ copied into some other repository
+            return None
+        changed = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--",
+                                  ".", *outputs], capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "dirty": bool(changed.strip())}
+
+
 def record_base(bench: str, **fields: Any) -> dict[str, Any]:
-    return {"bench": bench, "date": now_iso(), "command": command_line(), "machine": machine(), **fields}
+    return {"bench": bench, "date": now_iso(), "command": command_line(), "machine": machine(),
+            "code": code_version(), **fields}
 
 
 
