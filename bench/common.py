@@ -473,7 +473,7 @@ def code_version() -> dict[str, Any] | None:
             return None
         changed = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--",
                                   ".", *outputs], capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError, ValueError):  # no git, no checkout, or output we cannot read
         return None
     return {"commit": commit, "dirty": bool(changed.strip())}
 
