@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import functools
 import importlib.util
 import json
 import math
@@ -465,13 +466,20 @@ def code_version() -> dict[str, Any] | None:
     """The commit a record was measured on, and whether the code differed from it (``dirty``;
     the benchmarks' own outputs, which change during every run, do not count), or None outside
     a git checkout. Comparing two versions of the code is then a matter of reading records."""
+    version = _code_version(REPO)
+    return None if version is None else dict(version)  # a copy: records are edited after they are made
+
+
+@functools.cache
+def _code_version(repo: Path) -> dict[str, Any] | None:
+    """Asked once per process: a benchmark runs the code it imported at its start."""
     outputs = [":(exclude)bench/out", ":(exclude)bench/RESULTS.md", ":(exclude)bench/plots"]
     try:
-        top, commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--show-toplevel", "--short", "HEAD"],
+        top, commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--show-toplevel", "--short", "HEAD"],
                                      capture_output=True, text=True, timeout=10, check=True).stdout.splitlines()
-        if Path(top).resolve() != Path(REPO).resolve():  # bench/ copied into some other repository
+        if Path(top).resolve() != repo.resolve():  # bench/ copied into some other repository
             return None
-        changed = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--",
+        changed = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no", "--",
                                   ".", *outputs], capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError, ValueError):  # no git, no checkout, or output we cannot read
         return None
