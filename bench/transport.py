@@ -42,6 +42,8 @@ from pathlib import Path
 from common import (BENCH, OUT, PY, Proc, append_jsonl, handle_signals, netns_unavailable, network, processes,
                     record_base, say)
 
+from lowcomm.protocol.layout import piece_layout, pieces_per_owner
+
 AGENT = BENCH / "transport_agent.py"
 WARMUP_NUMEL = 2**16
 
@@ -95,10 +97,6 @@ def set_cap(net, mbit: float | None, queue: str) -> None:
                        check=True, capture_output=True)
 
 
-def shard_bounds(numel: int, parts: int) -> list[int]:
-    return [round(numel * i / parts) for i in range(parts + 1)]
-
-
 def _ask(agents: list[Proc], cmd: dict, reply: str, timeout: float) -> list[dict]:
     starts = [len(a.events) for a in agents]
     line = json.dumps(cmd)
@@ -108,11 +106,14 @@ def _ask(agents: list[Proc], cmd: dict, reply: str, timeout: float) -> list[dict
 
 
 def lowcomm_round(agents: list[Proc], addresses: list[str], numel: int, codec_id: int, timeout: float,
-                  step: int, staggered: bool = True) -> dict:
+                  step: int, staggered: bool = True, pieces: int | None = None) -> dict:
+    """One round of the project's all-reduce; ``pieces`` per owner as the leader cuts them
+    (protocol/layout.py) unless given."""
     n = len(agents)
+    bounds, owners = piece_layout(numel, [0.0] * n, pieces_per_owner(numel, n) if pieces is None else pieces)
     group = {"group_id": os.urandom(8).hex(), "step": step,
              "members": [{"peer_id": f"agent-{i}", "address": addresses[i], "weight": 1.0} for i in range(n)],
-             "shard_bounds": shard_bounds(numel, n), "shard_owners": list(range(n)), "codec": codec_id,
+             "shard_bounds": bounds, "shard_owners": owners, "codec": codec_id,
              "reduce_timeout_s": timeout}
     done = _ask(agents, {"cmd": "round", "group": group, "staggered": staggered}, "round_done", timeout * 2 + 30)
     start = max(d["t_start"] for d in done)
@@ -195,7 +196,7 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
                         wire0, links0 = [net.wire_sent(i) for i in range(n)], link_counters(net, n)
                         step += 1
                         result = lowcomm_round(members, addresses, numel, int(codec.id), timeout, step,
-                                               args.schedule == "staggered")
+                                               args.schedule == "staggered", args.pieces)
                         wire = [None if a is None or b is None else b - a
                                 for a, b in zip(wire0, [net.wire_sent(i) for i in range(n)])]
                         result["wire_bytes_sent"] = statistics.fmean(wire) if None not in wire else None
@@ -205,7 +206,8 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
                     record = record_base(
                         "transport", run_id=run_id, impl="lowcomm", peers=n, payload_mb=size, payload_bytes=payload,
                         numel=numel, codec=codec.name, mbit=mbit, network=net.kind, link=net.describe(),
-                        queue=args.queue, schedule=args.schedule, load_avg=os.getloadavg()[0],
+                        queue=args.queue, schedule=args.schedule,
+                        pieces=pieces_per_owner(numel, n) if args.pieces is None else args.pieces, load_avg=os.getloadavg()[0],
                         rounds=results, seconds=seconds, seconds_spread=spread([r["seconds"] for r in results]),
                         bound_seconds=bound, efficiency=bound / seconds if bound else None,
                         bus_mbit=bus_mbit(n, payload, seconds),
@@ -321,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hivemind", default="4x4@20,4x4@100,4x4@1000,4x64@100",
                         help="NxS@C configurations for hivemind's DecentralizedAverager ('' for none)")
     parser.add_argument("--network", choices=["netns", "loopback"], default="netns")
+    parser.add_argument("--pieces", type=int, default=None,
+                        help="pieces per owner (default: as the leader cuts them, protocol/layout.py)")
     parser.add_argument("--schedule", choices=["staggered", "all"], default="staggered",
                         help="lowcomm's upload/result order (protocol/schedule.py) or everything at once")
     parser.add_argument("--queue", choices=["router", "gso"], default="gso",

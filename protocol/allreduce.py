@@ -1,9 +1,11 @@
 """Butterfly all-reduce of encoded pseudo-gradient shards over gRPC streams (DESIGN §4).
 
-The flat Δ is cut into one contiguous shard per owner (the group's ``shard_bounds``). Every
-member streams its encoded part of shard j to the owner of j (``Reduce``, sender.py), one owner
-after the other in the staggered order of schedule.py so that no owner's downlink is shared by
-all senders at once; the owner decodes, accumulates in float32 weighted by tokens, and once
+The flat Δ is cut into contiguous shards (the group's ``shard_bounds``), each with an owner; a
+single group's leader cuts each owner's share into a few pieces when it is large (layout.py
+``piece_layout``), so that an owner averages and returns piece 0 while piece 1 still uploads.
+Every member streams its encoded part of shard j to the owner of j (``Reduce``, sender.py), one
+owner after the other in the staggered order of schedule.py (piece by piece) so that no owner's
+downlink is shared by all senders at once; the owner decodes, accumulates in float32 weighted by tokens, and once
 every member has sent (or its deadline has passed) encodes the average once, with its own
 error-feedback residual, and streams the same bytes back to every sender. Every member, the owner included, uses the *decoded* average, so all
 members end the round with bit-identical values.

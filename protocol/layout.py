@@ -55,6 +55,40 @@ def shard_layout(numel: int, owners_bandwidth: list[float]) -> list[int]:
     return bounds
 
 
+MIN_PIECE_VALUES = 1 << 17  # values per piece at least (128 KiB in int8): smaller ones cost more calls than they save
+MAX_PIECES = 8  # pieces per owner at most
+# Pieces × (owners − 1) at most: the Reduce streams an owner receives per round. Pieces were
+# measured up to 8 owners (4 pieces each); a larger group keeps one shard per owner, where more
+# calls per owner (the busiest peer's RPCs, issue 15) were not shown to pay off.
+MAX_PIECE_STREAMS = 28
+
+
+def pieces_per_owner(numel: int, owners: int) -> int:
+    """Into how many pieces a single group's leader cuts each owner's share (``piece_layout``)."""
+    owners = max(1, owners)
+    return max(1, min(MAX_PIECES, numel // (owners * MIN_PIECE_VALUES), MAX_PIECE_STREAMS // max(1, owners - 1)))
+
+
+def piece_layout(numel: int, owners_bandwidth: list[float], pieces: int) -> tuple[list[int], list[int]]:
+    """Shard bounds and, per shard, the index of its owner in ``owners_bandwidth``: each owner's
+    share (``shard_layout``, by bandwidth) cut into ``pieces`` near-equal pieces, ordered piece
+    by piece (piece 0 of every owner, then piece 1, ...).
+
+    Why pieces (issue 17): an owner averages a shard once every member's part of it is in, and
+    sends the average back while the members still upload their next pieces, so the all-gather
+    runs under the reduce-scatter instead of after it (schedule.py uploads piece by piece).
+    Measured in bench/analysis.md ("Pieces")."""
+    shares = shard_layout(numel, owners_bandwidth)
+    owners = max(1, len(owners_bandwidth))
+    cuts = [[shares[k] + (shares[k + 1] - shares[k]) * p // pieces for p in range(pieces + 1)] for k in range(owners)]
+    bounds, owner_of = [0], []
+    for p in range(pieces):
+        for k in range(owners):
+            bounds.append(bounds[-1] + cuts[k][p + 1] - cuts[k][p])
+            owner_of.append(k)
+    return bounds, owner_of
+
+
 def declared_bandwidth(bandwidth: dict[str, float], peer_id: str) -> float:
     """What ``peer_id`` declared, or 0 (unknown) for nothing, zero, infinity or NaN."""
     b = bandwidth.get(peer_id, 0.0)
@@ -87,7 +121,8 @@ def close_groups(parts: list[list[averaging_pb2.Member]], bandwidth: dict[str, f
     """The Group messages a leader sends for the groups ``parts`` (``split_into_groups``).
 
     ``template`` carries what every group shares (step, codec, reduce timeout). One group: its
-    shard layout by bandwidth over its reachable members. Several: the same layout and the step
+    shard layout by bandwidth over its reachable members, each member's share in pieces
+    (``piece_layout``). Several: the same layout and the step
     plan in every one of them (``split_step_layout``, crossgroup.py). Group ids are drawn in
     group order, one ``random_bytes(16)`` each.
     """
@@ -98,9 +133,11 @@ def close_groups(parts: list[list[averaging_pb2.Member]], bandwidth: dict[str, f
         group = averaging_pb2.Group()
         group.CopyFrom(template)
         group.group_id = ids[0]
-        group.shard_bounds.extend(shard_layout(numel, [bandwidth[parts[0][i].peer_id] for i in owners]))
+        bounds, owner_of = piece_layout(numel, [bandwidth[parts[0][i].peer_id] for i in owners],
+                                        pieces_per_owner(numel, len(owners)))
+        group.shard_bounds.extend(bounds)
         group.members.extend(parts[0])
-        group.shard_owners.extend(owners)
+        group.shard_owners.extend(owners[k] for k in owner_of)
         return [group]
     bounds, owner_lists = split_step_layout(numel, parts, bandwidth)
     plan = [averaging_pb2.StepGroup(group_id=i, members=g, shard_owners=o) for i, g, o in zip(ids, parts, owner_lists)]

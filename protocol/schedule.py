@@ -7,7 +7,10 @@ send their averages back at once. Staggered, member i uploads at stage k to the 
 after its own (shard index modulo the number of shards), and owner j sends its average at stage
 k to the member k places after itself: when the group has as many owners as members, each
 downlink has one sender per stage, and every uplink one receiver. A client-mode member (no
-shard of its own) counts from its index in the member list.
+shard of its own) counts from its index in the member list. When the leader cut each owner's
+share into pieces (layout.py ``piece_layout``), members upload piece by piece, in that order
+within each piece: an owner's piece-0 average is ready, and goes back, while the members upload
+their piece-1 parts, so the two halves of the round overlap on the links.
 
 Stages are not a barrier: a member's stage k starts when its own stage k−1 upload is done (or
 failed), or after a budget (``stage_budget``) even if it is not (an owner's stage k likewise
@@ -27,14 +30,33 @@ STAGES_WITHIN = 0.5  # every upload stage has started by this fraction of the re
 RESULTS_WITHIN = 0.125  # every result stage by this fraction of it after the owner's average exists
 
 
-def upload_order(group: averaging_pb2.Group, peer_id: str) -> list[int]:
-    """The indices of the shards ``peer_id`` does not own, in the order it uploads to them."""
+def _owners(group: averaging_pb2.Group) -> tuple[list[str], list[str], list[str]]:
+    """(members, the owner of every shard, the distinct owners in the order of their first shard)."""
     members = [m.peer_id for m in group.members]
     owners = [members[i] for i in group.shard_owners]
-    shards = len(owners)
-    rank = owners.index(peer_id) if peer_id in owners else members.index(peer_id)
-    remote = [s for s in range(shards) if owners[s] != peer_id]
-    return sorted(remote, key=lambda s: (s - rank) % shards)
+    return members, owners, list(dict.fromkeys(owners))
+
+
+def pieces_of(group: averaging_pb2.Group) -> list[int]:
+    """Per shard, its piece index: how many earlier shards have the same owner (0 when every
+    owner has one shard; see ``layout.piece_layout`` for owners with several)."""
+    _, owners, _ = _owners(group)
+    seen: dict[str, int] = {}
+    pieces = []
+    for owner in owners:
+        pieces.append(seen.get(owner, 0))
+        seen[owner] = pieces[-1] + 1
+    return pieces
+
+
+def upload_order(group: averaging_pb2.Group, peer_id: str) -> list[int]:
+    """The indices of the shards ``peer_id`` does not own, in the order it uploads to them:
+    piece by piece, and within a piece to the owner k places after itself at stage k."""
+    _, owners, distinct = _owners(group)
+    rank, count = _rank(group, peer_id), len(distinct)
+    pieces = pieces_of(group)
+    remote = [s for s in range(len(owners)) if owners[s] != peer_id]
+    return sorted(remote, key=lambda s: (pieces[s], (distinct.index(owners[s]) - rank) % count))
 
 
 def stage_budget(group: averaging_pb2.Group, stages: int) -> float:
@@ -43,9 +65,8 @@ def stage_budget(group: averaging_pb2.Group, stages: int) -> float:
 
 
 def _rank(group: averaging_pb2.Group, peer_id: str) -> int:
-    members = [m.peer_id for m in group.members]
-    owners = [members[i] for i in group.shard_owners]
-    return owners.index(peer_id) if peer_id in owners else members.index(peer_id)
+    members, _, distinct = _owners(group)
+    return distinct.index(peer_id) if peer_id in distinct else members.index(peer_id)
 
 
 def result_order(group: averaging_pb2.Group, owner_id: str) -> list[str]:

@@ -96,10 +96,10 @@ def record_results(owner, log: list[tuple[str, str, str]]) -> None:
         try:
             async for message in serve(acc, header, requests, context):
                 if message.HasField("result"):
-                    log.append(("result", owner.peer_id, header.sender_peer_id))
+                    log.append(("result", f"{owner.peer_id}/{header.shard_index}", header.sender_peer_id))
                 yield message
         finally:
-            log.append(("served", owner.peer_id, header.sender_peer_id))
+            log.append(("served", f"{owner.peer_id}/{header.shard_index}", header.sender_peer_id))
 
     owner.registry._serve = recorded
 
@@ -136,11 +136,13 @@ def test_staggered_schedule_gives_the_same_bits_as_uploading_to_all_at_once(code
     run(scenario())
 
 
-def test_staggered_members_upload_to_one_owner_after_the_other():
-    """Each member opens its stream to the owner k shards after its own only once its upload to
-    the owner k-1 shards after is done, in schedule order, and each owner sends its average to
-    one member after the other, so that every downlink sees one sender per stage."""
-    numel = 400_000  # a few chunks of int8 per shard: uploads take a while
+@pytest.mark.parametrize("numel,pieces", [(400_000, 1), (1_100_000, 2)])
+def test_staggered_members_upload_to_one_owner_after_the_other(numel, pieces):
+    """Each member opens its stream to the owner k places after its own only once its upload to
+    the owner k-1 places after is done, in schedule order, piece by piece when the leader cut
+    each owner's share in pieces (layout.py), and each owner sends each average to one member
+    after the other, so that every downlink sees one sender per stage."""
+    # A few chunks of int8 per shard (uploads take a while); the larger model is cut in 2 pieces.
 
     async def scenario():
         peers = await start_peers(4, numel, "int8")
@@ -154,21 +156,25 @@ def test_staggered_members_upload_to_one_owner_after_the_other():
             group = (await asyncio.gather(*(p.form(0, expected) for p in peers)))[0]
             address_of = {m.peer_id: m.address for m in group.members}
             owners = [group.members[i].peer_id for i in group.shard_owners]
+            assert len(owners) == pieces * len(peers)
             gen = torch.Generator().manual_seed(6)
             deltas = [torch.randn(numel, generator=gen) for _ in peers]
             await one_round(peers, group, deltas, staggered=True)
             for p in peers:
                 mine = [(kind, address) for kind, caller, address in events if caller == p.peer_id]
-                order = [address_of[owners[s]] for s in upload_order(group, p.peer_id)]
-                assert mine == [e for a in order for e in (("open", a), ("uploaded", a))], p.peer_id
-            # Stage 1 of member i goes to the owner of shard i+1: no two members upload to one
-            # owner in the same stage.
-            firsts = [upload_order(group, p.peer_id)[0] for p in peers]
-            assert sorted(firsts) == list(range(len(owners)))
-            # Owners send their averages back one member after the other too, in schedule order.
-            for p in peers:
-                sent = [(kind, sender) for kind, owner, sender in served if owner == p.peer_id]
-                assert sent == [e for m in result_order(group, p.peer_id) for e in (("result", m), ("served", m))]
+                order = upload_order(group, p.peer_id)
+                assert mine == [e for s in order for e in (("open", address_of[owners[s]]),
+                                                           ("uploaded", address_of[owners[s]]))], p.peer_id
+                # Piece by piece: every owner's piece 0 before anybody's piece 1.
+                assert [s // len(peers) for s in order] == sorted(s // len(peers) for s in order)
+            # Stage 1 of member i goes to the owner i+1 places after it: no two members upload to
+            # one owner in the same stage.
+            firsts = [owners[upload_order(group, p.peer_id)[0]] for p in peers]
+            assert sorted(firsts) == sorted(p.peer_id for p in peers)
+            # Owners send each average back one member after the other too, in schedule order.
+            for shard, owner in enumerate(owners):
+                sent = [(kind, sender) for kind, key, sender in served if key == f"{owner}/{shard}"]
+                assert sent == [e for m in result_order(group, owner) for e in (("result", m), ("served", m))]
             assert sorted(result_order(group, p.peer_id)[0] for p in peers) == sorted(p.peer_id for p in peers)
 
         finally:

@@ -12,6 +12,7 @@ from lowcomm.protocol import PROTOCOL_VERSION
 from lowcomm.protocol.handshake import Identity, IncompatiblePeer
 from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
 from lowcomm.protocol.matchmaking import MatchmakingError, round_key, shard_layout, split_into_groups
+from lowcomm.protocol.layout import MAX_PIECE_STREAMS, MAX_PIECES, MIN_PIECE_VALUES, close_groups, piece_layout, pieces_per_owner
 
 from .swarm_harness import MemoryDHT, Peer, start_peers, stop_peers
 
@@ -38,6 +39,37 @@ def assert_one_group(groups, peer_ids):
 
 
 # -- shard layout -------------------------------------------------------------------------------
+
+
+def test_pieces_cut_each_owners_share_and_come_piece_by_piece():
+    bounds, owner_of = piece_layout(1000, [1.0, 3.0], 3)
+    assert owner_of == [0, 1, 0, 1, 0, 1]
+    assert bounds[0] == 0 and bounds[-1] == 1000 and bounds == sorted(bounds)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    # Each owner's pieces add up to its share by bandwidth, and differ by at most one value.
+    for k, share in enumerate((250, 750)):
+        mine = [n for n, o in zip(sizes, owner_of) if o == k]
+        assert sum(mine) == share and max(mine) - min(mine) <= 1
+    assert piece_layout(90, [0.0] * 3, 1) == (shard_layout(90, [0.0] * 3), [0, 1, 2])
+
+
+def test_pieces_per_owner_grow_with_the_shard_and_stay_within_the_stream_budget():
+    piece = MIN_PIECE_VALUES
+    assert pieces_per_owner(4 * piece - 1, 4) == 1  # a shard below two pieces stays whole
+    assert pieces_per_owner(4 * 3 * piece, 4) == 3
+    assert pieces_per_owner(10**9, 2) == MAX_PIECES
+    assert pieces_per_owner(10**9, 8) == MAX_PIECE_STREAMS // 7
+    assert pieces_per_owner(10**9, 16) == 1  # larger groups keep one shard per owner
+    assert pieces_per_owner(10**9, 1) == MAX_PIECES
+
+
+def test_a_single_groups_leader_cuts_large_models_in_pieces():
+    numel = 4 * 2 * MIN_PIECE_VALUES
+    members = [averaging_pb2.Member(peer_id=f"p{i}", address=f"a{i}", weight=1.0) for i in range(4)]
+    [group] = close_groups([members], dict.fromkeys((m.peer_id for m in members), 0.0), numel,
+                           averaging_pb2.Group(step=3), lambda n: bytes(n))
+    assert list(group.shard_owners) == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert group.shard_bounds[-1] == numel
 
 
 def test_shard_layout_proportional_to_bandwidth():
