@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from lowcomm.protocol.allreduce import AllReduceResult
+from lowcomm.protocol.missed_rounds import AppliedAverage
 
 from .globalstate import GlobalState
 
@@ -21,3 +22,11 @@ def apply_averages(state: GlobalState, fragment: slice, result: AllReduceResult)
             continue
         state.outer.step_slice(state.params, fragment.start + shard.start, average)
     return skipped
+
+
+def applied_averages(fragment: slice, result: AllReduceResult) -> tuple[AppliedAverage, ...]:
+    """The shard averages ``apply_averages`` applies, as encoded bytes at their place in the flat
+    parameters: what a peer that missed the round needs to take the same step (missed_rounds.py)."""
+    return tuple(AppliedAverage(fragment.start + shard.start, shard.stop - shard.start, payload)
+                 for average, payload, shard in zip(result.averages, result.payloads, result.slices, strict=True)
+                 if average is not None and payload is not None)

@@ -24,15 +24,17 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from lowcomm.protocol import codecs
 from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
 from lowcomm.protocol.allreduce import ReduceRegistry, run_allreduce
 from lowcomm.protocol.handshake import IncompatiblePeer
 from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError, RoundPeers
+from lowcomm.protocol.missed_rounds import AppliedAverage
 from lowcomm.protocol.rpc import ChannelPool
 from lowcomm.protocol.state import params_sha256
 
 from . import decisions
-from .apply import apply_averages
+from .apply import applied_averages, apply_averages
 from .config import Config
 from .errors import FatalError
 from .faults import Faults
@@ -72,6 +74,10 @@ class RoundOutcome:
     apply: Callable[[], int] | None = None
     # The group of an all-reduce round: the optimizer-state rounds (node/state_sync.py) reuse it.
     group: averaging_pb2.Group | None = None
+    # An all-reduce round's averages as ``apply`` applies them, with their codec: kept for peers
+    # that missed the round (protocol/missed_rounds.py). None for other rounds, and in runs that
+    # sync the optimizer state (a missed round there changes that state too).
+    applied: tuple[codecs.Codec, tuple[AppliedAverage, ...]] | None = None
 
 
 @dataclass
@@ -108,6 +114,7 @@ class Averager:
         # the majority vote at its step (the node's state download reads it).
         self.last_contribution: tuple[int, torch.Tensor] | None = None
         self._phase_task: asyncio.Task | None = None
+        self._round_calls = 0  # rounds this process attempted (fault injection counts them)
 
     async def _in_codec_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.codec_executor, fn, *args)
@@ -154,6 +161,8 @@ class Averager:
             report.seconds = time.monotonic() - started
             report.tokens = weight
             return RoundOutcome(report)
+        if await self._fault_miss(step):
+            return None
         cached = self._direct_follower_view(step)
         view = cached if cached is not None else await self.swarm.refresh_view()
         if self.behind(view):
@@ -259,6 +268,22 @@ class Averager:
                         extra={"event": "fault_hold", "outer_step": step})
             await asyncio.Event().wait()
 
+    async def _fault_miss(self, step: int) -> bool:
+        """Fault injection for tests: in this process's ``miss_round``-th round, take no part;
+        wait until the swarm is past our step (at most the time a round may take), as a peer that
+        came after the round's plan closed, and fail the round. True when it did."""
+        self._round_calls += 1
+        if self.faults.miss_round != self._round_calls:
+            return False
+        log.warning("fault injection: missing the round of step %d", step,
+                    extra={"event": "fault_miss_round", "outer_step": step})
+        sync = self.config.sync
+        until = time.monotonic() + 2 * sync.matchmaking_timeout + 2 * sync.reduce_timeout
+        while not self.behind(await self.swarm.refresh_view()) and time.monotonic() < until:
+            await asyncio.sleep(0.5)
+        self.metrics.round_failures.labels(reason="behind").inc()
+        return True
+
     async def _fault_busy_codec(self, step: int, residual: torch.Tensor) -> None:
         """Fault injection for tests: in this process's ``busy_codec_round``-th round with a
         partner, hand the codec pool a job that writes the residual now and again after the grace
@@ -328,5 +353,7 @@ class Averager:
             self.stats.bandwidth_bps = sent / seconds
         if skipped:
             self.metrics.round_failures.labels(reason="shard_skipped").inc()
+        applied = None if self.config.sync.state_sync else (codecs.get_codec(group.codec),
+                                                             applied_averages(fragment, result))
         return RoundOutcome(RoundReport(len(group.members), 0.0, sent, received, skipped, allreduce_seconds=seconds),
-                            apply=apply, group=group)
+                            apply=apply, group=group, applied=applied)

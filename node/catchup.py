@@ -19,11 +19,13 @@ import time
 from concurrent.futures import Executor
 
 import grpc
+import torch
 
 from lowcomm.protocol._pb.lowcomm.v1 import state_pb2, state_pb2_grpc
 from lowcomm.protocol.handshake import Identity, IncompatiblePeer
 from lowcomm.protocol.rpc import ChannelPool
-from lowcomm.protocol.state import Donor, Snapshot, StateDonor, StateError, download_state
+from lowcomm.protocol.missed_rounds import KEPT_ROUNDS, MissedRoundsError, apply_missed_rounds, fetch_missed_rounds
+from lowcomm.protocol.state import Donor, OptimizerStates, Snapshot, StateDonor, StateError, download_state
 
 from . import decisions
 from .averaging import Averager
@@ -90,7 +92,10 @@ class CatchUp:
         if plan.because_minority:
             log.warning("our params at step %d differ from the majority of the swarm; re-downloading", plan.step)
         self.stats.phase = "catching_up"
-        await self._download(plan.step, plan.params_hash, [Donor(p.peer_id, p.address) for p in plan.donors])
+        donors = [Donor(p.peer_id, p.address) for p in plan.donors]
+        if not plan.because_minority and await self._apply_missed_rounds(plan.step, plan.params_hash, donors):
+            return
+        await self._download(plan.step, plan.params_hash, donors)
 
     async def _handshake(self, view: SwarmView) -> None:
         """Refuse to run next to a swarm of another run config, naming the difference."""
@@ -117,6 +122,54 @@ class CatchUp:
             return
         except IncompatiblePeer as err:
             raise FatalError(f"refused by the swarm: {err}") from None
+        state_hashes = await self._adopt(got.step, got.params, got.momentum, got.optimizer)
+        self.metrics.state_downloads.inc()
+        self.metrics.state_download_bytes.inc(got.bytes_downloaded)
+        log.info("caught up: downloaded step %d (%d bytes from %d donor(s) in %.1fs)%s", got.step, got.bytes_downloaded,
+                 got.donors_used, time.monotonic() - started,
+                 f", with the inner optimizer's {', '.join(state_hashes)}" if state_hashes else "",
+                 extra={"event": "state_downloaded", "outer_step": got.step, "params_sha256": self.state.params_hash,
+                        "bytes_downloaded": got.bytes_downloaded, "state_sha256": state_hashes,
+                        "optimizer_step": got.optimizer.step if got.optimizer is not None else None})
+        await self.swarm.publish_record()
+
+    async def _apply_missed_rounds(self, step: int, digest: str | None, donors: list[Donor]) -> bool:
+        """Catch up with the swarm at (``step``, ``digest``) by the averages of the rounds we
+        missed (protocol/missed_rounds.py) when our state is the one those rounds started from;
+        False (nothing changed) when that cannot be done, and the caller downloads the state."""
+        from_step, base = self.state.published()
+        if (self.gossip or served_state_names(self.config) or digest is None
+                or not 0 < step - from_step <= KEPT_ROUNDS or self.must_download):
+            return False
+        started = time.monotonic()
+        try:
+            fetched = await fetch_missed_rounds(donors, from_step, base, step, digest, self.identity, self.channels,
+                                                timeout=max(60.0, self.config.sync.reduce_timeout),
+                                                numel=self.trainer.numel)
+            params, momentum = await asyncio.get_running_loop().run_in_executor(
+                self.codec_executor, apply_missed_rounds, self.state.params, self.state.outer, fetched.records)
+        except MissedRoundsError as err:
+            log.info("cannot catch up from step %d to %d by the missed rounds (%s); downloading the state",
+                     from_step, step, err)
+            return False
+        await self._adopt(step, params, momentum, None)
+        for record in fetched.records:  # served on to other peers that missed them
+            self.donor.rounds.add(record)
+        self.metrics.missed_rounds_applied.inc(len(fetched.records))
+        self.metrics.missed_rounds_bytes.inc(fetched.bytes_downloaded)
+        log.info("caught up: applied the %d missed round(s) of steps %d-%d (%d bytes from %s in %.1fs) instead of "
+                 "downloading the state", len(fetched.records), from_step, step - 1, fetched.bytes_downloaded,
+                 fetched.donor, time.monotonic() - started,
+                 extra={"event": "missed_rounds_applied", "outer_step": step, "from_step": from_step,
+                        "params_sha256": self.state.params_hash, "bytes_downloaded": fetched.bytes_downloaded,
+                        "donor": fetched.donor})
+        await self.swarm.publish_record()
+        return True
+
+    async def _adopt(self, step: int, params: torch.Tensor, momentum: torch.Tensor,
+                     optimizer: OptimizerStates | None) -> dict[str, str]:
+        """Make the swarm's (``step``, θ, outer momentum, optimizer state) ours and serve it;
+        returns the hashes of the optimizer states loaded (empty without)."""
         state, averager = self.state, self.averager
 
         def adopt() -> None:
@@ -125,20 +178,20 @@ class CatchUp:
             # round (our group lost the majority vote), what we contributed to that round was not
             # applied in the swarm's state either, so all of it goes back into the residual.
             last = averager.last_contribution
-            if last is not None and last[0] == state.step == got.step:
+            if last is not None and last[0] == state.step == step:
                 state.residual.copy_(last[1])
             state.residual.add_(state.params - self.trainer.get_params())
             averager.last_contribution = None
             loaded = None
-            if got.optimizer is not None and isinstance(self.trainer, OptimizerOwning):
-                install_states(self.trainer.optimizer, self.trainer.params, got.optimizer)
+            if optimizer is not None and isinstance(self.trainer, OptimizerOwning):
+                install_states(self.trainer.optimizer, self.trainer.params, optimizer)
                 # What the optimizer holds now (read back), served to the next joiner as we got it.
-                loaded = capture_states(self.trainer.optimizer, self.trainer.params, got.optimizer.names)
-            state.adopt(got.step, got.params, got.momentum, loaded)
+                loaded = capture_states(self.trainer.optimizer, self.trainer.params, optimizer.names)
+            state.adopt(step, params, momentum, loaded)
             self.trainer.set_params(state.params)
 
         def snapshot_and_hashes() -> tuple[Snapshot, dict[str, str]]:
-            loaded = state.optimizer_states if got.optimizer is not None else None
+            loaded = state.optimizer_states if optimizer is not None else None
             return state.snapshot(), loaded.hashes() if loaded is not None else {}
 
         await self.train_thread.run(adopt)
@@ -146,13 +199,5 @@ class CatchUp:
                                                                                  snapshot_and_hashes)
         self.donor.publish(snapshot)
         self.must_download = False
-        self.metrics.state_downloads.inc()
-        self.metrics.state_download_bytes.inc(got.bytes_downloaded)
         self.metrics.outer_step.set(state.step)
-        log.info("caught up: downloaded step %d (%d bytes from %d donor(s) in %.1fs)%s", got.step, got.bytes_downloaded,
-                 got.donors_used, time.monotonic() - started,
-                 f", with the inner optimizer's {', '.join(state_hashes)}" if state_hashes else "",
-                 extra={"event": "state_downloaded", "outer_step": got.step, "params_sha256": state.params_hash,
-                        "bytes_downloaded": got.bytes_downloaded, "state_sha256": state_hashes,
-                        "optimizer_step": got.optimizer.step if got.optimizer is not None else None})
-        await self.swarm.publish_record()
+        return state_hashes

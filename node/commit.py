@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from lowcomm.protocol import codecs
+from lowcomm.protocol.missed_rounds import RoundRecord
 from lowcomm.protocol.state import OptimizerStates, Snapshot, StateDonor, params_sha256
 
 from .averaging import RoundOutcome, RoundReport
@@ -68,10 +69,16 @@ class Committer:
         return cpu_copy(self.trainer.local_state())
 
     async def apply_and_commit(self, outcome: RoundOutcome) -> dict:
-        """The local part of a round: the outer step on θ_global, then the commit."""
+        """The local part of a round: the outer step on θ_global, then the commit. The round's
+        averages are kept for peers that missed it (protocol/missed_rounds.py)."""
+        base_step, base_hash = self.state.published()
         if outcome.apply is not None:
             await asyncio.get_running_loop().run_in_executor(self.codec_executor, outcome.apply)
-        return await self.commit_global()
+        frozen = await self.commit_global()
+        if outcome.applied is not None:
+            codec, shards = outcome.applied
+            self.donor.rounds.add(RoundRecord(base_step, base_hash, frozen["params_sha256"], codec, shards))
+        return frozen
 
     async def commit_global(self) -> dict:
         """The round's result becomes our state: new step and hash, served to joiners, published.

@@ -30,12 +30,16 @@ class Faults:
     # n: in the n-th round with a partner, hand the codec pool a job that writes the residual
     # now and after a stop's grace period, then stall (an encode still running at shutdown).
     busy_codec_round: int | None = None
+    # n: the n-th round this process attempts, do not take part: wait until the swarm committed a
+    # later step without us (a peer that came after the round's plan closed), then fail the round.
+    miss_round: int | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Faults":
         env = os.environ if env is None else env
         names = {"NAN_ROUND": "nan_round", "SLOW_STEP": "slow_step", "HOLD_ROUND": "hold_round",
-                 "HOLD_AS_LEADER": "hold_as_leader", "BUSY_CODEC_ROUND": "busy_codec_round"}
+                 "HOLD_AS_LEADER": "hold_as_leader", "BUSY_CODEC_ROUND": "busy_codec_round",
+                 "MISS_ROUND": "miss_round"}
         unknown = sorted(k for k in env if k.startswith(PREFIX) and k[len(PREFIX):] not in names.keys() | EXTERNAL)
         if unknown:
             raise ValueError(f"unknown fault injection variable(s) {', '.join(unknown)}; known: "

@@ -96,6 +96,12 @@ class NodeMetrics:
         self.state_download_bytes = Counter(
             "lowcomm_state_download_bytes", "Bytes of global state downloaded from peers.", registry=r
         )
+        self.missed_rounds_applied = Counter(
+            "lowcomm_missed_rounds_applied",
+            "Rounds this node caught up with by applying a peer's kept averages instead of downloading the state.",
+            registry=r)
+        self.missed_rounds_bytes = Counter(
+            "lowcomm_missed_rounds_bytes", "Bytes of kept round averages downloaded from peers to catch up.", registry=r)
         self.consensus_distance = Gauge(
             "lowcomm_consensus_distance", "Relative L2 distance of this node's global parameters to its gossip partners.",
             registry=r,

@@ -58,6 +58,9 @@ class AllReduceResult:
     # but None in ``averages`` was skipped because another member lacked it (agreement.py).
     held: list[bool] = field(default_factory=list)
     reports_heard: int = 0  # members whose shard report reached this peer
+    # Per shard: the encoded bytes of the average in ``averages`` (None where that is None), kept
+    # for peers that missed the round (missed_rounds.py).
+    payloads: list[bytes | None] = field(default_factory=list)
 
 
 async def run_allreduce(
@@ -106,6 +109,7 @@ async def run_allreduce(
     # Per shard, until the agreement: this peer's exact contribution x (what a skipped shard
     # leaves in the residual) and, for shards it owns, its owner residual before the round.
     carried: list[torch.Tensor | None] = [None] * len(slices)
+    encoded: list[bytes | None] = [None] * len(slices)  # per shard: the average's bytes, once held
     owner_before: dict[int, torch.Tensor] = {}
     # Stage k's upload waits for stage k-1's (or its budget): each owner's downlink gets one sender at a time.
     order = upload_order(group, peer_id)
@@ -155,6 +159,7 @@ async def run_allreduce(
         async def own_shard(acc: ShardAccumulator) -> torch.Tensor | None:
             await acc.wait_for_senders(deadline, quorum)
             result = await acc.finalize()
+            encoded[acc.shard_index] = acc.result_payload if result is not None else None
             if peer_id not in acc.contributors:  # our own part was rejected (or the shard failed): carry it
                 residual[slices[acc.shard_index]].copy_(acc.own)
             # Stay until every sender that is connected has its answer: the bytes are then counted,
@@ -200,6 +205,7 @@ async def run_allreduce(
                     transport, owner.address, header, payload, codec.encoded_size(sl.stop - sl.start), timeout,
                     count_sent, uploaded[index].set)
                 stats["received"] += received.size
+                encoded[index] = received.payload()
                 average = await loop.run_in_executor(executor, received.decode, codec, result.numel)
                 contributors = list(result.contributors)
             except (CallFailed, ValueError, codecs.CodecError, ContributionRejected) as err:
@@ -233,6 +239,7 @@ async def run_allreduce(
             except (codecs.CodecError, ContributionRejected) as err:
                 log.warning("shard %d: the team's result is unusable: %s", index, err)
                 return None, []
+            encoded[index] = received
             stats["received"] += len(received)
             log.info("shard %d: its owner failed; fetched the step's average from its team", index)
             return average, contributors
@@ -284,4 +291,5 @@ async def run_allreduce(
         bytes_received=stats["received"] + sum(a.bytes_in for a in mine) + (team.bytes[0] if team else 0),
         payload_bytes=stats["payload"] + sum(codec.encoded_size(a.numel) for a in mine),
         held=held, reports_heard=len(agreement.heard),
+        payloads=[payload if average is not None else None for payload, average in zip(encoded, averages)],
     )

@@ -30,6 +30,7 @@ from .decode import StrictDecodeInterceptor
 from .grpc_transport import abort
 from .handshake import IncompatiblePeer
 from .matchmaking import Matchmaker
+from .missed_rounds import MissedRoundsError, RoundLog
 from .slots import SlotsBusy
 from .state import StateDonor, StateError
 from .transport import Refused
@@ -105,6 +106,21 @@ class StateServicer(state_pb2_grpc.StateTransferServicer):
                                             f"range not read within {self.donor.slots.lease_seconds:.0f}s; "
                                             f"the slot went to another downloader")
                     yield chunk
+        except SlotsBusy as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"donor busy: {err}")
+
+
+    async def GetMissedRounds(self, request: state_pb2.MissedRoundsRequest,
+                              context: grpc.aio.ServicerContext) -> AsyncIterator[state_pb2.MissedRoundsMessage]:
+        await self._check(request.hello, context)
+        try:
+            records = self.donor.rounds.chain(request.from_step, request.params_sha256, request.to_step)
+        except MissedRoundsError as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        try:  # a few MB at most (the encoded model per round): the same slots as state ranges
+            async with self.donor.slots.lease():
+                for message in RoundLog.messages(records):
+                    yield message
         except SlotsBusy as err:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"donor busy: {err}")
 

@@ -47,6 +47,10 @@ class Inbox:
     def complete(self) -> bool:
         return self.filled == self.size
 
+    def payload(self) -> bytes:
+        """A copy of the bytes received (before ``decode``, which may reuse the buffer)."""
+        return self._buffer[:self.filled].tobytes()
+
     def decode(self, codec: codecs.Codec, numel: int) -> torch.Tensor:
         """The payload decoded and checked for finite values (codecs.CodecError or
         validate.ContributionRejected); runs in the executor. The inbox is spent afterwards."""

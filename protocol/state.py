@@ -20,6 +20,7 @@ import torch
 from ._pb.lowcomm.v1 import state_pb2, state_pb2_grpc
 from .channels import STREAM_CHUNK_BYTES
 from .handshake import Identity, IncompatiblePeer
+from .missed_rounds import RoundLog
 from .slots import DownloadSlots
 # The blob format; importers of these names from here (most of the code base) keep working.
 from .snapshot import (  # noqa: F401
@@ -45,12 +46,14 @@ RANGE_BYTES = 16 * 2**20  # one download request; several run in parallel across
 
 
 class StateDonor:
-    """Serves the last two committed snapshots; limits how many downloads run at once."""
+    """Serves the last two committed snapshots, and the averages of the last rounds for peers
+    that missed them (missed_rounds.py); limits how many downloads run at once."""
 
     def __init__(self, identity: Identity, max_concurrent: int = 4, lease_seconds: float = 120.0,
                  wait_seconds: float = 10.0) -> None:
         self.identity = identity
         self._snapshots: dict[int, Snapshot] = {}
+        self.rounds = RoundLog()
         self._slots = DownloadSlots(max_concurrent, lease_seconds, wait_seconds)
 
     def publish(self, snapshot: Snapshot) -> None:

@@ -100,6 +100,9 @@ class World:
         self.reduces: dict[bytes, _Reduce] = {}
         self.global_theta: dict[tuple[int, str], np.ndarray] = {}  # ideal_global: θ of (step, hash)
         self.state_bytes = 8 * config.numel  # θ_global and the outer momentum, fp32
+        # (step, hash) -> (step − 1, hash) it was averaged from, for group rounds: a peer behind
+        # by at most KEPT_ROUNDS of these applies their averages instead of downloading.
+        self.round_bases: dict[tuple[int, str], tuple[int, str]] = {}
         self.gossip_window = STEP_WINDOW
         self.next_index = 0
         self.started_at = self.loop.time()
@@ -283,7 +286,7 @@ def summarize(lines: list[dict]) -> dict:
     keys = ["share_averaged", "share_majority", "form_p50_s", "form_p95_s", "groups", "group_size_median", "dht_reads_per_peer",
             "dht_writes_per_peer", "dht_subkeys_read_per_peer", "dht_busiest_holder_requests", "busiest_peer_rpcs",
             "busiest_peer_joins", "bytes_per_peer_mb", "skipped_shards", "downloads_minority", "downloads_behind",
-            "downloads_joiner", "hashes", "consensus_distance", "partner_distance", "commit_spread_s"]
+            "downloads_joiner", "missed_rounds_applied", "hashes", "consensus_distance", "partner_distance", "commit_spread_s"]
     out = {}
     for key in keys:
         values = [line[key] for line in steady if line.get(key) is not None]

@@ -42,6 +42,7 @@ class _Step:
     joins: Counter = field(default_factory=Counter)  # receiving peer -> JoinGroup calls
     skipped: int = 0
     downloads: Counter = field(default_factory=Counter)  # kind -> count (minority: caused by this round)
+    missed_rounds: int = 0  # peers that caught up with this step by the averages of the rounds they missed
     committed: dict[str, str] = field(default_factory=dict)  # peer -> hash committed at step r+1
     thetas: dict[str, np.ndarray] = field(default_factory=dict)
     partner_distance: list[float] = field(default_factory=list)
@@ -100,6 +101,9 @@ class Metrics:
         # A minority download at step r+1 is caused by round r; others count where they land.
         self.steps[step - 1 if kind == "minority" else step].downloads[kind] += 1
 
+    def missed_rounds_applied(self, step: int, peer: str) -> None:
+        self.steps[step].missed_rounds += 1
+
     def rpc(self, step: int, receiver: str, method: str, count: int = 1) -> None:
         s = self.steps[step]
         s.rpcs[receiver] += count
@@ -149,6 +153,7 @@ class Metrics:
             "downloads_minority": s.downloads["minority"],
             "downloads_behind": s.downloads["behind"],
             "downloads_joiner": s.downloads["joiner"],
+            "missed_rounds_applied": s.missed_rounds,
             # Averaged into the step's most committed hash: what the step's θ is made of (a second
             # plan of the same step averages too, but its peers then download the majority's state).
             "share_majority": _r(max(Counter(s.committed.values()).values(), default=0) / live if live else None),

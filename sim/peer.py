@@ -30,6 +30,7 @@ from lowcomm.protocol import PROTOCOL_VERSION
 from lowcomm.protocol.crossgroup import StepPlan
 from lowcomm.protocol.handshake import Identity
 from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError, PlanClosed, RoundPeers
+from lowcomm.protocol.missed_rounds import KEPT_ROUNDS
 from lowcomm.protocol.transport import LoopClock
 
 from .whatif import lagging
@@ -159,21 +160,42 @@ class SimPeer:
         before = self.phase
         self.phase = "catching_up"
         donors = [d for d in plan.donors if d.peer_id in self.world.peers][:4]
-        loop = asyncio.get_running_loop()
+        kind = "minority" if plan.because_minority else ("joiner" if not self.caught_up else "behind")
+        # As the node does (node/catchup.py): a peer whose state some kept rounds started from
+        # fetches their encoded averages from one donor instead of the state from several.
+        missed = self.missed_rounds_to(plan.step, plan.params_hash) if kind == "behind" and self.gossip is None else 0
         if donors:
-            rate = min(self.link.down, sum(self.world.peers[d.peer_id].link.up for d in donors))
-            seconds = max(self.world.peers[d.peer_id].link.latency for d in donors) + self.link.latency \
-                + self.world.state_bytes / rate
+            if missed:
+                rate = min(self.link.down, self.world.peers[donors[0].peer_id].link.up)
+                nbytes = missed * self.world.codec.encoded_size(cfg.numel)
+            else:
+                rate = min(self.link.down, sum(self.world.peers[d.peer_id].link.up for d in donors))
+                nbytes = self.world.state_bytes
+            seconds = max(self.world.peers[d.peer_id].link.latency for d in donors) + self.link.latency + nbytes / rate
             await asyncio.sleep(seconds)
         state = self.world.states.get((plan.step, plan.params_hash))
         if not donors or state is None or all(self.world.peers.get(d.peer_id) is None for d in donors):
             self.phase = before
             return
-        kind = "minority" if plan.because_minority else ("joiner" if not self.caught_up else "behind")
-        self.world.metrics.download(plan.step, self.peer_id, kind, self.world.state_bytes)
+        if missed:
+            self.world.metrics.missed_rounds_applied(plan.step, self.peer_id)
+        else:
+            self.world.metrics.download(plan.step, self.peer_id, kind, self.world.state_bytes)
         self.step, self.hash, self.theta = plan.step, plan.params_hash, state.copy()
         self.caught_up = True
         self.phase = "training"
+
+    def missed_rounds_to(self, step: int, params_hash: str) -> int:
+        """How many group rounds lead from our (step, hash) to (``step``, ``params_hash``), if at
+        most KEPT_ROUNDS (protocol/missed_rounds.py); 0 when they do not (a download then)."""
+        at = (step, params_hash)
+        for rounds in range(1, KEPT_ROUNDS + 1):
+            at = self.world.round_bases.get(at)
+            if at is None:
+                return 0
+            if at == (self.step, self.hash):
+                return rounds
+        return 0
 
     async def inner_phase(self) -> None:
         """H inner steps at this peer's speed, cut when outpaced or at the join-by time of a
@@ -272,7 +294,7 @@ class SimPeer:
                 world.metrics.failed(step, self.peer_id, "no_group")
                 return
             self.residual[:] = 0
-            self.commit(self.theta - x)
+            self.commit(self.theta - x, group_round=False)
             world.metrics.averaged(step, self.peer_id, 1, 0, 0)
             return
         reduce = world.reduce_for(group)
@@ -308,11 +330,14 @@ class SimPeer:
         except TimeoutError:
             pass
 
-    def commit(self, theta: np.ndarray) -> None:
+    def commit(self, theta: np.ndarray, group_round: bool = True) -> None:
         self.tokens_since_round = 0.0
         self.theta = theta
+        base = (self.step, self.hash)
         self.step += 1
         self.hash = params_hash(theta)
+        if group_round:  # the node keeps a group round's averages, not a solo step's
+            self.world.round_bases.setdefault((self.step, self.hash), base)
         self.world.states.setdefault((self.step, self.hash), theta.copy())
         self.world.metrics.committed(self.step, self.peer_id, self.hash, theta)
         self.phase = "training"

@@ -1,5 +1,5 @@
 """Fault injection through the real CLI: a leader that dies after sending the group, a straggler,
-a joiner that arrives while a round is in flight.
+a joiner that arrives while a round is in flight, a peer that misses a round.
 
 In each: no round hangs past its deadlines, the survivors stay bit-identical, and the swarm goes
 on training. (A killed sender and owner, a joiner at an arbitrary moment and a killed donor are covered in
@@ -131,3 +131,25 @@ def test_joiner_arriving_mid_round(swarm):
     assert hash_at(first, joined["outer_step"]) == joined["params_sha256"]
     assert hash_at(second, joined["outer_step"]) == joined["params_sha256"]
     assert all(e["eval_loss"] == e["eval_loss"] for n in (first, second, joiner) for e in n.rounds())
+
+
+def test_a_peer_that_missed_a_round_applies_its_averages_instead_of_downloading(swarm):
+    first = swarm.start(0)
+    second = swarm.start(1, [first.multiaddr])
+    # Its 2nd round it sits out (as a peer that came after the round's plan closed): the other
+    # two average without it and it is one step behind.
+    late = swarm.start(2, [first.multiaddr], env={"LOWCOMM_FAULT_MISS_ROUND": "2"})
+    step = late.wait_event("fault_miss_round", ROUND_WAIT * 2)["outer_step"]
+    caught_up = late.wait_event("missed_rounds_applied", ROUND_WAIT * 2)
+    assert (caught_up["from_step"], caught_up["outer_step"]) == (step, step + 1)
+    assert caught_up["params_sha256"] == hash_at(first, step + 1) == hash_at(second, step + 1)
+    # An int8 round's averages: about a quarter of the 8 bytes per parameter a download moves.
+    numel = first.rounds()[0]["numel"]
+    assert caught_up["bytes_downloaded"] < 2 * numel
+    # It averages again with the others, identical to them, and never downloaded after its
+    # first round.
+    joined = late.wait_for(lambda e: e.get("event") == "round_done" and e["group_size"] == 3
+                           and e["outer_step"] > step + 1, ROUND_WAIT * 2)
+    assert hash_at(first, joined["outer_step"]) == joined["params_sha256"]
+    first_round = next(i for i, e in enumerate(late.events) if e.get("event") == "round_done")
+    assert not [e for e in late.events[first_round:] if e.get("event") == "state_downloaded"]

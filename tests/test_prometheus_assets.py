@@ -150,6 +150,8 @@ def _busy_metrics() -> NodeMetrics:
     m.rejected_contributions.labels(reason="norm").inc()
     m.state_downloads.inc()
     m.state_download_bytes.inc(123456)
+    m.missed_rounds_applied.inc()
+    m.missed_rounds_bytes.inc(4096)
     m.consensus_distance.set(0.01)
     m.grpc_handled.labels(grpc_service="lowcomm.v1.Averaging", grpc_method="Reduce", grpc_code="OK").inc()
     return m

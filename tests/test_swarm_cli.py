@@ -22,9 +22,10 @@ def group_rounds(node, size):
 
 
 def hash_at(node, step, timeout=ROUND_WAIT):
-    """The params hash ``node`` committed (or downloaded) for outer step ``step``."""
+    """The params hash ``node`` committed (or caught up with) for outer step ``step``."""
     event = node.wait_for(
-        lambda e: e.get("event") in ("round_done", "state_downloaded") and e.get("outer_step") == step, timeout)
+        lambda e: e.get("event") in ("round_done", "state_downloaded", "missed_rounds_applied")
+        and e.get("outer_step") == step, timeout)
     return event["params_sha256"]
 
 

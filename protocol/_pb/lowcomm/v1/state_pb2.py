@@ -23,23 +23,32 @@ _sym_db = _symbol_database.Default()
 
 
 from . import handshake_pb2 as lowcomm_dot_v1_dot_handshake__pb2
+from . import tensor_pb2 as lowcomm_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lowcomm/v1/state.proto\x12\nlowcomm.v1\x1a\x1alowcomm/v1/handshake.proto\"4\n\x10StateInfoRequest\x12 \n\x05hello\x18\x01 \x01(\x0b\x32\x11.lowcomm.v1.Hello\"j\n\tStateInfo\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x15\n\rparams_sha256\x18\x02 \x01(\t\x12\x14\n\x0cstate_sha256\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\r\n\x05numel\x18\x05 \x01(\x03\"^\n\x0cStateRequest\x12 \n\x05hello\x18\x01 \x01(\x0b\x32\x11.lowcomm.v1.Hello\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0e\n\x06length\x18\x04 \x01(\x03\":\n\nStateChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06sha256\x18\x03 \x01(\t2\x99\x01\n\rStateTransfer\x12\x43\n\x0cGetStateInfo\x12\x1c.lowcomm.v1.StateInfoRequest\x1a\x15.lowcomm.v1.StateInfo\x12\x43\n\rDownloadState\x12\x18.lowcomm.v1.StateRequest\x1a\x16.lowcomm.v1.StateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lowcomm/v1/state.proto\x12\nlowcomm.v1\x1a\x1alowcomm/v1/handshake.proto\x1a\x17lowcomm/v1/tensor.proto\"4\n\x10StateInfoRequest\x12 \n\x05hello\x18\x01 \x01(\x0b\x32\x11.lowcomm.v1.Hello\"j\n\tStateInfo\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x15\n\rparams_sha256\x18\x02 \x01(\t\x12\x14\n\x0cstate_sha256\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\r\n\x05numel\x18\x05 \x01(\x03\"^\n\x0cStateRequest\x12 \n\x05hello\x18\x01 \x01(\x0b\x32\x11.lowcomm.v1.Hello\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0e\n\x06length\x18\x04 \x01(\x03\":\n\nStateChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"r\n\x13MissedRoundsRequest\x12 \n\x05hello\x18\x01 \x01(\x0b\x32\x11.lowcomm.v1.Hello\x12\x11\n\tfrom_step\x18\x02 \x01(\x03\x12\x15\n\rparams_sha256\x18\x03 \x01(\t\x12\x0f\n\x07to_step\x18\x04 \x01(\x03\"X\n\x13MissedRoundsMessage\x12(\n\x05round\x18\x01 \x01(\x0b\x32\x17.lowcomm.v1.MissedRoundH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"\x93\x01\n\x0bMissedRound\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0b\x62\x61se_sha256\x18\x02 \x01(\t\x12\x15\n\rresult_sha256\x18\x03 \x01(\t\x12 \n\x05\x63odec\x18\x04 \x01(\x0e\x32\x11.lowcomm.v1.Codec\x12(\n\x06shards\x18\x05 \x03(\x0b\x32\x18.lowcomm.v1.AppliedShard\"C\n\x0c\x41ppliedShard\x12\r\n\x05start\x18\x01 \x01(\x03\x12\r\n\x05numel\x18\x02 \x01(\x03\x12\x15\n\rpayload_bytes\x18\x03 \x01(\x03\x32\xf0\x01\n\rStateTransfer\x12\x43\n\x0cGetStateInfo\x12\x1c.lowcomm.v1.StateInfoRequest\x1a\x15.lowcomm.v1.StateInfo\x12\x43\n\rDownloadState\x12\x18.lowcomm.v1.StateRequest\x1a\x16.lowcomm.v1.StateChunk0\x01\x12U\n\x0fGetMissedRounds\x12\x1f.lowcomm.v1.MissedRoundsRequest\x1a\x1f.lowcomm.v1.MissedRoundsMessage0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lowcomm.v1.state_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STATEINFOREQUEST']._serialized_start=66
-  _globals['_STATEINFOREQUEST']._serialized_end=118
-  _globals['_STATEINFO']._serialized_start=120
-  _globals['_STATEINFO']._serialized_end=226
-  _globals['_STATEREQUEST']._serialized_start=228
-  _globals['_STATEREQUEST']._serialized_end=322
-  _globals['_STATECHUNK']._serialized_start=324
-  _globals['_STATECHUNK']._serialized_end=382
-  _globals['_STATETRANSFER']._serialized_start=385
-  _globals['_STATETRANSFER']._serialized_end=538
+  _globals['_STATEINFOREQUEST']._serialized_start=91
+  _globals['_STATEINFOREQUEST']._serialized_end=143
+  _globals['_STATEINFO']._serialized_start=145
+  _globals['_STATEINFO']._serialized_end=251
+  _globals['_STATEREQUEST']._serialized_start=253
+  _globals['_STATEREQUEST']._serialized_end=347
+  _globals['_STATECHUNK']._serialized_start=349
+  _globals['_STATECHUNK']._serialized_end=407
+  _globals['_MISSEDROUNDSREQUEST']._serialized_start=409
+  _globals['_MISSEDROUNDSREQUEST']._serialized_end=523
+  _globals['_MISSEDROUNDSMESSAGE']._serialized_start=525
+  _globals['_MISSEDROUNDSMESSAGE']._serialized_end=613
+  _globals['_MISSEDROUND']._serialized_start=616
+  _globals['_MISSEDROUND']._serialized_end=763
+  _globals['_APPLIEDSHARD']._serialized_start=765
+  _globals['_APPLIEDSHARD']._serialized_end=832
+  _globals['_STATETRANSFER']._serialized_start=835
+  _globals['_STATETRANSFER']._serialized_end=1075
 # @@protoc_insertion_point(module_scope)

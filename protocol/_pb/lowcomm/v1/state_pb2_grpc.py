@@ -45,6 +45,11 @@ class StateTransferStub:
                 request_serializer=lowcomm_dot_v1_dot_state__pb2.StateRequest.SerializeToString,
                 response_deserializer=lowcomm_dot_v1_dot_state__pb2.StateChunk.FromString,
                 _registered_method=True)
+        self.GetMissedRounds = channel.unary_stream(
+                '/lowcomm.v1.StateTransfer/GetMissedRounds',
+                request_serializer=lowcomm_dot_v1_dot_state__pb2.MissedRoundsRequest.SerializeToString,
+                response_deserializer=lowcomm_dot_v1_dot_state__pb2.MissedRoundsMessage.FromString,
+                _registered_method=True)
 
 
 class StateTransferServicer:
@@ -65,6 +70,16 @@ class StateTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetMissedRounds(self, request, context):
+        """The averages of the last rounds after a step, for a peer that holds that step's state and
+        missed the rounds: it applies them with its own outer optimizer instead of downloading the
+        whole state (protocol/missed_rounds.py). FAILED_PRECONDITION when this peer does not hold
+        every round from the caller's step and params hash to the step it asks for.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StateTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +92,11 @@ def add_StateTransferServicer_to_server(servicer, server):
                     servicer.DownloadState,
                     request_deserializer=lowcomm_dot_v1_dot_state__pb2.StateRequest.FromString,
                     response_serializer=lowcomm_dot_v1_dot_state__pb2.StateChunk.SerializeToString,
+            ),
+            'GetMissedRounds': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetMissedRounds,
+                    request_deserializer=lowcomm_dot_v1_dot_state__pb2.MissedRoundsRequest.FromString,
+                    response_serializer=lowcomm_dot_v1_dot_state__pb2.MissedRoundsMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +154,33 @@ class StateTransfer:
             '/lowcomm.v1.StateTransfer/DownloadState',
             lowcomm_dot_v1_dot_state__pb2.StateRequest.SerializeToString,
             lowcomm_dot_v1_dot_state__pb2.StateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMissedRounds(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/lowcomm.v1.StateTransfer/GetMissedRounds',
+            lowcomm_dot_v1_dot_state__pb2.MissedRoundsRequest.SerializeToString,
+            lowcomm_dot_v1_dot_state__pb2.MissedRoundsMessage.FromString,
             options,
             channel_credentials,
             insecure,
