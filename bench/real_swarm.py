@@ -14,7 +14,9 @@ one ``kind: "summary"`` line to ``--json-out`` (default bench/out/real_swarm.jso
   c/k groups of k; a fraction means a group whose other members did not commit this step);
 - the share of the N peers that committed the step from a group of more than one peer;
 - distinct ``params_sha256`` committed at the step (one θ_global per step: must be 1);
-- ``state_downloaded`` events after a node's first committed round (must be 0), per step and total;
+- ``state_downloaded`` events after a node's first committed round (must be 0), per step and total,
+  and ``missed_rounds_applied`` events (a node that caught up by the averages of the rounds it
+  missed, protocol/missed_rounds.py, instead of downloading);
 - ``matchmaking_seconds`` (time to form the group) p50/p95, ``bytes_sent``/``bytes_received``
   per peer, skipped shards;
 - per peer from the metrics endpoint: gRPC calls handled (the busiest peer's too, per round),
@@ -226,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         "downloads_after_first_round": sum(len(later_downloads(node)) for node in nodes),
         "first_catchup_downloads": sum(
             sum(e.get("event") == "state_downloaded" for e in node.events) - len(later_downloads(node)) for node in nodes),
+        "missed_rounds_applied": sum(e.get("event") == "missed_rounds_applied" for node in nodes for e in node.events),
         "share_averaged_mean": round(statistics.mean(s["share_averaged"] for s in steps_measured), 3)
         if steps_measured else None,
         "share_averaged_min": min((s["share_averaged"] for s in steps_measured), default=None),

@@ -42,7 +42,7 @@ from pathlib import Path
 from common import (BENCH, OUT, PY, Proc, append_jsonl, handle_signals, netns_unavailable, network, processes,
                     record_base, say)
 
-from lowcomm.protocol.layout import piece_layout, pieces_per_owner
+from lowcomm.protocol.layout import encoded_size, piece_layout, pieces_per_owner
 
 AGENT = BENCH / "transport_agent.py"
 WARMUP_NUMEL = 2**16
@@ -110,7 +110,9 @@ def lowcomm_round(agents: list[Proc], addresses: list[str], numel: int, codec_id
     """One round of the project's all-reduce; ``pieces`` per owner as the leader cuts them
     (protocol/layout.py) unless given."""
     n = len(agents)
-    bounds, owners = piece_layout(numel, [0.0] * n, pieces_per_owner(numel, n) if pieces is None else pieces)
+    if pieces is None:
+        pieces = pieces_per_owner(encoded_size(codec_id, numel), n)
+    bounds, owners = piece_layout(numel, [0.0] * n, pieces)
     group = {"group_id": os.urandom(8).hex(), "step": step,
              "members": [{"peer_id": f"agent-{i}", "address": addresses[i], "weight": 1.0} for i in range(n)],
              "shard_bounds": bounds, "shard_owners": owners, "codec": codec_id,
@@ -207,7 +209,7 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
                         "transport", run_id=run_id, impl="lowcomm", peers=n, payload_mb=size, payload_bytes=payload,
                         numel=numel, codec=codec.name, mbit=mbit, network=net.kind, link=net.describe(),
                         queue=args.queue, schedule=args.schedule,
-                        pieces=pieces_per_owner(numel, n) if args.pieces is None else args.pieces, load_avg=os.getloadavg()[0],
+                        pieces=pieces_per_owner(payload, n) if args.pieces is None else args.pieces, load_avg=os.getloadavg()[0],
                         rounds=results, seconds=seconds, seconds_spread=spread([r["seconds"] for r in results]),
                         bound_seconds=bound, efficiency=bound / seconds if bound else None,
                         bus_mbit=bus_mbit(n, payload, seconds),

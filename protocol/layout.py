@@ -7,6 +7,7 @@ import hashlib
 import math
 from typing import Callable
 
+from . import codecs
 from ._pb.lowcomm.v1 import averaging_pb2
 
 
@@ -55,7 +56,7 @@ def shard_layout(numel: int, owners_bandwidth: list[float]) -> list[int]:
     return bounds
 
 
-MIN_PIECE_VALUES = 1 << 17  # values per piece at least (128 KiB in int8): smaller ones cost more calls than they save
+MIN_PIECE_BYTES = 1 << 17  # encoded bytes per piece at least (128 KiB, the smallest measured to pay off)
 MAX_PIECES = 8  # pieces per owner at most
 # Pieces × (owners − 1) at most: the Reduce streams an owner receives per round. Pieces were
 # measured up to 8 owners (4 pieces each); a larger group keeps one shard per owner, where more
@@ -63,10 +64,11 @@ MAX_PIECES = 8  # pieces per owner at most
 MAX_PIECE_STREAMS = 28
 
 
-def pieces_per_owner(numel: int, owners: int) -> int:
-    """Into how many pieces a single group's leader cuts each owner's share (``piece_layout``)."""
+def pieces_per_owner(payload_bytes: int, owners: int) -> int:
+    """Into how many pieces a single group's leader cuts each owner's share (``piece_layout``),
+    for a round whose whole encoded Δ is ``payload_bytes``."""
     owners = max(1, owners)
-    return max(1, min(MAX_PIECES, numel // (owners * MIN_PIECE_VALUES), MAX_PIECE_STREAMS // max(1, owners - 1)))
+    return max(1, min(MAX_PIECES, payload_bytes // (owners * MIN_PIECE_BYTES), MAX_PIECE_STREAMS // max(1, owners - 1)))
 
 
 def piece_layout(numel: int, owners_bandwidth: list[float], pieces: int) -> tuple[list[int], list[int]]:
@@ -87,6 +89,14 @@ def piece_layout(numel: int, owners_bandwidth: list[float], pieces: int) -> tupl
             bounds.append(bounds[-1] + cuts[k][p + 1] - cuts[k][p])
             owner_of.append(k)
     return bounds, owner_of
+
+
+def encoded_size(codec_id: int, numel: int) -> int:
+    """Bytes of ``numel`` values in the round's codec (4 per value for a codec this peer does not know)."""
+    try:
+        return codecs.get_codec(codec_id).encoded_size(numel)
+    except ValueError:
+        return 4 * numel
 
 
 def declared_bandwidth(bandwidth: dict[str, float], peer_id: str) -> float:
@@ -134,7 +144,7 @@ def close_groups(parts: list[list[averaging_pb2.Member]], bandwidth: dict[str, f
         group.CopyFrom(template)
         group.group_id = ids[0]
         bounds, owner_of = piece_layout(numel, [bandwidth[parts[0][i].peer_id] for i in owners],
-                                        pieces_per_owner(numel, len(owners)))
+                                        pieces_per_owner(encoded_size(template.codec, numel), len(owners)))
         group.shard_bounds.extend(bounds)
         group.members.extend(parts[0])
         group.shard_owners.extend(owners[k] for k in owner_of)

@@ -161,6 +161,8 @@ async def read_missed_rounds(messages: AsyncIterator[state_pb2.MissedRoundsMessa
                              base_sha256: str, to_step: int, target_sha256: str, numel: int) -> list[RoundRecord]:
     """The rounds of a ``GetMissedRounds`` answer, checked (module docstring); the payloads are
     gathered only up to the sizes the codec gives for each shard (a donor sizes no buffer)."""
+    if to_step <= from_step:
+        raise MissedRoundsError(f"nothing to catch up from step {from_step} to step {to_step}")
     records: list[RoundRecord] = []
     current: RoundRecord | None = None
     payloads: list[bytearray] = []

@@ -82,6 +82,7 @@ COLUMNS = [("share avg", "mean_share_averaged", 2), ("min share", "min_share_ave
            ("busiest RPCs", "mean_busiest_peer_rpcs", 0), ("busiest joins", "mean_busiest_peer_joins", 0),
            ("MB/peer", "mean_bytes_per_peer_mb", 1), ("skipped", "mean_skipped_shards", 1),
            ("dl minority", "mean_downloads_minority", 1), ("dl behind", "mean_downloads_behind", 1),
+           ("missed rounds applied", "mean_missed_rounds_applied", 1),
            ("hashes", "mean_hashes", 1), ("consensus", "mean_consensus_distance", 3),
            ("rounds to ½", "rounds_to_halve_consensus", 0)]
 

@@ -12,7 +12,8 @@ from lowcomm.protocol import PROTOCOL_VERSION
 from lowcomm.protocol.handshake import Identity, IncompatiblePeer
 from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
 from lowcomm.protocol.matchmaking import MatchmakingError, round_key, shard_layout, split_into_groups
-from lowcomm.protocol.layout import MAX_PIECE_STREAMS, MAX_PIECES, MIN_PIECE_VALUES, close_groups, piece_layout, pieces_per_owner
+from lowcomm.protocol import codecs
+from lowcomm.protocol.layout import MAX_PIECE_STREAMS, MAX_PIECES, MIN_PIECE_BYTES, close_groups, piece_layout, pieces_per_owner
 
 from .swarm_harness import MemoryDHT, Peer, start_peers, stop_peers
 
@@ -54,8 +55,8 @@ def test_pieces_cut_each_owners_share_and_come_piece_by_piece():
 
 
 def test_pieces_per_owner_grow_with_the_shard_and_stay_within_the_stream_budget():
-    piece = MIN_PIECE_VALUES
-    assert pieces_per_owner(4 * piece - 1, 4) == 1  # a shard below two pieces stays whole
+    piece = MIN_PIECE_BYTES
+    assert pieces_per_owner(4 * 2 * piece - 1, 4) == 1  # a shard below two pieces stays whole
     assert pieces_per_owner(4 * 3 * piece, 4) == 3
     assert pieces_per_owner(10**9, 2) == MAX_PIECES
     assert pieces_per_owner(10**9, 8) == MAX_PIECE_STREAMS // 7
@@ -63,12 +64,14 @@ def test_pieces_per_owner_grow_with_the_shard_and_stay_within_the_stream_budget(
     assert pieces_per_owner(10**9, 1) == MAX_PIECES
 
 
-def test_a_single_groups_leader_cuts_large_models_in_pieces():
-    numel = 4 * 2 * MIN_PIECE_VALUES
+@pytest.mark.parametrize("codec,pieces", [("fp32", 2), ("int8", 1)])
+def test_a_single_groups_leader_cuts_large_rounds_in_pieces_by_their_encoded_size(codec, pieces):
+    numel = 4 * 2 * MIN_PIECE_BYTES // 4  # two pieces per owner in fp32, a quarter of the bytes in int8
     members = [averaging_pb2.Member(peer_id=f"p{i}", address=f"a{i}", weight=1.0) for i in range(4)]
-    [group] = close_groups([members], dict.fromkeys((m.peer_id for m in members), 0.0), numel,
-                           averaging_pb2.Group(step=3), lambda n: bytes(n))
-    assert list(group.shard_owners) == [0, 1, 2, 3, 0, 1, 2, 3]
+    template = averaging_pb2.Group(step=3, codec=codecs.get_codec(codec).id)
+    [group] = close_groups([members], dict.fromkeys((m.peer_id for m in members), 0.0), numel, template,
+                           lambda n: bytes(n))
+    assert list(group.shard_owners) == [0, 1, 2, 3] * pieces
     assert group.shard_bounds[-1] == numel
 
 
