@@ -97,6 +97,10 @@ def set_cap(net, mbit: float | None, queue: str) -> None:
                        check=True, capture_output=True)
 
 
+def auto_pieces(numel: int, codec_id: int, peers: int, mbit: float | None) -> int:
+    return pieces_per_owner(encoded_size(codec_id, numel), peers, (mbit or 0.0) * 1e6 / 8)
+
+
 def _ask(agents: list[Proc], cmd: dict, reply: str, timeout: float) -> list[dict]:
     starts = [len(a.events) for a in agents]
     line = json.dumps(cmd)
@@ -106,12 +110,13 @@ def _ask(agents: list[Proc], cmd: dict, reply: str, timeout: float) -> list[dict
 
 
 def lowcomm_round(agents: list[Proc], addresses: list[str], numel: int, codec_id: int, timeout: float,
-                  step: int, staggered: bool = True, pieces: int | None = None) -> dict:
+                  step: int, staggered: bool = True, pieces: int | None = None, mbit: float | None = None) -> dict:
     """One round of the project's all-reduce; ``pieces`` per owner as the leader cuts them
-    (protocol/layout.py) unless given."""
+    (protocol/layout.py) unless given, for members that declared the link's cap as their
+    bandwidth (a node declares its last round's measured rate, somewhat less)."""
     n = len(agents)
     if pieces is None:
-        pieces = pieces_per_owner(encoded_size(codec_id, numel), n)
+        pieces = auto_pieces(numel, codec_id, n, mbit)
     bounds, owners = piece_layout(numel, [0.0] * n, pieces)
     group = {"group_id": os.urandom(8).hex(), "step": step,
              "members": [{"peer_id": f"agent-{i}", "address": addresses[i], "weight": 1.0} for i in range(n)],
@@ -198,7 +203,7 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
                         wire0, links0 = [net.wire_sent(i) for i in range(n)], link_counters(net, n)
                         step += 1
                         result = lowcomm_round(members, addresses, numel, int(codec.id), timeout, step,
-                                               args.schedule == "staggered", args.pieces)
+                                               args.schedule == "staggered", args.pieces, mbit)
                         wire = [None if a is None or b is None else b - a
                                 for a, b in zip(wire0, [net.wire_sent(i) for i in range(n)])]
                         result["wire_bytes_sent"] = statistics.fmean(wire) if None not in wire else None
@@ -209,7 +214,8 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
                         "transport", run_id=run_id, impl="lowcomm", peers=n, payload_mb=size, payload_bytes=payload,
                         numel=numel, codec=codec.name, mbit=mbit, network=net.kind, link=net.describe(),
                         queue=args.queue, schedule=args.schedule,
-                        pieces=pieces_per_owner(payload, n) if args.pieces is None else args.pieces, load_avg=os.getloadavg()[0],
+                        pieces=auto_pieces(numel, int(codec.id), n, mbit) if args.pieces is None else args.pieces,
+                        load_avg=os.getloadavg()[0],
                         rounds=results, seconds=seconds, seconds_spread=spread([r["seconds"] for r in results]),
                         bound_seconds=bound, efficiency=bound / seconds if bound else None,
                         bus_mbit=bus_mbit(n, payload, seconds),

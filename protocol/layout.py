@@ -57,6 +57,9 @@ def shard_layout(numel: int, owners_bandwidth: list[float]) -> list[int]:
 
 
 MIN_PIECE_BYTES = 1 << 17  # encoded bytes per piece at least (128 KiB, the smallest measured to pay off)
+# Seconds a piece takes on the owners' links at least: on a fast link a piece's calls and codec
+# jobs cost more CPU than the overlap saves (the 1 Gbit/s rows of bench/analysis.md "Pieces").
+MIN_PIECE_SECONDS = 0.02
 MAX_PIECES = 8  # pieces per owner at most
 # Pieces × (owners − 1) at most: the Reduce streams an owner receives per round. Pieces were
 # measured up to 8 owners (4 pieces each); a larger group keeps one shard per owner, where more
@@ -64,11 +67,21 @@ MAX_PIECES = 8  # pieces per owner at most
 MAX_PIECE_STREAMS = 28
 
 
-def pieces_per_owner(payload_bytes: int, owners: int) -> int:
+def pieces_per_owner(payload_bytes: int, owners: int, link_bytes_per_second: float) -> int:
     """Into how many pieces a single group's leader cuts each owner's share (``piece_layout``),
-    for a round whose whole encoded Δ is ``payload_bytes``."""
+    for a round whose whole encoded Δ is ``payload_bytes`` over links of the given rate (the
+    owners' median declared bandwidth; 0 when none is known yet: then one piece)."""
+    if not (link_bytes_per_second > 0 and math.isfinite(link_bytes_per_second)):
+        return 1
     owners = max(1, owners)
-    return max(1, min(MAX_PIECES, payload_bytes // (owners * MIN_PIECE_BYTES), MAX_PIECE_STREAMS // max(1, owners - 1)))
+    piece = max(MIN_PIECE_BYTES, link_bytes_per_second * MIN_PIECE_SECONDS)
+    return max(1, min(MAX_PIECES, int(payload_bytes // (owners * piece)), MAX_PIECE_STREAMS // max(1, owners - 1)))
+
+
+def median_declared(bandwidths: list[float]) -> float:
+    """The median of the known (positive, finite) declared bandwidths, 0 if none is known."""
+    known = sorted(b for b in bandwidths if b > 0 and math.isfinite(b))
+    return known[len(known) // 2] if known else 0.0
 
 
 def piece_layout(numel: int, owners_bandwidth: list[float], pieces: int) -> tuple[list[int], list[int]]:
@@ -143,8 +156,9 @@ def close_groups(parts: list[list[averaging_pb2.Member]], bandwidth: dict[str, f
         group = averaging_pb2.Group()
         group.CopyFrom(template)
         group.group_id = ids[0]
-        bounds, owner_of = piece_layout(numel, [bandwidth[parts[0][i].peer_id] for i in owners],
-                                        pieces_per_owner(encoded_size(template.codec, numel), len(owners)))
+        declared = [bandwidth[parts[0][i].peer_id] for i in owners]
+        bounds, owner_of = piece_layout(numel, declared, pieces_per_owner(encoded_size(template.codec, numel),
+                                                                          len(owners), median_declared(declared)))
         group.shard_bounds.extend(bounds)
         group.members.extend(parts[0])
         group.shard_owners.extend(owners[k] for k in owner_of)

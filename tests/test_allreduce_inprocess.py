@@ -153,7 +153,8 @@ def test_staggered_members_upload_to_one_owner_after_the_other(numel, pieces):
                 p.channels = RecordingChannels(p.channels, p.peer_id, events)
                 record_results(p, served)
             expected = {p.peer_id for p in peers}
-            group = (await asyncio.gather(*(p.form(0, expected) for p in peers)))[0]
+            # Members that measured a 20 Mbit/s link (pieces need a known bandwidth, layout.py).
+            group = (await asyncio.gather(*(p.form(0, expected, bandwidth_bps=2.5e6) for p in peers)))[0]
             address_of = {m.peer_id: m.address for m in group.members}
             owners = [group.members[i].peer_id for i in group.shard_owners]
             assert len(owners) == pieces * len(peers)

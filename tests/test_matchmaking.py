@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 import pytest
 
@@ -13,7 +14,7 @@ from lowcomm.protocol.handshake import Identity, IncompatiblePeer
 from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
 from lowcomm.protocol.matchmaking import MatchmakingError, round_key, shard_layout, split_into_groups
 from lowcomm.protocol import codecs
-from lowcomm.protocol.layout import MAX_PIECE_STREAMS, MAX_PIECES, MIN_PIECE_BYTES, close_groups, piece_layout, pieces_per_owner
+from lowcomm.protocol.layout import MAX_PIECE_STREAMS, MAX_PIECES, MIN_PIECE_BYTES, MIN_PIECE_SECONDS, close_groups, piece_layout, pieces_per_owner
 
 from .swarm_harness import MemoryDHT, Peer, start_peers, stop_peers
 
@@ -54,14 +55,20 @@ def test_pieces_cut_each_owners_share_and_come_piece_by_piece():
     assert piece_layout(90, [0.0] * 3, 1) == (shard_layout(90, [0.0] * 3), [0, 1, 2])
 
 
-def test_pieces_per_owner_grow_with_the_shard_and_stay_within_the_stream_budget():
-    piece = MIN_PIECE_BYTES
-    assert pieces_per_owner(4 * 2 * piece - 1, 4) == 1  # a shard below two pieces stays whole
-    assert pieces_per_owner(4 * 3 * piece, 4) == 3
-    assert pieces_per_owner(10**9, 2) == MAX_PIECES
-    assert pieces_per_owner(10**9, 8) == MAX_PIECE_STREAMS // 7
-    assert pieces_per_owner(10**9, 16) == 1  # larger groups keep one shard per owner
-    assert pieces_per_owner(10**9, 1) == MAX_PIECES
+def test_pieces_per_owner_grow_with_the_shard_and_stay_within_the_link_and_stream_budgets():
+    piece, slow = MIN_PIECE_BYTES, 2.5e6  # 20 Mbit/s: a 128 KiB piece takes 52 ms
+    assert pieces_per_owner(4 * 2 * piece - 1, 4, slow) == 1  # a shard below two pieces stays whole
+    assert pieces_per_owner(4 * 3 * piece, 4, slow) == 3
+    assert pieces_per_owner(10**9, 2, slow) == MAX_PIECES
+    assert pieces_per_owner(10**9, 8, slow) == MAX_PIECE_STREAMS // 7
+    assert pieces_per_owner(10**9, 16, slow) == 1  # larger groups keep one shard per owner
+    assert pieces_per_owner(10**9, 1, slow) == MAX_PIECES
+    # On a fast link a piece must last MIN_PIECE_SECONDS: 1 Gbit/s, 4 MB over 4 owners: whole.
+    fast = 125e6
+    assert pieces_per_owner(4_000_000, 4, fast) == 1
+    assert pieces_per_owner(64_000_000, 4, fast) == int(16_000_000 // (fast * MIN_PIECE_SECONDS))
+    # Nobody declared a bandwidth yet (a first round): one piece.
+    assert pieces_per_owner(10**9, 4, 0.0) == pieces_per_owner(10**9, 4, math.nan) == 1
 
 
 @pytest.mark.parametrize("codec,pieces", [("fp32", 2), ("int8", 1)])
@@ -69,10 +76,13 @@ def test_a_single_groups_leader_cuts_large_rounds_in_pieces_by_their_encoded_siz
     numel = 4 * 2 * MIN_PIECE_BYTES // 4  # two pieces per owner in fp32, a quarter of the bytes in int8
     members = [averaging_pb2.Member(peer_id=f"p{i}", address=f"a{i}", weight=1.0) for i in range(4)]
     template = averaging_pb2.Group(step=3, codec=codecs.get_codec(codec).id)
-    [group] = close_groups([members], dict.fromkeys((m.peer_id for m in members), 0.0), numel, template,
-                           lambda n: bytes(n))
+    declared = {m.peer_id: 2.5e6 for m in members}  # 20 Mbit/s
+    [group] = close_groups([members], declared | {"p1": 0.0}, numel, template, lambda n: bytes(n))
     assert list(group.shard_owners) == [0, 1, 2, 3] * pieces
     assert group.shard_bounds[-1] == numel
+    # Before anybody measured its bandwidth: one shard per owner.
+    [first] = close_groups([members], dict.fromkeys(declared, 0.0), numel, template, lambda n: bytes(n))
+    assert list(first.shard_owners) == [0, 1, 2, 3]
 
 
 def test_shard_layout_proportional_to_bandwidth():
