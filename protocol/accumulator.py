@@ -17,7 +17,7 @@ import torch
 from . import codecs, wire
 from ._pb.lowcomm.v1 import averaging_pb2
 from .aggregation import Aggregated, Aggregation, aggregate
-from .schedule import result_order
+from .schedule import StageChain, result_budget, result_order
 from .sender import CHUNK_BYTES
 from .transport import Clock, LoopClock
 
@@ -61,7 +61,7 @@ class ShardAccumulator:
     staggered: bool = True  # send the average to one sender after the other (schedule.py)
     awaiting: set[str] = field(default_factory=set)  # senders whose stream waits for the average
     turns: list[str] = field(default_factory=list)  # after finalize: who gets the average when (schedule.py)
-    _served: dict[str, asyncio.Event] = field(default_factory=dict)  # per turn: that sender has it
+    _turns: StageChain | None = None  # after finalize: the result stages (schedule.py)
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # no Reduce stream is open
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     clock: Clock = field(default_factory=LoopClock)  # the time base of ``wait_for_senders``' deadline
@@ -180,7 +180,7 @@ class ShardAccumulator:
                     # Senders waiting now get the average one after the other; later ones at once.
                     self.turns = [s for s in result_order(self.group, self.owner_id)
                                   if s in self.awaiting] if self.staggered else []
-                    self._served = {s: asyncio.Event() for s in self.turns}
+                    self._turns = StageChain(self.turns, result_budget(self.group, len(self.turns)), self.clock)
                     self.finalized.set()
                 if contributors is not None:  # a split step: who is inside the step's average
                     self.contributors = contributors if self.result is not None else []
@@ -198,22 +198,17 @@ class ShardAccumulator:
             self._result_chunks = wire.chunks(self.result_payload, CHUNK_BYTES, framed=True)
         return self._result_chunks
 
-    async def wait_turn(self, sender: str, budget: float) -> None:
-        """Staggered results: return once the sender before ``sender`` has its average, or after
-        ``budget`` seconds (a slow downloader delays the next one that long at most)."""
-        if sender not in self._served or self.turns.index(sender) == 0:
-            return
-        before = self.turns[self.turns.index(sender) - 1]
-        try:
-            async with asyncio.timeout(budget):
-                await self._served[before].wait()
-        except TimeoutError:
-            pass
+    async def wait_turn(self, sender: str) -> None:
+        """Staggered results: return once the sender before ``sender`` has its average, or a
+        result budget after that one's turn began (a slow downloader delays the next one that
+        long at most; schedule.py ``StageChain``)."""
+        if self._turns is not None:
+            await self._turns.turn(sender)
 
     def served(self, sender: str) -> None:
         """``sender``'s result stream is over (sent, failed or cancelled): the next may start."""
-        if (event := self._served.get(sender)) is not None:
-            event.set()
+        if self._turns is not None:
+            self._turns.done(sender)
 
     def _reject(self, reason: str, sender: str, detail: str) -> None:
         if self.on_reject is not None:

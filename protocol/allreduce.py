@@ -57,7 +57,6 @@ from .accumulator import MAX_WEIGHT_RATIO, RejectCallback, ShardAccumulator, bou
 from .aggregation import Aggregation
 from .crossgroup import TeamBook, stretch
 from .member import EXCHANGE_END, EXCHANGE_MIN_SECONDS, RESULT_MARGIN, AllReduceResult, run_allreduce, shard_slices
-from .schedule import result_budget
 from .sender import CHUNK_BYTES, Inbox
 from .transport import Clock, Code, LoopClock, Refused
 from .validate import ContributionRejected
@@ -163,7 +162,7 @@ class ReduceRegistry:
         if acc.result is None:
             raise Refused(Code.ABORTED, f"no average for this shard this round: {acc.failure}")
         try:
-            await acc.wait_turn(sender, result_budget(acc.group, len(acc.turns)))
+            await acc.wait_turn(sender)
             yield averaging_pb2.ReduceMessage(result=averaging_pb2.ReduceResult(
                 codec=acc.codec.id, numel=acc.numel, payload_bytes=len(acc.result_payload),
                 contributors=acc.contributors))

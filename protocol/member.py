@@ -20,7 +20,7 @@ from .accumulator import ShardAccumulator, bounded_weights
 from .agreement import ReportFailed, ShardAgreement, agree
 from .crossgroup import FETCH_END, StepPlan, answer_delay, stretch
 from .team import TeamRound, fetch
-from .schedule import stage_budget, upload_order
+from .schedule import StageChain, stage_budget, upload_order
 from .sender import reduce_with_owner
 from .transport import CallFailed, Code, ReduceTransport
 from .validate import ContributionRejected, check_contribution
@@ -113,9 +113,7 @@ async def run_allreduce(
     owner_before: dict[int, torch.Tensor] = {}
     # Stage k's upload waits for stage k-1's (or its budget): each owner's downlink gets one sender at a time.
     order = upload_order(group, peer_id)
-    after = {shard: order[k - 1] for k, shard in enumerate(order) if k > 0 and staggered}
-    uploaded = {shard: asyncio.Event() for shard in order}
-    budget = stage_budget(group, len(order))
+    stages = StageChain(order if staggered else [], stage_budget(group, len(order)), clock)
     refused: set[int] = set()  # shards whose owner refused our contribution: our fault, we ask no skip
 
     # The agreement first: a member that is done before us may report to us at any moment.
@@ -181,14 +179,9 @@ async def run_allreduce(
                 x, payload = await loop.run_in_executor(executor, encode)
                 carried[index] = x
                 stats["payload"] += len(payload)
-                if index in after:
-                    try:
-                        async with asyncio.timeout(budget):
-                            await uploaded[after[index]].wait()
-                    except TimeoutError:
-                        pass  # a slow owner delays our later stages by the budget at most
+                await stages.turn(index)  # a slow owner delays our later stages by the budget at most
             except BaseException:
-                uploaded[index].set()
+                stages.done(index)
                 raise
             # The owner answers by its own deadline; give it a margin for the transfer back.
             timeout = max(1.0, deadline - clock.monotonic()) + margin
@@ -203,7 +196,7 @@ async def run_allreduce(
             try:
                 result, received = await reduce_with_owner(
                     transport, owner.address, header, payload, codec.encoded_size(sl.stop - sl.start), timeout,
-                    count_sent, uploaded[index].set)
+                    count_sent, lambda: stages.done(index))
                 stats["received"] += received.size
                 encoded[index] = received.payload()
                 average = await loop.run_in_executor(executor, received.decode, codec, result.numel)
@@ -215,7 +208,7 @@ async def run_allreduce(
                     refused.add(index)
                 average = None
             finally:
-                uploaded[index].set()  # also when the stream failed before its upload ended
+                stages.done(index)  # also when the stream failed before its upload ended
             if average is None and plan is not None:
                 # A split step: the other groups' owners of this shard hold the same bytes.
                 average, contributors = await fetch_from_team(index, sl, owner.peer_id)

@@ -16,6 +16,7 @@ from lowcomm.protocol.accumulator import MIN_STRAGGLER_GRACE, ShardAccumulator
 from lowcomm.protocol.agreement import MIN_REPORT_GRACE, ShardAgreement
 from lowcomm.protocol.allreduce import EXCHANGE_END, AllReduceResult, ReduceRegistry, run_allreduce
 from lowcomm.protocol.layout import shard_layout
+from lowcomm.protocol.schedule import StageChain
 
 from .protocol_fakes import FakeNet, InlineExecutor, VirtualTimeLoop, run_virtual
 
@@ -174,3 +175,41 @@ def test_runs_are_deterministic():
         return loop.time(), [torch.cat([a for a in r.averages]).numpy().tobytes() for r in results], net.calls
 
     assert run_virtual(scenario) == run_virtual(scenario)
+
+
+# -- stage budgets (schedule.py StageChain) --------------------------------------------------------
+
+
+def test_each_stage_waits_for_the_one_before_or_a_budget_counted_from_that_ones_start():
+    """A stage that never ends delays the next by one budget, and the one after that by another:
+    the budgets add up, so a long chain stays staggered (counted from the round's start, every
+    later stage would have started after one budget, all at once)."""
+    async def scenario(loop: VirtualTimeLoop) -> list[tuple[str, float]]:
+        chain = StageChain(["a", "b", "c", "d"], budget=10.0, clock=loop.clock)
+        started: list[tuple[str, float]] = []
+        t0 = loop.time()
+
+        async def stage(name: str, lasts: float | None) -> None:
+            await chain.turn(name)
+            started.append((name, loop.time() - t0))
+            if lasts is not None:  # None: hangs (a dead owner) until the chain is over
+                await asyncio.sleep(lasts)
+                chain.done(name)
+
+        # "a" hangs, "b" hangs, "c" ends after 3 s: "d" starts then, not at c's budget.
+        await asyncio.gather(stage("d", 1.0), stage("c", 3.0), stage("b", None), stage("a", None))
+        return started
+
+    assert run_virtual(scenario) == [("a", 0.0), ("b", 10.0), ("c", 20.0), ("d", 23.0)]
+
+
+def test_a_stage_that_fails_before_its_turn_frees_the_next_at_once():
+    async def scenario(loop: VirtualTimeLoop) -> float:
+        chain = StageChain(["a", "b"], budget=10.0, clock=loop.clock)
+        chain.done("a")  # failed before it started (an encode error): "b" need not wait
+        t0 = loop.time()
+        await chain.turn("b")
+        await chain.turn("not staggered")  # a stage outside the order has no turn to wait for
+        return loop.time() - t0
+
+    assert run_virtual(scenario) == 0.0
