@@ -61,17 +61,17 @@ MIN_PIECE_BYTES = 1 << 17  # encoded bytes per piece at least (128 KiB, the smal
 # jobs cost more CPU than the overlap saves (the 1 Gbit/s rows of bench/analysis.md "Pieces").
 MIN_PIECE_SECONDS = 0.02
 MAX_PIECES = 8  # pieces per owner at most
-# Pieces × (owners − 1) at most: the Reduce streams an owner receives per round. Pieces were
-# measured up to 8 owners (4 pieces each); a larger group keeps one shard per owner, where more
-# calls per owner (the busiest peer's RPCs, issue 15) were not shown to pay off.
-MAX_PIECE_STREAMS = 28
+# Pieces were measured up to 8 owners (4 pieces each); a larger group keeps one shard per owner,
+# where more calls per owner (the busiest peer's RPCs, issue 15) were not shown to pay off.
+MAX_PIECE_OWNERS = 8
+MAX_PIECE_STREAMS = 28  # pieces × (owners − 1) at most: the Reduce streams an owner receives per round
 
 
 def pieces_per_owner(payload_bytes: int, owners: int, link_bytes_per_second: float) -> int:
     """Into how many pieces a single group's leader cuts each owner's share (``piece_layout``),
     for a round whose whole encoded Δ is ``payload_bytes`` over links of the given rate (the
     owners' median declared bandwidth; 0 when none is known yet: then one piece)."""
-    if not (link_bytes_per_second > 0 and math.isfinite(link_bytes_per_second)):
+    if not (link_bytes_per_second > 0 and math.isfinite(link_bytes_per_second)) or owners > MAX_PIECE_OWNERS:
         return 1
     owners = max(1, owners)
     piece = max(MIN_PIECE_BYTES, link_bytes_per_second * MIN_PIECE_SECONDS)

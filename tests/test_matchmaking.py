@@ -14,7 +14,7 @@ from lowcomm.protocol.handshake import Identity, IncompatiblePeer
 from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
 from lowcomm.protocol.matchmaking import MatchmakingError, round_key, shard_layout, split_into_groups
 from lowcomm.protocol import codecs
-from lowcomm.protocol.layout import MAX_PIECE_STREAMS, MAX_PIECES, MIN_PIECE_BYTES, MIN_PIECE_SECONDS, close_groups, piece_layout, pieces_per_owner
+from lowcomm.protocol.layout import MAX_PIECE_OWNERS, MAX_PIECE_STREAMS, MAX_PIECES, MIN_PIECE_BYTES, MIN_PIECE_SECONDS, close_groups, piece_layout, pieces_per_owner
 
 from .swarm_harness import MemoryDHT, Peer, start_peers, stop_peers
 
@@ -61,7 +61,7 @@ def test_pieces_per_owner_grow_with_the_shard_and_stay_within_the_link_and_strea
     assert pieces_per_owner(4 * 3 * piece, 4, slow) == 3
     assert pieces_per_owner(10**9, 2, slow) == MAX_PIECES
     assert pieces_per_owner(10**9, 8, slow) == MAX_PIECE_STREAMS // 7
-    assert pieces_per_owner(10**9, 16, slow) == 1  # larger groups keep one shard per owner
+    assert pieces_per_owner(10**9, MAX_PIECE_OWNERS + 1, slow) == 1  # larger groups keep one shard per owner
     assert pieces_per_owner(10**9, 1, slow) == MAX_PIECES
     # On a fast link a piece must last MIN_PIECE_SECONDS: 1 Gbit/s, 4 MB over 4 owners: whole.
     fast = 125e6
