@@ -39,6 +39,8 @@ def config_parser() -> argparse.ArgumentParser:
                         help="what-if: matchmaking without buckets (one leader per step, as before protocol/buckets.py)")
     parser.add_argument("--lag-tolerant", action="store_true",
                         help="what-if (sim/whatif.py): a peer one step behind averages at its step instead of downloading")
+    parser.add_argument("--no-missed-rounds", action="store_true",
+                        help="what-if: the protocol before protocol/missed_rounds.py (a peer behind always downloads)")
     parser.add_argument("--catch-up-missed-plan", action="store_true",
                         help="what-if (sim/whatif.py): a peer whose bucket missed the step's plan waits for the "
                              "step to commit and downloads, instead of training at the stale step")

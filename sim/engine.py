@@ -60,6 +60,7 @@ class SimConfig:
     straggler_wait: float = 2.0
     single_level: bool = False  # what-if: matchmaking without buckets (the protocol before protocol/buckets.py)
     lag_tolerant: bool = False  # what-if: one step behind averages instead of downloading (sim/whatif.py)
+    no_missed_rounds: bool = False  # what-if: the protocol before missed rounds (a peer behind always downloads)
     catch_up_missed_plan: bool = False  # what-if: a peer that missed its step's plan downloads next (sim/whatif.py)
     ideal_global: bool = False  # what-if: every group of a step ends with the same θ (item 3), free
     dim: int = 16  # floats of simulated parameters per peer

@@ -163,10 +163,11 @@ class SimPeer:
         kind = "minority" if plan.because_minority else ("joiner" if not self.caught_up else "behind")
         # As the node does (node/catchup.py): a peer whose state some kept rounds started from
         # fetches their encoded averages from one donor instead of the state from several.
-        missed = self.missed_rounds_to(plan.step, plan.params_hash) if kind == "behind" and self.gossip is None else 0
+        missed = self.missed_rounds_to(plan.step, plan.params_hash) \
+            if kind == "behind" and self.gossip is None and not cfg.no_missed_rounds else 0
         if donors:
-            if missed:
-                rate = min(self.link.down, self.world.peers[donors[0].peer_id].link.up)
+            if missed:  # from one donor, the fastest (node/catchup.py orders them by declared bandwidth)
+                rate = min(self.link.down, max(self.world.peers[d.peer_id].link.up for d in donors))
                 nbytes = missed * self.world.codec.encoded_size(cfg.numel)
             else:
                 rate = min(self.link.down, sum(self.world.peers[d.peer_id].link.up for d in donors))
