@@ -629,7 +629,8 @@ def transport_section(records: list[dict], slow: list[dict], plot_dir: Path, goa
               "directions (tc tbf, 50 ms queue" + (", MTU-sized packets (`--queue router`)" if queue == "router" else
                                                    ", 64 kB GSO packets" if queue == "gso" else "") + "). "
               "`lowcomm`: the node's butterfly all-reduce (protocol/allreduce.py, gRPC streams, "
-              f"codec {runs[0]['codec']}, staggered schedule), group given by the harness. `hivemind`: "
+              f"codec {runs[0]['codec']}, staggered schedule, the leader's layout with its pieces: "
+              "protocol/layout.py), group given by the harness. `hivemind`: "
               "DecentralizedAverager, NoCompression, matchmaking excluded. Time: from the last member's start to the "
               "last member's end; median of the measured rounds, with min–max.", ""]
     rows = []
