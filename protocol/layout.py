@@ -40,8 +40,7 @@ def shard_layout(numel: int, owners_bandwidth: list[float]) -> list[int]:
         return [0, numel]
     # A follower's bandwidth is whatever it declared: infinite or NaN counts as unknown, and the
     # weights are scaled down when their sum overflows (two 1e308 would overflow).
-    known = sorted(b for b in owners_bandwidth if b > 0 and math.isfinite(b))
-    default = known[len(known) // 2] if known else 1.0
+    default = median_declared(owners_bandwidth) or 1.0
     weights = [b if b > 0 and math.isfinite(b) else default for b in owners_bandwidth]
     total = sum(weights)
     if not math.isfinite(total):
@@ -95,6 +94,8 @@ def piece_layout(numel: int, owners_bandwidth: list[float], pieces: int) -> tupl
     Measured in bench/analysis.md ("Pieces")."""
     shares = shard_layout(numel, owners_bandwidth)
     owners = max(1, len(owners_bandwidth))
+    # No empty piece: an owner with a share of a few values (a tiny declared bandwidth) caps them.
+    pieces = max(1, min(pieces, *(shares[k + 1] - shares[k] for k in range(len(shares) - 1))))
     cuts = [[shares[k] + (shares[k + 1] - shares[k]) * p // pieces for p in range(pieces + 1)] for k in range(owners)]
     bounds, owner_of = [0], []
     for p in range(pieces):

@@ -53,6 +53,9 @@ def test_pieces_cut_each_owners_share_and_come_piece_by_piece():
         mine = [n for n, o in zip(sizes, owner_of) if o == k]
         assert sum(mine) == share and max(mine) - min(mine) <= 1
     assert piece_layout(90, [0.0] * 3, 1) == (shard_layout(90, [0.0] * 3), [0, 1, 2])
+    # An owner whose share is smaller than the pieces asked for caps them: no empty shard.
+    bounds, owner_of = piece_layout(10_000, [1.0, 3e-4], 8)  # the second owner's share: 3 values
+    assert all(b > a for a, b in zip(bounds, bounds[1:])) and owner_of == [0, 1] * 3
 
 
 def test_pieces_per_owner_grow_with_the_shard_and_stay_within_the_link_and_stream_budgets():
