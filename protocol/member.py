@@ -198,8 +198,11 @@ async def run_allreduce(
                     transport, owner.address, header, payload, codec.encoded_size(sl.stop - sl.start), timeout,
                     count_sent, lambda: stages.done(index))
                 stats["received"] += received.size
-                encoded[index] = received.payload()
-                average = await loop.run_in_executor(executor, received.decode, codec, result.numel)
+
+                def keep_and_decode() -> tuple[bytes, torch.Tensor]:  # the copy too stays off the event loop
+                    return received.payload(), received.decode(codec, result.numel)
+
+                encoded[index], average = await loop.run_in_executor(executor, keep_and_decode)
                 contributors = list(result.contributors)
             except (CallFailed, ValueError, codecs.CodecError, ContributionRejected) as err:
                 detail = err.detail if isinstance(err, CallFailed) else str(err)

@@ -35,7 +35,6 @@ version (UNIMPLEMENTED).
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable, Iterator, Sequence
 
@@ -97,13 +96,12 @@ class RoundLog:
 
     def __init__(self, keep: int = KEPT_ROUNDS) -> None:
         self.keep = keep
-        self._rounds: OrderedDict[int, RoundRecord] = OrderedDict()
+        self._rounds: dict[int, RoundRecord] = {}
 
     def add(self, record: RoundRecord) -> None:
-        self._rounds.pop(record.step, None)
         self._rounds[record.step] = record
-        for step in sorted(self._rounds)[:-self.keep] if self.keep else list(self._rounds):
-            del self._rounds[step]
+        while len(self._rounds) > self.keep:
+            del self._rounds[min(self._rounds)]
 
     def steps(self) -> list[int]:
         return sorted(self._rounds)
@@ -166,11 +164,11 @@ async def read_missed_rounds(messages: AsyncIterator[state_pb2.MissedRoundsMessa
     records: list[RoundRecord] = []
     current: RoundRecord | None = None
     payloads: list[bytearray] = []
+    sizes: list[int] = []  # the current round's payload size per shard (checked in its header)
 
     def finish() -> None:
         if current is None:
             return
-        sizes = [current.codec.encoded_size(s.numel) for s in current.shards]
         if [len(p) for p in payloads] != sizes:
             raise MissedRoundsError(f"the round of step {current.step} ended before all its payload bytes came")
         records.append(RoundRecord(current.step, current.base_sha256, current.result_sha256, current.codec,
@@ -186,12 +184,13 @@ async def read_missed_rounds(messages: AsyncIterator[state_pb2.MissedRoundsMessa
             current = _checked_header(message.round, step, records[-1].result_sha256 if records else base_sha256,
                                       numel)
             payloads = [bytearray() for _ in current.shards]
+            sizes = [current.codec.encoded_size(shard.numel) for shard in current.shards]
             continue
         if current is None:
             raise MissedRoundsError("the answer does not start with a round header")
         chunk = memoryview(message.chunk)
-        for payload, shard in zip(payloads, current.shards):  # fill the shards in order
-            take = min(current.codec.encoded_size(shard.numel) - len(payload), len(chunk))
+        for payload, size in zip(payloads, sizes):  # fill the shards in order
+            take = min(size - len(payload), len(chunk))
             payload += chunk[:take]
             chunk = chunk[take:]
         if len(chunk):
