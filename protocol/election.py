@@ -349,8 +349,15 @@ class Election:
                     return True
             close_at = self._close_at(current, deadline)
             if now >= close_at:
-                if fixed_expected is not None and not current.followers:
-                    current.role = "undecided"
+                if fixed_expected is not None:
+                    # The direct path ends without everybody expected: rather than close a part of
+                    # the group (its late members would lose the step's plan), lead on the DHT way
+                    # with the whole deadline; those who came directly join us again there.
+                    if current.followers:
+                        self._redirect_followers(current, averaging_pb2.Redirect(peer_id=self.peer_id,
+                                                                                 address=self.address))
+                    else:
+                        current.role = "undecided"
                     return False
                 return True
             # The top level of a bucketed step waits for every bucket (each closes within its own
