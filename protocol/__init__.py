@@ -4,5 +4,5 @@ Nothing here parses command lines, touches Prometheus or keeps global state; the
 ``lowcomm.node`` wires these pieces to a model, a DHT and metrics.
 """
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped on any incompatible change of the wire protocol or of the DHT records."""

@@ -31,21 +31,25 @@ group owns nothing and only sends). The round is then a hierarchical reduce:
 **Faults.** The reducer closes on all parts, or a grace after a quorum of them, or at
 TEAM_CLOSE reduce timeouts after the group arrived; a group whose part is missing is left out of
 shard k (its members keep their part in their residuals, since they are not among the
-contributors) but receives the result like everybody else. Before an owner forwards the result,
-the team runs the shard agreement of agreement.py among its owners (one shard, the team's own
-id): an owner that lacks the result through no fault of its own (the reducer died, or died
-mid-reply) asks to skip it, and every owner that hears so skips it, so all groups skip it alike
-(each owner then refuses the shard to its group, whose members skip it and keep all of x). An
-owner that dies after that leaves its group without the bytes: its members then *fetch* the
-result from the team's other owners (a Reduce stream with ``TeamHeader.fetch``; each owner keeps
-its team's outcome for a few rounds), so one dead owner costs its group nothing more than its
-own members' parts that it did not pass on. Only two failures together (an owner and every
-other owner of its team unreachable to its group) can still leave a group without a shard the
-others applied; the params-hash vote then sends that group to download, as before.
+contributors) but receives the result like everybody else. An owner that lacks the result
+through no fault of its own (the reducer died, or died mid-reply, or its answer to this owner
+broke) *fetches* it from the team's other owners (a Reduce stream with ``TeamHeader.fetch``,
+answered once the callee knows whether it holds the result; the reducer is asked last) before it
+answers its group. So when one owner holds the result every owner that reaches it applies it,
+and when none holds it (the reducer died before any answer) every owner finds so and all groups
+skip the shard alike (each owner refuses the shard to its group, whose members skip it and keep
+all of x). No all-to-all exchange among the G owners is needed for that (it cost each owner G − 1
+calls per round, in every round), only calls where an answer is missing. An owner that dies
+after that leaves its group without the bytes: its members fetch the result from the team's
+other owners the same way (each owner keeps its team's outcome for a few rounds), so one dead
+owner costs its group nothing more than its own members' parts that it did not pass on. Only two
+failures together (an owner and every holder of the result unreachable to it or its group) can
+still leave a group without a shard the others applied; the params-hash vote then sends that
+group to catch up, as before.
 
 **Time.** A split step's waits after the owners' deadline T (the reduce timeout) are CROSS_EXTRA·T
 longer (``stretch``): stage 2 closes by TEAM_CLOSE·T, an owner waits for the reducer until
-TEAM_ANSWER·T and the team agreement ends by TEAM_AGREE_END·T; a member waits for its owner's
+TEAM_ANSWER·T and fetches from the other owners until TEAM_AGREE_END·T; a member waits for its owner's
 answer until TEAM_AGREE_END·T plus the usual transfer margin (``answer_delay``), fetches from
 the team until FETCH_END·T, and its group's exchange ends at 1.5 T + stretch. So a split step
 takes at most one reduce timeout longer than a single group's, in the worst case.
@@ -70,7 +74,6 @@ answer back.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
 from collections import OrderedDict
@@ -94,7 +97,7 @@ log = logging.getLogger(__name__)
 CROSS_EXTRA = 1.0  # a split step's waits after the owners' deadline are this many reduce timeouts longer
 TEAM_CLOSE = 1.4  # the reducer closes the team's sum this many reduce timeouts after the group arrived
 TEAM_ANSWER = 1.55  # an owner waits for the reducer's answer until then
-TEAM_AGREE_END = 1.75  # the team's shard agreement ends then
+TEAM_AGREE_END = 1.75  # an owner without the team's result stops fetching it from the others then
 FETCH_END = 2.4  # a member stops fetching a team's result then (its group's exchange ends at 2.5)
 KEPT_TEAMS = 16  # team outcomes a peer keeps for fetches: this round's and a few before
 
@@ -113,11 +116,6 @@ def answer_delay(group: averaging_pb2.Group) -> float:
     """Seconds a split step's owners answer their members later than a single group's (they
     decide with their team first, by TEAM_AGREE_END reduce timeouts after the group arrived)."""
     return (TEAM_AGREE_END - 1.0) * group.reduce_timeout_s if is_split(group) else 0.0
-
-
-def team_id(reducer_group_id: bytes, shard_index: int) -> bytes:
-    """The id of team ``shard_index``'s shard agreement (it must differ from every group id)."""
-    return hashlib.sha256(b"lowcomm-team/" + reducer_group_id + shard_index.to_bytes(4, "big")).digest()[:16]
 
 
 @dataclass(frozen=True)
@@ -191,7 +189,9 @@ class TeamState:
     summed: asyncio.Event = field(default_factory=asyncio.Event)  # reducer: the result exists (or failed)
     payload: bytes = b""
     contributors: list[str] = field(default_factory=list)
-    decided: asyncio.Event = field(default_factory=asyncio.Event)  # the team agreement decided
+    answered: asyncio.Event = field(default_factory=asyncio.Event)  # this owner knows whether it holds the result
+    held: bool = False  # this owner holds the team's result (from the reducer, its own sum, or another owner)
+    decided: asyncio.Event = field(default_factory=asyncio.Event)  # this owner applies the result or skips it
     applied: bool = False
     bytes_in: int = 0
     bytes_out: int = 0
@@ -261,6 +261,13 @@ class TeamState:
         finally:
             self.summed.set()
 
+    def answer(self, held: bool, payload: bytes, contributors: list[str]) -> None:
+        """Whether this owner holds the team's result now; fetches are answered from here on."""
+        self.held = held
+        if held:
+            self.payload, self.contributors = payload, contributors
+        self.answered.set()
+
     def decide(self, applied: bool, payload: bytes, contributors: list[str]) -> None:
         self.applied = applied
         if applied:
@@ -308,11 +315,11 @@ class TeamBook:
                 raise Refused(Code.INVALID_ARGUMENT, f"{header.sender_peer_id or '?'} is not in group {header.from_group}")
             try:
                 async with asyncio.timeout(bound):
-                    await team.decided.wait()
+                    await team.answered.wait()
             except TimeoutError:
-                raise Refused(Code.DEADLINE_EXCEEDED, "the team did not decide in time") from None
-            if not team.applied:
-                raise Refused(Code.ABORTED, "the team skips this shard this round")
+                raise Refused(Code.DEADLINE_EXCEEDED, "the reducer's answer never came to this owner") from None
+            if not team.held:  # the caller asks the team's other owners
+                raise Refused(Code.NOT_FOUND, "this owner does not hold the team's average")
         else:
             if not team.reducer or header.from_group == plan.index:
                 raise Refused(Code.INVALID_ARGUMENT, "this peer does not reduce that shard for that group")

@@ -102,7 +102,7 @@ async def run_allreduce(
     # A split step's owners reduce across groups after the deadline: every later wait is longer.
     plan, extra = StepPlan.of(group), stretch(group)
     margin = RESULT_MARGIN * group.reduce_timeout_s + answer_delay(group)
-    team = None if plan is None else TeamRound(plan, peer_id, codec, transport, registry.agreements, executor, clock,
+    team = None if plan is None else TeamRound(plan, peer_id, codec, transport, executor, clock,
                                                started, group.reduce_timeout_s, quorum)
     loop = asyncio.get_running_loop()
     stats = {"sent": 0, "received": 0, "payload": 0}
@@ -225,8 +225,8 @@ async def run_allreduce(
         async def fetch_from_team(index: int, sl: slice, exclude: str) -> tuple[torch.Tensor | None, list[str]]:
             assert plan is not None
             numel = sl.stop - sl.start
-            got = await fetch(plan, index, peer_id, numel, codec, transport, exclude,
-                              started + FETCH_END * group.reduce_timeout_s, clock)
+            got = await fetch(plan, index, peer_id, numel, codec, transport, started + FETCH_END * group.reduce_timeout_s,
+                              clock, candidates=[o for _, o in plan.team(index) if o.peer_id != exclude])
             if got is None:
                 return None, []
             received, contributors = got

@@ -1,6 +1,6 @@
 """The owners' and members' side of a split step's teams (crossgroup.py has the protocol): an
-owner's part goes to its team's reducer, the team agrees on the result, and a member whose own
-owner failed fetches the result from the team's other owners."""
+owner's part goes to its team's reducer, an owner that lacks the reducer's answer fetches the
+result from the team's other owners, and so does a member whose own owner failed."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ import torch
 
 from . import codecs
 from ._pb.lowcomm.v1 import averaging_pb2
-from .agreement import AgreementBook, ReportFailed, ShardAgreement, agree
-from .crossgroup import FETCH_END, TEAM_AGREE_END, TEAM_ANSWER, TEAM_CLOSE, StepPlan, TeamBook, TeamState, team_id
+from .crossgroup import FETCH_END, TEAM_AGREE_END, TEAM_ANSWER, TEAM_CLOSE, StepPlan, TeamBook, TeamState
 from .sender import chunks
 from .transport import CallFailed, Clock, Code, ReduceTransport
 from .validate import ContributionRejected, check_contribution
@@ -62,14 +61,12 @@ Published = tuple[bytes, "torch.Tensor | None", str, list[str]]
 
 @dataclass
 class TeamRound:
-    """Stage 2 and the team agreement for the shards this peer owns in a split step (one object
-    per run_allreduce call)."""
+    """Stage 2 for the shards this peer owns in a split step (one object per run_allreduce call)."""
 
     plan: StepPlan
     peer_id: str
     codec: codecs.Codec
     transport: ReduceTransport
-    agreements: AgreementBook
     executor: Executor
     clock: Clock
     started: float  # when this member received the group (the clock)
@@ -131,62 +128,60 @@ class TeamRound:
             except (CallFailed, ValueError) as err:
                 failure = f"the team reducer {reducer.peer_id} gave no average: {err}"
                 log.warning("shard %d: %s", k, failure)
-        decoded = None
-        if payload:
-            try:
-                decoded = await loop.run_in_executor(self.executor, self.codec.decode, payload, team.numel)
-                check_contribution(decoded)
-            except (codecs.CodecError, ContributionRejected) as err:
-                decoded, failure = None, f"the team's average is unusable: {err}"
-        applied = await self._agree(k, decoded is not None)
+        decoded, problem = await self._decoded(team, payload)
+        failure = failure or problem
+        team.answer(decoded is not None, payload, contributors)
+        if decoded is None and not team.reducer:
+            # We lack the team's average through no fault of ours. If the reducer died while it
+            # answered, or its answer to us broke, other owners hold it: fetch it from them (the
+            # reducer last: its answer already failed once). When no owner holds it, every owner
+            # ends here without it, so every group skips the shard alike.
+            others = [o for g, o in plan.team(k)[1:] if g > me] + [o for g, o in plan.team(k)[1:] if g < me]
+            got = await fetch(plan, k, self.peer_id, team.numel, self.codec, self.transport,
+                              self.started + TEAM_AGREE_END * self.reduce_timeout, self.clock,
+                              candidates=[*others, plan.owner(plan.reducer_group(k), k)])
+            if got is not None:
+                fetched, problem = await self._decoded(team, got[0])
+                if fetched is not None:
+                    decoded, (payload, contributors) = fetched, got
+                    team.answer(True, payload, contributors)
+                    log.info("shard %d: fetched the team's average from another owner (%s)", k, failure)
+        applied = decoded is not None
         team.decide(applied, payload, contributors)
         if not applied and team.reducer:  # nobody applies it: no error feedback of it either
             await loop.run_in_executor(self.executor, owner_residual.copy_, before)
         if not applied:
-            return b"", None, failure or "another owner of the team lacks its average", []
+            return b"", None, failure or "no owner of the team holds its average", []
         return payload, decoded, "", contributors
 
-    async def _agree(self, k: int, held: bool) -> bool:
-        """The team's shard agreement (agreement.py, one shard): apply only if no owner lacks it."""
-        team = self.plan.team(k)
-        deadline = self.started + TEAM_AGREE_END * self.reduce_timeout
-        agreement = ShardAgreement(team_id(self.plan.team_key(k), k), self.peer_id, [o.peer_id for _, o in team], 1,
-                                   deadline, clock=self.clock)
-        self.agreements.open(agreement)
-
-        async def send(address: str, report: averaging_pb2.ShardReport, timeout: float) -> averaging_pb2.ShardReport:
-            try:
-                return await self.transport.report_shards(address, report, max(0.1, timeout))
-            except CallFailed as err:
-                raise ReportFailed(f"{err.code.name}: {err.detail}") from None
-
-        reachable = {o.peer_id: o.address for _, o in team if o.peer_id != self.peer_id and o.address}
+    async def _decoded(self, team: TeamState, payload: bytes) -> tuple[torch.Tensor | None, str]:
+        """The team's average decoded and checked, or (None, why not)."""
+        if not payload:
+            return None, ""
         try:
-            decision = await agree(agreement, [held], [not held], max(deadline, self.clock.monotonic() + 0.5),
-                                   reachable, send, self.quorum)
-        finally:
-            agreement.abandon()
-        return decision[0]
+            decoded = await asyncio.get_running_loop().run_in_executor(self.executor, self.codec.decode, payload,
+                                                                       team.numel)
+            check_contribution(decoded)
+        except (codecs.CodecError, ContributionRejected) as err:
+            return None, f"the team's average is unusable: {err}"
+        return decoded, ""
 
 
 async def fetch(plan: StepPlan, k: int, peer_id: str, numel: int, codec: codecs.Codec, transport: ReduceTransport,
-                exclude: str, deadline: float, clock: Clock) -> tuple[bytes, list[str]] | None:
-    """A member whose owner of shard ``k`` failed asks the team's other owners for the result:
-    (payload, contributors), or None if none of them has it (or the team skips the shard)."""
+                deadline: float, clock: Clock, candidates: list[averaging_pb2.Member]) -> tuple[bytes, list[str]] | None:
+    """Ask ``candidates`` (owners of team ``k``), one after the other, for the team's result:
+    (payload, contributors) from the first that holds it, or None if none does by ``deadline``.
+    An owner whose own owner failed (a member) or who lacks the reducer's answer (an owner) asks."""
     header = averaging_pb2.TeamHeader(group_id=plan.team_key(k), shard_index=k, from_group=plan.index,
                                       sender_peer_id=peer_id, numel=numel, fetch=True)
-    for _, owner in plan.team(k):
+    for owner in candidates:
         remaining = deadline - clock.monotonic()
-        if owner.peer_id in (exclude, peer_id) or not owner.address:
+        if owner.peer_id == peer_id or not owner.address:
             continue
         if remaining <= 0:
             break
         try:
             return await _team_call(transport, owner.address, header, b"", codec, remaining)
-        except CallFailed as err:
-            if err.code == Code.ABORTED:  # the team decided to skip it: every owner says the same
-                return None
-            log.info("shard %d: no team result from %s: %s", k, owner.peer_id, err)
-        except ValueError as err:
+        except (CallFailed, ValueError) as err:
             log.info("shard %d: no team result from %s: %s", k, owner.peer_id, err)
     return None
