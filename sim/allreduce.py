@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -50,7 +51,7 @@ class MemberResult:
 class Timeline:
     results: dict[str, MemberResult]
     skipped: int  # shards every member skipped
-    rpcs: dict[str, int]  # Reduce and ReportShards calls received per member
+    rpcs: dict[str, Counter]  # per member: calls received by kind (Reduce, ReportShards, Team)
 
 
 @dataclass
@@ -109,7 +110,7 @@ class GroupReduce:
         plan = StepPlan.of(group)
         sent = dict.fromkeys(members, 0)
         received = dict.fromkeys(members, 0)
-        rpcs = dict.fromkeys(members, 0)
+        rpcs: dict[str, Counter] = {p: Counter() for p in members}
 
         # Uploads: member p's part of shard j reaches owner j at upload[j][p] (None: never).
         upload: list[dict[str, float]] = [{} for _ in slices]
@@ -122,7 +123,7 @@ class GroupReduce:
                 if finish <= facts[p].dies_at and owners[j] in arrived:
                     upload[j][p] = finish
                     sent[p] += nbytes[j]
-                    rpcs[owners[j]] += 1
+                    rpcs[owners[j]]["Reduce"] += 1
                 t = min(finish, t + budget)  # the next stage starts when this one is done or its budget is spent
             for j, owner in enumerate(owners):
                 if owner == p:
@@ -183,7 +184,7 @@ class GroupReduce:
             report = max((2 * one_way(facts[p].link, facts[q].link) for q in arrived if q != p), default=0.0)
             for q in arrived:
                 if q != p:
-                    rpcs[q] += 1
+                    rpcs[q]["ReportShards"] += 1
             averages = []
             for j in range(len(slices)):
                 total = sum(weights[q] for q in contributors[j]) or 1.0
@@ -194,12 +195,13 @@ class GroupReduce:
         return Timeline(results, sum(not a for a in applied_by_all), rpcs)
 
     def _team_stage(self, plan: StepPlan, k: int, owner: str, numel: int, encoded: int, facts: dict[str, PeerFacts],
-                    sent: dict[str, int], received: dict[str, int], rpcs: dict[str, int]) -> float:
+                    sent: dict[str, int], received: dict[str, int], rpcs: dict[str, Counter]) -> float:
         """Stage 2 of a split step (protocol/crossgroup.py) for shard k, seen from this group's
         owner: its partial average goes to the team's reducer in float32 (4 bytes per value) and
         the encoded result comes back. The reducer's downlink carries all G−1 parts and its uplink
         all G−1 answers, so that bounds the stage: returns its seconds. Failures of other groups'
-        owners are not modelled (their groups are simulated on their own)."""
+        owners are not modelled (their groups are simulated on their own), nor the fetches an
+        owner without the reducer's answer makes (team.py)."""
         others = len(plan.groups) - 1
         reducer = plan.owner(plan.reducer_group(k), k).peer_id
         link = self.facts(reducer).link
@@ -207,7 +209,7 @@ class GroupReduce:
         if reducer == owner:
             received[owner] += others * 4 * numel
             sent[owner] += others * encoded
-            rpcs[owner] += others
+            rpcs[owner]["Team"] += others
         else:
             sent[owner] += 4 * numel
             received[owner] += encoded

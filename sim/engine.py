@@ -296,6 +296,12 @@ def summarize(lines: list[dict]) -> dict:
     out["min_share_averaged"] = min((line["share_averaged"] for line in steady if line["share_averaged"] is not None),
                                     default=None)
     out["max_form_p95_s"] = max((line["form_p95_s"] for line in steady if line["form_p95_s"] is not None), default=None)
+    # What the busiest peer's calls were, per method, averaged over the rounds (that peer may
+    # differ between rounds): the profile of the busiest-peer goal.
+    kinds = sorted({kind for line in steady for kind in line.get("busiest_peer_rpc_kinds", {})})
+    out["mean_busiest_peer_rpc_kinds"] = {
+        kind: round(float(np.mean([line.get("busiest_peer_rpc_kinds", {}).get(kind, 0) for line in steady])), 1)
+        for kind in kinds}
     return out
 
 

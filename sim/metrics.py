@@ -39,6 +39,7 @@ class _Step:
     failed: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)  # peer -> bytes sent + received
     rpcs: Counter = field(default_factory=Counter)  # receiving peer -> calls
+    rpc_kinds: dict = field(default_factory=lambda: defaultdict(Counter))  # receiving peer -> method -> calls
     joins: Counter = field(default_factory=Counter)  # receiving peer -> JoinGroup calls
     skipped: int = 0
     downloads: Counter = field(default_factory=Counter)  # kind -> count (minority: caused by this round)
@@ -107,14 +108,16 @@ class Metrics:
     def rpc(self, step: int, receiver: str, method: str, count: int = 1) -> None:
         s = self.steps[step]
         s.rpcs[receiver] += count
+        s.rpc_kinds[receiver][method] += count
         if method == "JoinGroup":
             s.joins[receiver] += count
 
-    def reduced(self, step: int, skipped: int, rpcs: dict[str, int]) -> None:
+    def reduced(self, step: int, skipped: int, rpcs: dict[str, Counter]) -> None:
         s = self.steps[step]
         s.skipped += skipped
-        for peer, n in rpcs.items():
-            s.rpcs[peer] += n
+        for peer, kinds in rpcs.items():
+            s.rpcs[peer] += sum(kinds.values())
+            s.rpc_kinds[peer].update(kinds)
 
     def gossiped(self, step: int, peer: str, distance: float, partners: int, inbox: int) -> None:
         if not math.isnan(distance):
@@ -146,6 +149,8 @@ class Metrics:
             "dht_busiest_holder_requests": max(d.served.values(), default=0) if d else 0,
             "busiest_peer_rpcs": max(s.rpcs.values(), default=0),
             "busiest_peer_joins": max(s.joins.values(), default=0),
+            # What the busiest peer's calls were, by method (Team: stage-2 parts of a split step).
+            "busiest_peer_rpc_kinds": dict(sorted(s.rpc_kinds[max(s.rpcs, key=s.rpcs.get)].items())) if s.rpcs else {},
             "bytes_per_peer_mb": _r(sum(s.bytes.values()) / max(1, len(s.bytes)) / 1e6, 2),
             "skipped_shards": s.skipped,
             "failed": dict(sorted(s.failed.items())),
