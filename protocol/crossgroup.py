@@ -23,8 +23,18 @@ group owns nothing and only sends). The round is then a hierarchical reduce:
    the partial averages reach the reducer exactly, so the step's average is the token-weighted
    global mean up to the one encoding at the reducer, and no owner needs a second
    error-feedback state that a skipped shard would have to roll back. The cost is 4 bytes per
-   value of shard k from each owner to the reducer (the reducer receives (G−1)·4·numel/K); for
-   many groups per step an encoded or tree-shaped stage 2 is the next step.
+   value of shard k from each owner to the reducer (the reducer receives (G−1)·4·numel/K).
+   **A tree for many groups.** From TREE_FROM_GROUPS groups on (layout.py ``team_fanin``) a
+   team is a tree of two levels: its groups form subteams of F = ⌈√G⌉ consecutive groups, each
+   with a *subreducer* (its fastest declared owner, ``Group.team_subreducers``; the reducer is
+   its own subteam's). An owner streams its part to its subreducer, which closes its subteam
+   by TEAM_SUB_CLOSE·T (all parts, or a grace after a quorum), streams the subteam's weighted
+   mean to the reducer as one part (the reducer weighs it by the listed contributors, which
+   must be members of that subteam's groups), and answers its subteam with the reducer's bytes.
+   The reducer receives F − 1 parts and ⌈G/F⌉ − 1 subteam means instead of G − 1 parts: about
+   2·√G streams and parts at the busiest owner, for one more hop up and down. The step's
+   average is the same weighted global mean (one more float32 rounding of the subteam means),
+   still encoded once, so every group decodes the same bytes.
 3. **Stage 3** (allreduce.py, today's all-gather): each owner streams the reducer's bytes to its
    group. Every member of every group decodes the same bytes: one θ_global per step.
 
@@ -48,27 +58,29 @@ still leave a group without a shard the others applied; the params-hash vote the
 group to catch up, as before.
 
 **Time.** A split step's waits after the owners' deadline T (the reduce timeout) are CROSS_EXTRA·T
-longer (``stretch``): stage 2 closes by TEAM_CLOSE·T, an owner waits for the reducer until
-TEAM_ANSWER·T and fetches from the other owners until TEAM_AGREE_END·T; a member waits for its owner's
+longer (``stretch``): stage 2 closes by TEAM_SUB_CLOSE·T in the subteams and TEAM_CLOSE·T at
+the reducer, an owner waits for the reducer until TEAM_ANSWER·T (for its subreducer until
+TEAM_LEAF_ANSWER·T) and fetches from the other owners until TEAM_AGREE_END·T; a member waits for its owner's
 answer until TEAM_AGREE_END·T plus the usual transfer margin (``answer_delay``), fetches from
 the team until FETCH_END·T, and its group's exchange ends at 1.5 T + stretch. So a split step
 takes at most one reduce timeout longer than a single group's, in the worst case.
 
 **Traffic.** Per round, on top of a single group's 2·(n−1)/n·S per member (S = the encoded Δ):
 a non-reducer owner uploads 4·numel/K bytes and downloads its shard's encoded result once; a
-reducer downloads (G−1)·4·numel/K and uploads (G−1) encoded results. Measured with six
+reducer downloads (G−1)·4·numel/K and uploads (G−1) encoded results (in a tree, a reducer or
+subreducer as many as it has children: about 2·√G and √G). Measured with six
 peers, two groups of three, int8, 445,952 values (tests/test_crossgroup_cli.py; K = 3, every
 member owns a shard): a team reducer sent 746 KB and received 1.19 MB per round, an owner that
 only sends to its team the reverse; one group of six would move about 746 KB each way. An encoded stage 2 would cut
 the 4 bytes per value to the codec's size, but its error feedback lives at the scale of a
 group's partial average, which enters the step's average with weight W_g / ΣW: kept unscaled
 in the owner's residual (which the same peer also uses when it reduces) it would be counted
-ΣW / W_g times. Not done yet; many groups per step need a tree-shaped stage 2 anyway.
+ΣW / W_g times. Not done yet.
 
 **Simulating it (sim/).** ``StepPlan.of(group)`` says whether a group is one of a split step's;
 then every group of the step commits the same hash, and a round's transfers are the group's
-own (shard_bounds, shard_owners) plus, per shard k, the team's parts into its reducer and its
-answer back.
+own (shard_bounds, shard_owners) plus, per shard k, the team's parts up its tree (or into its
+flat reducer) and the answers back.
 """
 
 from __future__ import annotations
@@ -88,6 +100,7 @@ from . import codecs
 from ._pb.lowcomm.v1 import averaging_pb2
 from .accumulator import MIN_STRAGGLER_GRACE, bounded_weights
 from .aggregation import weighted_mean
+from .layout import team_fanin
 from .sender import chunks
 from .transport import Clock, Code, Refused
 from .validate import ContributionRejected, check_contribution
@@ -100,6 +113,8 @@ TEAM_ANSWER = 1.55  # an owner waits for the reducer's answer until then
 TEAM_AGREE_END = 1.75  # an owner without the team's result stops fetching it from the others then
 FETCH_END = 2.4  # a member stops fetching a team's result then (its group's exchange ends at 2.5)
 KEPT_TEAMS = 16  # team outcomes a peer keeps for fetches: this round's and a few before
+TEAM_SUB_CLOSE = 1.3  # a subreducer closes its subteam's sum this many reduce timeouts after the group arrived
+TEAM_LEAF_ANSWER = 1.65  # an owner below a subreducer waits for the team's answer until then
 
 
 def is_split(group: averaging_pb2.Group) -> bool:
@@ -125,6 +140,7 @@ class StepPlan:
     groups: tuple[averaging_pb2.StepGroup, ...]
     index: int  # this group's
     reducers: tuple[int, ...]  # per shard: the group whose owner reduces the team (Group.team_reducers)
+    subreducers: tuple[int, ...] = ()  # per shard and subteam (Group.team_subreducers); () for flat teams
 
     @classmethod
     def of(cls, group: averaging_pb2.Group) -> StepPlan | None:
@@ -144,7 +160,16 @@ class StepPlan:
         if len(reducers) != shards or not all(0 <= g < len(group.step_groups) for g in reducers):
             raise ValueError(f"team_reducers must name one of the {len(group.step_groups)} step groups for each of the "
                              f"{shards} shards, not {list(reducers)}")
-        return cls(tuple(group.step_groups), group.group_index, reducers)
+        subreducers = tuple(group.team_subreducers)
+        fanin = team_fanin(len(group.step_groups))
+        if subreducers:
+            subteams = -(-len(group.step_groups) // fanin) if fanin else 0
+            if not fanin or len(subreducers) != shards * subteams or \
+                    any(g // fanin != i % subteams for i, g in enumerate(subreducers)) or \
+                    any(subreducers[k * subteams + reducers[k] // fanin] != reducers[k] for k in range(shards)):
+                raise ValueError(f"team_subreducers must name, for each of the {shards} shards, one group of each "
+                                 f"of its subteams (its reducer's for the reducer's subteam), not {list(subreducers)}")
+        return cls(tuple(group.step_groups), group.group_index, reducers, subreducers)
 
     def owner(self, g: int, k: int) -> averaging_pb2.Member:
         step_group = self.groups[g]
@@ -162,23 +187,61 @@ class StepPlan:
     def team_key(self, k: int) -> bytes:
         return self.groups[self.reducer_group(k)].group_id
 
+    @property
+    def fanin(self) -> int:
+        """Groups per subteam (0: flat teams)."""
+        return team_fanin(len(self.groups)) if self.subreducers else 0
+
+    def _subreducer(self, k: int, g: int) -> int:
+        """The group of group ``g``'s subteam whose owner of shard ``k`` reduces the subteam."""
+        subteams = len(self.subreducers) // len(self.reducers)
+        return self.subreducers[k * subteams + g // self.fanin]
+
+    def parent(self, k: int, g: int) -> int | None:
+        """The group whose owner of shard ``k`` receives group ``g``'s part (None: the top reducer)."""
+        top = self.reducer_group(k)
+        if g == top:
+            return None
+        if not self.fanin:
+            return top
+        sub = self._subreducer(k, g)
+        return top if sub == g else sub
+
+    def children(self, k: int, g: int) -> set[int]:
+        """The groups whose parts group ``g``'s owner of shard ``k`` receives (empty: it only sends)."""
+        return {c for c in range(len(self.groups)) if self.parent(k, c) == g}
+
+    def covered(self, k: int, g: int) -> set[int]:
+        """The groups whose members' parts are inside what group ``g``'s owner of shard ``k``
+        sends up: its own, and those of the groups below it."""
+        out, todo = {g}, [g]
+        while todo:
+            below = self.children(k, todo.pop())
+            todo.extend(below - out)
+            out |= below
+        return out
+
     def weight(self, g: int, contributors: list[str]) -> float:
         """Group ``g``'s weight for a part made of ``contributors``: their bounded weights."""
         weights = bounded_weights(self.groups[g].members)
         return sum(weights[p] for p in sorted(set(contributors)) if p in weights)
 
+    def weight_of(self, groups: set[int], contributors: list[str]) -> float:
+        """The weight of a part made of ``contributors`` from ``groups`` (a subteam's partial average)."""
+        return sum(self.weight(g, contributors) for g in sorted(groups))
+
 
 @dataclass
 class TeamState:
-    """One peer's side of team k in one step: on the reducer the sum of the parts, on every
-    owner the team's outcome (kept for members that fetch it)."""
+    """One peer's side of team k in one step: on the reducer (and a subreducer) the sum of the
+    parts it receives, on every owner the team's outcome (kept for members that fetch it)."""
 
     plan: StepPlan
     shard_index: int
     numel: int
     codec: codecs.Codec
-    reducer: bool
-    close_at: float  # on the clock: when the reducer closes the sum
+    reducer: bool  # the team's top reducer: it encodes the team's average
+    close_at: float  # on the clock: when the reducer (or subreducer) closes the sum
     ends_at: float  # on the clock: when the round's last fetch is over
     clock: Clock
     parts: dict[int, tuple[float, torch.Tensor, list[str]]] = field(default_factory=dict)  # g -> (W, A, who)
@@ -197,7 +260,8 @@ class TeamState:
     bytes_out: int = 0
 
     def __post_init__(self) -> None:
-        self.expected = {g for g in range(len(self.plan.groups)) if g != self.plan.index}
+        self.children = self.plan.children(self.shard_index, self.plan.index)  # whose parts come to us
+        self.expected = set(self.children)
         self._senders = len(self.expected)
 
     def add(self, g: int, weight: float, part: torch.Tensor, contributors: list[str]) -> bool:
@@ -261,6 +325,22 @@ class TeamState:
         finally:
             self.summed.set()
 
+    async def subtotal(self, executor: Executor) -> tuple[torch.Tensor, list[str]] | None:
+        """Subreducer: the weighted mean of the subteam's parts in group order (not encoded: it
+        goes on to the top reducer as one part, weighed there by its contributors), or None."""
+        self.closed = True
+        parts, self.parts = self.parts, {}
+        terms = [(f"{g:08d}", w, a) for g, (w, a, _) in sorted(parts.items()) if w > 0]
+        if not terms:
+            return None
+        mean = await asyncio.get_running_loop().run_in_executor(executor, weighted_mean, terms)
+        return mean, sorted({p for w, _, who in parts.values() if w > 0 for p in who})
+
+    def relay(self, payload: bytes, contributors: list[str]) -> None:
+        """Subreducer: the top reducer's answer (empty: none), for the subteam's waiting streams."""
+        self.payload, self.contributors = payload, contributors if payload else []
+        self.summed.set()
+
     def answer(self, held: bool, payload: bytes, contributors: list[str]) -> None:
         """Whether this owner holds the team's result now; fetches are answered from here on."""
         self.held = held
@@ -321,7 +401,7 @@ class TeamBook:
             if not team.held:  # the caller asks the team's other owners
                 raise Refused(Code.NOT_FOUND, "this owner does not hold the team's average")
         else:
-            if not team.reducer or header.from_group == plan.index:
+            if header.from_group not in team.children:
                 raise Refused(Code.INVALID_ARGUMENT, "this peer does not reduce that shard for that group")
             if header.sender_peer_id != plan.owner(header.from_group, k).peer_id:
                 raise Refused(Code.INVALID_ARGUMENT, f"{header.sender_peer_id or '?'} does not own shard {k} "
@@ -329,15 +409,16 @@ class TeamBook:
             empty = header.payload_bytes == 0 and not header.contributors  # the group has no part this round
             if (header.payload_bytes != 4 * team.numel and not empty) or header.from_group in team.announced:
                 raise Refused(Code.INVALID_ARGUMENT, "unexpected size, or that group's part already came")
-            members = {m.peer_id for m in plan.groups[header.from_group].members}
+            covered = plan.covered(k, header.from_group)  # a subreducer's part carries its subteam's
+            members = {m.peer_id for g in covered for m in plan.groups[g].members}
             if not set(header.contributors) <= members:
-                raise Refused(Code.INVALID_ARGUMENT, "a contributor is not a member of the sender's group")
+                raise Refused(Code.INVALID_ARGUMENT, "a contributor is not a member of the groups the sender reduces")
             team.announced.add(header.from_group)  # one try per group, whatever happens to this stream
             added = False
             try:
                 part = None if empty else await _receive_part(team, header, requests, bound, executor)
                 if part is not None:
-                    added = team.add(header.from_group, plan.weight(header.from_group, list(header.contributors)),
+                    added = team.add(header.from_group, plan.weight_of(covered, list(header.contributors)),
                                      part, list(header.contributors))
             finally:
                 if not added:

@@ -167,6 +167,7 @@ def close_groups(parts: list[list[averaging_pb2.Member]], bandwidth: dict[str, f
     bounds, owner_lists = split_step_layout(numel, parts, bandwidth)
     plan = [averaging_pb2.StepGroup(group_id=i, members=g, shard_owners=o) for i, g, o in zip(ids, parts, owner_lists)]
     reducers = team_reducers(parts, owner_lists, bandwidth)
+    subreducers = team_subreducers(parts, owner_lists, bandwidth)
     for index, (group_id, group_members) in enumerate(zip(ids, parts)):
         group = averaging_pb2.Group()
         group.CopyFrom(template)
@@ -176,6 +177,7 @@ def close_groups(parts: list[list[averaging_pb2.Member]], bandwidth: dict[str, f
         group.shard_owners.extend(owner_lists[index])
         group.step_groups.extend(plan)
         group.team_reducers.extend(reducers)
+        group.team_subreducers.extend(subreducers)
         groups.append(group)
     return groups
 
@@ -189,11 +191,44 @@ def team_reducers(groups: list[list[averaging_pb2.Member]], owners: list[list[in
     every other group's part of its shard and sends each of them the result, (G − 1) times an
     owner's traffic, so in a swarm of residential links and a few datacenter ones its link sets
     the pace of the whole step (sim/README.md)."""
-    def speed(g: int, k: int) -> float:
-        return declared_bandwidth(bandwidth, groups[g][owners[g][k]].peer_id)
+    return [min(range(len(groups)), key=_team_order(bandwidth, groups, owners, k)) for k in range(len(owners[0]))]
 
-    count = len(groups)
-    return [min(range(count), key=lambda g: (-speed(g, k), (g - k) % count)) for k in range(len(owners[0]))]
+
+TREE_FROM_GROUPS = 9  # a step of this many groups or more reduces each team in a tree of two levels
+
+
+def team_fanin(groups: int) -> int:
+    """Groups per subteam when a team of ``groups`` owners is a two-level tree (0: flat, one
+    reducer). A flat reducer receives G − 1 parts, one per group; with subteams of F = ⌈√G⌉
+    groups the top reducer receives F − 1 parts and ⌈G/F⌉ − 1 partial averages, and a
+    subreducer F − 1 parts: about 2·√G calls and parts at the busiest owner instead of G − 1,
+    for one more hop on the way up and down."""
+    return math.isqrt(groups - 1) + 1 if groups >= TREE_FROM_GROUPS else 0
+
+
+def _team_order(bandwidth: dict[str, float], groups: list[list[averaging_pb2.Member]], owners: list[list[int]],
+                k: int) -> Callable[[int], tuple[float, int]]:
+    """The order in which the owners of shard ``k`` are preferred as its reducers: the highest
+    declared bandwidth first, ties from group k on (k mod G, k + 1 mod G, ...)."""
+    def key(g: int) -> tuple[float, int]:
+        return -declared_bandwidth(bandwidth, groups[g][owners[g][k]].peer_id), (g - k) % len(groups)
+    return key
+
+
+def team_subreducers(groups: list[list[averaging_pb2.Member]], owners: list[list[int]],
+                     bandwidth: dict[str, float]) -> list[int]:
+    """Group.team_subreducers: for every shard k and every subteam of ``team_fanin`` groups, the
+    group whose owner of k reduces the subteam, chosen as ``team_reducers`` chooses among the
+    whole team (so the reducer's subteam gets the reducer). Empty when teams are flat."""
+    fanin = team_fanin(len(groups))
+    if not fanin:
+        return []
+    out = []
+    for k in range(len(owners[0])):
+        order = _team_order(bandwidth, groups, owners, k)
+        out.extend(min(range(start, min(start + fanin, len(groups))), key=order)
+                   for start in range(0, len(groups), fanin))
+    return out
 
 
 def groups_of_step(group: averaging_pb2.Group) -> dict[str, averaging_pb2.Group]:
@@ -213,5 +248,6 @@ def groups_of_step(group: averaging_pb2.Group) -> dict[str, averaging_pb2.Group]
         rebuilt.shard_owners.extend(planned.shard_owners)
         rebuilt.step_groups.extend(group.step_groups)
         rebuilt.team_reducers.extend(group.team_reducers)
+        rebuilt.team_subreducers.extend(group.team_subreducers)
         out.update((m.peer_id, rebuilt) for m in planned.members)
     return out

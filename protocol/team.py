@@ -14,7 +14,8 @@ import torch
 
 from . import codecs
 from ._pb.lowcomm.v1 import averaging_pb2
-from .crossgroup import FETCH_END, TEAM_AGREE_END, TEAM_ANSWER, TEAM_CLOSE, StepPlan, TeamBook, TeamState
+from .crossgroup import (FETCH_END, TEAM_AGREE_END, TEAM_ANSWER, TEAM_CLOSE, TEAM_LEAF_ANSWER, TEAM_SUB_CLOSE, StepPlan,
+                         TeamBook, TeamState)
 from .sender import chunks
 from .transport import CallFailed, Clock, Code, ReduceTransport
 from .validate import ContributionRejected, check_contribution
@@ -77,9 +78,10 @@ class TeamRound:
     def open(self, shards: dict[int, int], book: TeamBook) -> None:
         """``shards``: shard index -> numel, for the shards this peer owns."""
         for k, numel in shards.items():
-            reducer = self.plan.owner(self.plan.reducer_group(k), k).peer_id == self.peer_id
+            reducer = self.plan.reducer_group(k) == self.plan.index
+            close = TEAM_CLOSE if reducer else TEAM_SUB_CLOSE  # a subreducer's sum goes on to the reducer
             self.teams[k] = TeamState(self.plan, k, numel, self.codec, reducer,
-                                      close_at=self.started + TEAM_CLOSE * self.reduce_timeout,
+                                      close_at=self.started + close * self.reduce_timeout,
                                       ends_at=self.started + FETCH_END * self.reduce_timeout, clock=self.clock)
         book.open(list(self.teams.values()))
 
@@ -112,14 +114,23 @@ class TeamRound:
             payload, contributors = team.payload, team.contributors
             failure = "" if payload else "the team's average could not be made"
         else:
-            g = plan.reducer_group(k)
-            reducer = plan.owner(g, k)
+            if team.children:  # a subreducer: its subteam's parts and its own go up as one
+                if average is not None:
+                    team.add(me, plan.weight(me, used), average, used)
+                else:
+                    team.give_up(me)
+                await team.wait_for_parts(self.clock, self.started, self.quorum)
+                average, used = await team.subtotal(self.executor) or (None, [])
+            parent = plan.parent(k, me)
+            assert parent is not None
+            reducer = plan.owner(parent, k)
+            answer_by = TEAM_ANSWER if parent == plan.reducer_group(k) else TEAM_LEAF_ANSWER
             part = b"" if average is None else await loop.run_in_executor(
                 self.executor, lambda: average.numpy().astype("<f4").tobytes())
             header = averaging_pb2.TeamHeader(  # without a part of our own (empty): the others' sum
                 group_id=plan.team_key(k), shard_index=k, from_group=me, sender_peer_id=self.peer_id,
                 numel=team.numel, contributors=used if average is not None else [], payload_bytes=len(part))
-            timeout = max(0.1, self.started + TEAM_ANSWER * self.reduce_timeout - self.clock.monotonic())
+            timeout = max(0.1, self.started + answer_by * self.reduce_timeout - self.clock.monotonic())
             try:
                 payload, contributors = await _team_call(self.transport, reducer.address, header, part, self.codec,
                                                          timeout)
@@ -128,6 +139,9 @@ class TeamRound:
             except (CallFailed, ValueError) as err:
                 failure = f"the team reducer {reducer.peer_id} gave no average: {err}"
                 log.warning("shard %d: %s", k, failure)
+            finally:
+                if team.children:
+                    team.relay(payload, contributors)  # the subteam's streams answer with it (or refuse)
         decoded, problem = await self._decoded(team, payload)
         failure = failure or problem
         team.answer(decoded is not None, payload, contributors)

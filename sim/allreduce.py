@@ -197,20 +197,25 @@ class GroupReduce:
     def _team_stage(self, plan: StepPlan, k: int, owner: str, numel: int, encoded: int, facts: dict[str, PeerFacts],
                     sent: dict[str, int], received: dict[str, int], rpcs: dict[str, Counter]) -> float:
         """Stage 2 of a split step (protocol/crossgroup.py) for shard k, seen from this group's
-        owner: its partial average goes to the team's reducer in float32 (4 bytes per value) and
-        the encoded result comes back. The reducer's downlink carries all G−1 parts and its uplink
-        all G−1 answers, so that bounds the stage: returns its seconds. Failures of other groups'
-        owners are not modelled (their groups are simulated on their own), nor the fetches an
-        owner without the reducer's answer makes (team.py)."""
-        others = len(plan.groups) - 1
-        reducer = plan.owner(plan.reducer_group(k), k).peer_id
-        link = self.facts(reducer).link
-        seconds = 2 * link.latency + others * 4 * numel / link.down + others * encoded / link.up
-        if reducer == owner:
-            received[owner] += others * 4 * numel
-            sent[owner] += others * encoded
-            rpcs[owner]["Team"] += others
-        else:
+        owner: its partial average goes up the team's tree in float32 (4 bytes per value: to its
+        subreducer, whose partial average goes to the reducer; in a flat team straight to the
+        reducer) and the encoded result comes back down. A reducer's downlink carries its
+        children's parts and its uplink their answers; the slowest subreducer's level and then the
+        reducer's bound the stage: returns its seconds. Failures of other groups' owners are not
+        modelled (their groups are simulated on their own), nor the fetches an owner without the
+        reducer's answer makes (team.py)."""
+        def level(g: int) -> float:  # the reduce at group g's owner of k: its children's parts in, answers out
+            children = len(plan.children(k, g))
+            link = self.facts(plan.owner(g, k).peer_id).link
+            return 2 * link.latency + children * (4 * numel / link.down + encoded / link.up) if children else 0.0
+
+        top = plan.reducer_group(k)
+        seconds = level(top) + max((level(g) for g in plan.children(k, top) if plan.children(k, g)), default=0.0)
+        children = len(plan.children(k, plan.index))
+        received[owner] += children * 4 * numel
+        sent[owner] += children * encoded
+        rpcs[owner]["Team"] += children
+        if plan.parent(k, plan.index) is not None:
             sent[owner] += 4 * numel
             received[owner] += encoded
         return seconds

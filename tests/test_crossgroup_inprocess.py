@@ -1,6 +1,7 @@
 """One average across two groups of a split step over real gRPC (grpc.aio on 127.0.0.1:0, one
 event loop): the team streams to the reducers, the shard reports of the teams and the fetches
-go through the same Averaging service as a single group's round (protocol/crossgroup.py)."""
+go through the same Averaging service as a single group's round (protocol/crossgroup.py), also
+through subreducers when a step has many groups."""
 
 from __future__ import annotations
 
@@ -40,6 +41,31 @@ def test_two_groups_of_a_split_step_end_with_one_state_over_grpc():
         ids = [int(m.peer_id.split("-")[1]) for m in g.members]
         local = torch.stack([deltas[i] for i in ids]).mean(0)
         assert (local - average).abs().max() > 0.01 * mean.abs().max()
+
+
+def test_nine_groups_reduce_each_team_in_a_tree_over_grpc():
+    """18 peers in groups of 2: 9 groups, so each team goes through subreducers to its reducer."""
+    numel, count = 20_001, 18
+
+    async def scenario():
+        peers = await start_peers(count, numel, "int8", group_size=2)
+        try:
+            gen = torch.Generator().manual_seed(1)
+            theta = torch.randn(numel, generator=gen)
+            deltas = [torch.randn(numel, generator=gen) * 0.01 for _ in peers]
+            expected = {p.peer_id for p in peers}
+            groups = await asyncio.gather(*(p.form(0, expected, timeout=30) for p in peers))
+            results = await asyncio.gather(*(p.reduce(g, d) for p, g, d in zip(peers, groups, deltas)))
+            return theta, deltas, groups, results
+        finally:
+            await asyncio.gather(*(p.stop() for p in peers))
+
+    theta, deltas, groups, results = asyncio.run(scenario())
+    assert all(len(g.step_groups) == 9 and len(g.team_subreducers) == 3 * (len(g.shard_bounds) - 1) for g in groups)
+    assert all(a is not None for r in results for a in r.averages)
+    assert len({digest(apply_outer(theta, r)) for r in results}) == 1  # one θ_global for all nine groups
+    mean = torch.stack(deltas).mean(0)
+    assert torch.allclose(torch.cat(results[0].averages), mean, atol=0.01 * mean.abs().max().item() + 1e-7)
 
 
 def test_a_dead_owner_costs_its_group_only_its_own_parts_over_grpc():

@@ -335,3 +335,87 @@ def test_an_owner_without_the_reducers_answer_fetches_it_from_its_team_and_every
     assert torch.allclose(results[0].averages[1], mean[sl], atol=2e-3)
     assert all(r.averages[1] is not None for p, r in zip(peers, results) if p.peer_id in group2)
     assert reducer.owner_residual[sl].abs().sum() > 0  # the applied int8 average leaves its feedback
+
+
+class TeamCountingNet(FakeNet):
+    """A FakeNet that records every team stream: (callee address, sending group, fetch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.team_streams: list[tuple[str, int, bool]] = []
+
+    async def reduce(self, address, requests, timeout):
+        first = await anext(requests)
+        if first.HasField("team_header"):
+            self.team_streams.append((address, first.team_header.from_group, first.team_header.fetch))
+
+        async def replay():
+            yield first
+            async for message in requests:
+                yield message
+
+        async for message in super().reduce(address, replay(), timeout):
+            yield message
+
+
+def tree_round(loop: VirtualTimeLoop, down: set[int] = frozenset()):
+    """18 peers in groups of 2: 9 groups, so every team is a tree of subteams of 3 groups. The
+    owners of shard 0 in the groups of ``down`` (by index) are dead when the round starts."""
+    async def scenario():
+        net, dht = TeamCountingNet(), FakeDHT(loop)
+        weights = [1.0 + (i % 3) for i in range(18)]
+        peers = [Peer(net, dht, loop, f"peer-{i:02d}", 2, "int8", weights[i]) for i in range(18)]
+        groups = await asyncio.gather(*(p.group({q.peer_id for q in peers}) for p in peers))
+        dead = {owner_of(groups, g, 0) for g in down}
+        net.down.update(f"fake://{p}" for p in dead)
+        live = [(p, g, d, w) for p, g, d, w in zip(peers, groups, deltas(18), weights) if p.peer_id not in dead]
+        results = await asyncio.gather(*(p.reduce(g, d) for p, g, d, _ in live))
+        return net, groups, live, results
+    return scenario()
+
+
+def test_many_groups_reduce_each_team_in_a_tree_and_end_with_the_same_weighted_global_mean():
+    net, groups, live, results = run_virtual(lambda loop: tree_round(loop))
+    plan = StepPlan.of(groups[0])
+    assert plan is not None and len(plan.groups) == 9 and plan.fanin == 3
+    assert all(list(g.team_subreducers) == list(groups[0].team_subreducers) for g in groups)
+    first = results[0]
+    assert all(a is not None for r in results for a in r.averages)
+    assert all(torch.equal(a, b) for r in results for a, b in zip(r.averages, first.averages))  # bit-identical
+    w = torch.tensor([weight for *_, weight in live])[:, None]
+    mean = (torch.stack([d for _, _, d, _ in live]) * w).sum(0) / w.sum()
+    assert torch.allclose(torch.cat(first.averages), mean, atol=3e-4)  # int8 of the weighted global mean
+    # No owner receives a part from every other group: the top reducer gets its subteam's two
+    # and the two other subreducers' partial averages, a subreducer its subteam's two.
+    for k in range(len(plan.reducers)):
+        received = Counter(address for address, _, fetch in net.team_streams if not fetch and
+                           address == plan.owner(plan.reducer_group(k), k).address)
+        assert sum(received.values()) == 4
+        for g in range(9):
+            streams = [s for s in net.team_streams if s[0] == plan.owner(g, k).address and not s[2]]
+            assert len(streams) == len(plan.children(k, g)) <= 4
+
+
+def test_a_dead_subreducer_costs_its_subteams_parts_and_every_group_still_applies_the_team_average():
+    def find_down(loop):
+        return tree_round(loop)
+
+    net, groups, _, _ = run_virtual(find_down)
+    plan = StepPlan.of(groups[0])
+    assert plan is not None
+    top = plan.reducer_group(0)
+    sub = next(g for g in range(9) if plan.children(0, g) and g != top)  # a subreducer of shard 0, not the top
+    subteam = plan.covered(0, sub)
+    net, groups, live, results = run_virtual(lambda loop: tree_round(loop, down={sub}))
+    first = results[0]
+    assert all(r.averages[0] is not None for r in results)  # its subteam's owners fetched it from the team
+    assert all(torch.equal(r.averages[0], first.averages[0]) for r in results)
+    lost = {m.peer_id for g in subteam for m in plan.groups[g].members}
+    kept = [(d, w) for p, _, d, w in live if p.peer_id not in lost]
+    w = torch.tensor([weight for _, weight in kept])[:, None]
+    mean = (torch.stack([d for d, _ in kept]) * w).sum(0) / w.sum()
+    sl = first.slices[0]
+    assert torch.allclose(first.averages[0], mean[sl], atol=3e-4)  # the dead subteam's parts are left out
+    for (p, _, d, _), r in zip(live, results):
+        if p.peer_id in lost:  # its part of shard 0 is not in the average: all of x stays for the next round
+            assert torch.equal(p.residual[sl], d[sl])

@@ -53,7 +53,7 @@ class Member(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class Group(_message.Message):
-    __slots__ = ("group_id", "step", "members", "shard_bounds", "shard_owners", "codec", "reduce_timeout_s", "step_groups", "group_index", "team_reducers")
+    __slots__ = ("group_id", "step", "members", "shard_bounds", "shard_owners", "codec", "reduce_timeout_s", "step_groups", "group_index", "team_reducers", "team_subreducers")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class Group(_message.Message):
     STEP_GROUPS_FIELD_NUMBER: _ClassVar[int]
     GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
     TEAM_REDUCERS_FIELD_NUMBER: _ClassVar[int]
+    TEAM_SUBREDUCERS_FIELD_NUMBER: _ClassVar[int]
     group_id: bytes
     step: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
@@ -74,7 +75,8 @@ class Group(_message.Message):
     step_groups: _containers.RepeatedCompositeFieldContainer[StepGroup]
     group_index: int
     team_reducers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, group_id: _Optional[bytes] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., shard_bounds: _Optional[_Iterable[int]] = ..., shard_owners: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., reduce_timeout_s: _Optional[float] = ..., step_groups: _Optional[_Iterable[_Union[StepGroup, _Mapping]]] = ..., group_index: _Optional[int] = ..., team_reducers: _Optional[_Iterable[int]] = ...) -> None: ...
+    team_subreducers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group_id: _Optional[bytes] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., shard_bounds: _Optional[_Iterable[int]] = ..., shard_owners: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., reduce_timeout_s: _Optional[float] = ..., step_groups: _Optional[_Iterable[_Union[StepGroup, _Mapping]]] = ..., group_index: _Optional[int] = ..., team_reducers: _Optional[_Iterable[int]] = ..., team_subreducers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepGroup(_message.Message):
     __slots__ = ("group_id", "members", "shard_owners")

@@ -30,7 +30,8 @@ class AveragingStub:
     (to the leader, found in the DHT or, for a stable group, the lowest member of the last group), Reduce once per (sender, shard owner) pair, and ReportShards once per
     (member, reachable member) pair after the reduce phase. A step split into several groups
     (Group.step_groups) also uses Reduce once per (shard owner, team reducer) pair, starting with
-    a TeamHeader, and ReportShards between the owners of a shard across groups.
+    a TeamHeader; an owner without the reducer's answer fetches it from the team's other owners
+    (a Reduce stream whose TeamHeader has `fetch`).
     """
 
     def __init__(self, channel):
@@ -61,7 +62,8 @@ class AveragingServicer:
     (to the leader, found in the DHT or, for a stable group, the lowest member of the last group), Reduce once per (sender, shard owner) pair, and ReportShards once per
     (member, reachable member) pair after the reduce phase. A step split into several groups
     (Group.step_groups) also uses Reduce once per (shard owner, team reducer) pair, starting with
-    a TeamHeader, and ReportShards between the owners of a shard across groups.
+    a TeamHeader; an owner without the reducer's answer fetches it from the team's other owners
+    (a Reduce stream whose TeamHeader has `fetch`).
     """
 
     def JoinGroup(self, request, context):
@@ -121,7 +123,8 @@ class Averaging:
     (to the leader, found in the DHT or, for a stable group, the lowest member of the last group), Reduce once per (sender, shard owner) pair, and ReportShards once per
     (member, reachable member) pair after the reduce phase. A step split into several groups
     (Group.step_groups) also uses Reduce once per (shard owner, team reducer) pair, starting with
-    a TeamHeader, and ReportShards between the owners of a shard across groups.
+    a TeamHeader; an owner without the reducer's answer fetches it from the team's other owners
+    (a Reduce stream whose TeamHeader has `fetch`).
     """
 
     @staticmethod
