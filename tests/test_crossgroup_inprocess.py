@@ -12,23 +12,26 @@ import torch
 from .swarm_harness import apply_outer, digest, start_peers
 
 
-def test_two_groups_of_a_split_step_end_with_one_state_over_grpc():
-    numel, count = 50_001, 5
-
+def split_round(count: int, numel: int, group_size: int, seed: int):
+    """``count`` peers form step 0's groups and run the round: (θ, deltas, groups, results)."""
     async def scenario():
-        peers = await start_peers(count, numel, "int8", group_size=3)
+        peers = await start_peers(count, numel, "int8", group_size=group_size)
         try:
-            gen = torch.Generator().manual_seed(0)
+            gen = torch.Generator().manual_seed(seed)
             theta = torch.randn(numel, generator=gen)
             deltas = [torch.randn(numel, generator=gen) * 0.01 for _ in peers]
             expected = {p.peer_id for p in peers}
-            groups = await asyncio.gather(*(p.form(0, expected) for p in peers))
+            groups = await asyncio.gather(*(p.form(0, expected, timeout=30) for p in peers))
             results = await asyncio.gather(*(p.reduce(g, d) for p, g, d in zip(peers, groups, deltas)))
             return theta, deltas, groups, results
         finally:
             await asyncio.gather(*(p.stop() for p in peers))
 
-    theta, deltas, groups, results = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_two_groups_of_a_split_step_end_with_one_state_over_grpc():
+    theta, deltas, groups, results = split_round(5, 50_001, 3, seed=0)
     assert sorted(len(g.members) for g in {g.group_id: g for g in groups}.values()) == [2, 3]
     assert all(len(g.step_groups) == 2 for g in groups)
     assert all(a is not None for r in results for a in r.averages)
@@ -45,22 +48,7 @@ def test_two_groups_of_a_split_step_end_with_one_state_over_grpc():
 
 def test_nine_groups_reduce_each_team_in_a_tree_over_grpc():
     """18 peers in groups of 2: 9 groups, so each team goes through subreducers to its reducer."""
-    numel, count = 20_001, 18
-
-    async def scenario():
-        peers = await start_peers(count, numel, "int8", group_size=2)
-        try:
-            gen = torch.Generator().manual_seed(1)
-            theta = torch.randn(numel, generator=gen)
-            deltas = [torch.randn(numel, generator=gen) * 0.01 for _ in peers]
-            expected = {p.peer_id for p in peers}
-            groups = await asyncio.gather(*(p.form(0, expected, timeout=30) for p in peers))
-            results = await asyncio.gather(*(p.reduce(g, d) for p, g, d in zip(peers, groups, deltas)))
-            return theta, deltas, groups, results
-        finally:
-            await asyncio.gather(*(p.stop() for p in peers))
-
-    theta, deltas, groups, results = asyncio.run(scenario())
+    theta, deltas, groups, results = split_round(18, 20_001, 2, seed=1)
     assert all(len(g.step_groups) == 9 and len(g.team_subreducers) == 3 * (len(g.shard_bounds) - 1) for g in groups)
     assert all(a is not None for r in results for a in r.averages)
     assert len({digest(apply_outer(theta, r)) for r in results}) == 1  # one θ_global for all nine groups
