@@ -136,18 +136,22 @@ def test_overlap(out, netns_reason):
         pytest.skip(f"the overlap benchmark needs network namespaces: {netns_reason}")
     # Blocking and one overlapped mode: the harness does the same for every mode (only
     # sync.overlap differs); the modes themselves are tested in test_overlap_cli.py.
-    bench("overlap.py", "--modes", "none,eager", "--peers", "2", "--rounds", "3", "--inner-steps", "5",
+    # Four rounds, not three: an overlapped round may commit after the next inner phase ended
+    # (training waits for it at the boundary after), so rounds 2 and 3 can carry the same
+    # phase-end clock and leave no utilization window; round 4's comes after phase 4, strictly
+    # later than any clock round 2 can carry.
+    bench("overlap.py", "--modes", "none,eager", "--peers", "2", "--rounds", "4", "--inner-steps", "5",
           "--batch-size", "4", "--seeds", "7",
           "--time-limit", "90", "--prefix", "lcosmk", "--json-out", str(out / "overlap.jsonl"))
     got = {r["mode"]: r for r in records(out / "overlap.jsonl")}
     assert set(got) == {"none", "eager"}
     for mode, record in got.items():
         assert record["ok"] and record.get("error") is None, (mode, record.get("error"), record.get("notes"))
-        assert record["rounds_done_per_peer"] == [3, 3] and record["group_sizes"] == [2], mode
-        assert record["eval_outer_step"] == 3 and 0 < record["eval_loss"] < 6, mode
-        assert [p["outer_step"] for p in record["eval_curve"]] == [1, 2, 3], mode
+        assert record["rounds_done_per_peer"] == [4, 4] and record["group_sizes"] == [2], mode
+        assert record["eval_outer_step"] == 4 and 0 < record["eval_loss"] < 6, mode
+        assert [p["outer_step"] for p in record["eval_curve"]] == [1, 2, 3, 4], mode
         tokens = [p["tokens_in_model"] for p in record["eval_curve"]]
-        assert 0 < tokens[0] < tokens[1] < tokens[2] == record["tokens_in_model"], (mode, tokens)
+        assert 0 < tokens[0] < tokens[1] < tokens[2] < tokens[3] == record["tokens_in_model"], (mode, tokens)
         assert len(record["rounds_without_result"]) == 2, mode
         assert 0 < record["utilization_window_median"] <= 1, mode
         assert 0 < record["utilization_since_start_median"] <= 1, mode
