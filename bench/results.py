@@ -469,8 +469,11 @@ def _scale_goals(rows: dict[tuple[str, int], dict], variant: str, out_dir: Path)
              f"**DHT records read per peer within 2×: {verdict(records <= 2)}** ({records:.0f}×; the busiest DHT "
              f"holder's requests {ratio('mean_dht_busiest_holder_requests'):.0f}×)")
     if records > 2:
-        line += (": the heartbeat still reads the whole `<run>/peers` table (node/swarm.py), one record per live "
-                 "peer; matchmaking no longer does")
+        line += (": what is left are reads of the whole `<run>/peers` table, one record per live peer: one at "
+                 "every round start (it must be fresh: a view from before the last commit shows nobody at the new "
+                 "step), the heartbeat's periodic ones (64 records per beat on average, node/swarmpace.py) and its "
+                 "reads while a round may cut our phase (near quorum); while averaging only matchmaking leaders read "
+                 "it. Profile: sim/README.md (\"The heartbeat's reads\")")
     line += (". **Busiest peer's RPCs within 2×: "
              f"{verdict(rpc_ok)}** ({small['mean_busiest_peer_rpcs']:.0f} → {big['mean_busiest_peer_rpcs']:.0f}, "
              f"{ratio('mean_busiest_peer_rpcs'):.2f}×; by method at N={n}: {kinds(big)}")
@@ -529,7 +532,9 @@ def scale_section(sweep: Path, goals: list[str]) -> list[str]:
               "bench/out/scale/single-level/, the sweep of commit ce0badd; the `single-level-g16` rows with a "
               "*share in majority* were re-run on the current code with `--single-level`), for comparison. "
               "`allreduce-g16-catchup`: a what-if (sim/whatif.py), not the node's behaviour. The `allreduce-*` "
-              "rows use buckets, as the node does by default (`[sync] matchmaking_buckets`; README, \"Matchmaking\").", "",
+              "rows use buckets, as the node does by default (`[sync] matchmaking_buckets`; README, \"Matchmaking\"). "
+              "Peers pace their heartbeat's reads of the peer table as the node does (node/swarmpace.py; rows "
+              "whose config says `unpaced_heartbeat` or lacks it read it at every beat).", "",
               _drop_rows(sweep_table(*sources, variants=set(SCALE_CURRENT + SCALE_BEFORE + SCALE_WHATIF)), shown), ""]
     if stale:
         lines += ["Not re-run with buckets yet: " + ", ".join(f"{v} N={n}" for v, n in sorted(stale)) + ".", ""]

@@ -195,8 +195,14 @@ class Averager:
         # wait for the peers expected in the heartbeat's latest one (no table read). Without it,
         # one leader per step, and neither O(N) pass over the view below runs on the event loop.
         position = self.swarm.position()
-        round_peers = RoundPeers(frozenset(decisions.expected_peers(view, position)),
-                                 latest=lambda: decisions.expected_peers(self.swarm.last_view(), position),
+
+        def latest() -> set[str]:
+            # Only a leader looks (a bucket's or the step coordinator): the heartbeat then reads the
+            # table at its next beat; the other members read no more than while training.
+            self.swarm.want_view()
+            return decisions.expected_peers(self.swarm.last_view(), position)
+
+        round_peers = RoundPeers(frozenset(decisions.expected_peers(view, position)), latest=latest,
                                  plan_of_state=decisions.plan_of_state(view, position)
                                  ) if self.config.sync.matchmaking_buckets else None
         try:

@@ -123,6 +123,10 @@ class SwarmLink:
             return None
         return self.view
 
+    def want_view(self) -> None:
+        """A matchmaking leader waits on ``last_view``: keep it at most a beat old (swarmpace)."""
+        self.pace.want_view()
+
     def position(self) -> decisions.Position:
         step, digest = self.state.published()
         return decisions.Position(self.peer_id, step, digest)

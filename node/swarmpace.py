@@ -18,14 +18,23 @@ What a stale view may miss, and the mark that says it changed:
 - ``behind`` / the catch-up target: a peer past our step (any mark at a later step), another
   hash committed at our step (``c/<our step>/<other>``, the majority vote). Without such a mark a
   fresh view would show no peer past our step and no other hash at it either, so the catch-up
-  takes no download: the stale view is enough (``fresh_needed``).
+  takes no download: the stale view is enough (``fresh_needed``). While we average, a new mark
+  waits for the round's end (the groups of a step commit seconds apart: most peers in a large
+  swarm see the step committed by another group before their own group commits it).
 - ``outpaced`` (the slow peer's cut of its inner phase): true only once a quorum of the peers at
   our step with our hash (as many as in the last full view) are averaging. While the open marks
   at our step and hash say that at least half of that many may be averaging (``near_quorum``,
   which over-counts rather than under-counts), the heartbeat reads the table at every beat and
   ``outpaced`` decides on the fresh view, as before (``ViewPace``).
-- the matchmaking's liveness (``RoundPeers.latest``) and the solo-step check read the
-  heartbeat's view while we average: full reads at every beat in that phase too.
+- the matchmaking's liveness (``RoundPeers.latest``): a bucket leader or a step coordinator
+  waits for the peers expected in the heartbeat's view, so each of its looks asks for a full
+  read at the next beat (``ViewPace.want_view``). A member that waits on its leader's answer,
+  or reduces, looks at no view: it reads only the progress record, as while training. (Every
+  averaging peer read the table at every beat until 2026-12-03: two thirds of the full reads at
+  N=1024, `python -m sim.heartbeat`.) The solo-step check after a group of one reads the last
+  view: in a swarm whose table is read every beat it is fresh; in a larger one it may show a
+  peer that left (no solo step: the round fails, as it does with a fresh view) and it cannot
+  miss a swarm grown from one (a swarm of one reads at every beat).
 - liveness for the DHT re-bootstrap (node/reconnect.py), the swarm-size metrics and ``status``:
   only from full reads, which come at least every ``ceil(n / VIEW_PEERS)`` heartbeats, each peer
   at its own offset in that cycle, so the swarm as a whole reads about VIEW_PEERS records per
@@ -34,14 +43,11 @@ The round start (node/averaging.py), the first catch-up and every read the match
 stay fresh reads.
 
 What this does not bound (measured with ``python -m sim.heartbeat``, which prints the full reads
-by reason): the round start's read and the reads at every beat while averaging or while a round
+by reason): the round start's read, a leader's reads and the reads at every beat while a round
 is open at our step are still N records each, and every peer reads ``<run>/progress`` at each
-beat, so the busiest holder still serves O(N) requests per beat. Measured (``python -m sim``
-vs ``python -m sim.heartbeat``, seed 0, churn 0.05, 3 rounds at N=1024): records read per peer
-per round 19,445 -> 13,069, busiest holder 39,091 -> 28,252 requests per round; half of the full
-reads left are "near quorum" ones, in a simulated swarm where most peers fail a round and retry
-at the same step (open marks at every beat). The next stage, designed here
-and not built (it changes protocol/buckets.py's ``RoundPeers``):
+beat, so the busiest holder still serves O(N) requests per beat. The round start's read alone is
+N records per peer and round. Measured in sim/README.md ("The heartbeat's reads"). The next
+stage, designed here and not built (it changes protocol/buckets.py's ``RoundPeers``):
 - **Records per bucket of the next step.** A peer that committed step r as a member of a step
   plan of n_r members knows B_{r+1} = bucket_count(n_r, group_size) and its bucket label at
   r+1, and publishes its record (with its phase) under ``<run>/peers/<r+1>/<label>`` besides the
@@ -213,6 +219,13 @@ class ViewPace:
         self.beat = 0
         self.seen: frozenset[Mark] = frozenset()  # relevant marks known when the last full read was made
         self.full_reads = 0
+        self.view_wanted = False  # a leader looked at the view since the last beat (want_view)
+
+    def want_view(self) -> None:
+        """A bucket leader or step coordinator looked at the heartbeat's view (``RoundPeers.latest``)
+        and will look again: the next beat reads the table. Called at every look, so a leader
+        gets a view at most a beat old for as long as it leads, and nobody else pays for it."""
+        self.view_wanted = True
 
     def full_read_due(self, peers: int, has_view: bool, me: Position, phase: str, marks: Iterable[Mark],
                       same: int = 0) -> str | None:
@@ -220,16 +233,21 @@ class ViewPace:
         at this beat; ``peers``: in the last full view, ``same``: those of them (but us) at our
         step with our hash."""
         beat, self.beat = self.beat, self.beat + 1
+        wanted, self.view_wanted = self.view_wanted, False
         marks = frozenset(marks)
         every = full_read_every(peers)
         if not has_view:
             return "no view yet"
-        if phase == "averaging":
-            return "averaging"  # the matchmaking waits on the heartbeat's view (RoundPeers.latest)
+        if wanted:
+            return "a leader waits on the view"  # RoundPeers.latest: who is still coming
         if phase == "training" and self.step_window is None and near_quorum(marks, me, same, self.quorum):
             return "near quorum"  # outpaced() can turn true at any beat now
-        if relevant(marks, me, self.step_window) - self.seen:
-            return "progress"  # behind / a catch-up target changed since the last full read
+        if phase != "averaging" and relevant(marks, me, self.step_window) - self.seen:
+            # behind / a catch-up target changed since the last full read. Not while we average:
+            # the round's end decides then (a commit makes a later step's mark our own; a failed
+            # round's catch-up reads afresh when a mark says so, fresh_needed), and a mark still
+            # relevant after the round is read at the first beat of the next phase.
+            return "progress"
         if beat % every == beat_offset(self.peer_id, every):
             return "periodic"  # liveness for reconnects and metrics, and any mark we could not see
         return None

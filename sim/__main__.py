@@ -37,6 +37,9 @@ def config_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reduce-timeout", type=float, default=defaults.reduce_timeout)
     parser.add_argument("--single-level", action="store_true",
                         help="what-if: matchmaking without buckets (one leader per step, as before protocol/buckets.py)")
+    parser.add_argument("--unpaced-heartbeat", action="store_true",
+                        help="the heartbeat reads the whole peer table at every beat (the node before "
+                             "node/swarmpace.py; the sweeps before 2026-12-03), instead of the node's pace")
     parser.add_argument("--lag-tolerant", action="store_true",
                         help="what-if (sim/whatif.py): a peer one step behind averages at its step instead of downloading")
     parser.add_argument("--no-missed-rounds", action="store_true",

@@ -33,6 +33,7 @@ from .dht import SimDHT
 from .gossip import SimGossip
 from .links import draw_link
 from .metrics import Metrics
+from .heartbeat import PacedPeer
 from .peer import SimPeer, params_hash
 from .transport import SimNet
 
@@ -59,6 +60,7 @@ class SimConfig:
     quorum: float = 2 / 3
     straggler_wait: float = 2.0
     single_level: bool = False  # what-if: matchmaking without buckets (the protocol before protocol/buckets.py)
+    unpaced_heartbeat: bool = False  # the heartbeat reads the whole peer table at every beat (before node/swarmpace.py)
     lag_tolerant: bool = False  # what-if: one step behind averages instead of downloading (sim/whatif.py)
     no_missed_rounds: bool = False  # what-if: the protocol before missed rounds (a peer behind always downloads)
     catch_up_missed_plan: bool = False  # what-if: a peer that missed its step's plan downloads next (sim/whatif.py)
@@ -171,7 +173,9 @@ class World:
         link = draw_link(self.rng, cfg.links, cfg.speed_spread)
         dies_at = self.loop.time() + delay + self._lifetime()
         crash = bool(self.rng.random() < cfg.crash_share)
-        peer = SimPeer(self, self.next_index, link, dies_at, crash, theta, step)
+        # The node's heartbeat (sim/heartbeat.py), or the one that reads the table at every beat.
+        peer_class = SimPeer if cfg.unpaced_heartbeat else PacedPeer
+        peer = peer_class(self, self.next_index, link, dies_at, crash, theta, step)
         self.next_index += 1
         self.peers[peer.peer_id] = peer
         self.everyone[peer.peer_id] = peer

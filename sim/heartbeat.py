@@ -8,9 +8,11 @@ download (``fresh_needed``), as does the round start of a direct follower (``rec
 other round starts and the matchmaker's looks stay fresh reads, as in node/averaging.py. The
 decisions are the real ones, called on whatever view this leaves.
 
-Until sim/peer.py takes this heartbeat itself, ``python -m sim.heartbeat`` runs ``python -m sim``
-(same options) with ``PacedPeer`` in place of ``SimPeer``, so that both can be measured on the
-same code: the DHT figures (records read per peer, the busiest holder) of a run of each.
+``PacedPeer`` is the simulator's peer (sim/engine.py spawns it, as the node paces its
+heartbeat); ``python -m sim --unpaced-heartbeat`` spawns ``SimPeer``, whose heartbeat reads the
+whole table at every beat (the node before node/swarmpace.py, and the sweeps before 2026-12-03),
+so that both can be measured on the same code. ``python -m sim.heartbeat`` runs ``python -m sim``
+(same options) and prints the full reads of the table by reason.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class PacedPeer(SimPeer):
             self.marks = marks
             self.view_changed.set()  # the inner phase looks again (round_open reads the marks)
         return self.marks
+
+    def leader_view(self, position):  # node/averaging.py's latest(): SwarmLink.want_view
+        self.pace.want_view()
+        return super().leader_view(position)
 
     def round_open(self, counts: tuple) -> bool:
         return super().round_open(counts) or swarmpace.opened_by_others(self.marks, self.position())
@@ -113,12 +119,11 @@ class PacedPeer(SimPeer):
 
 def main(argv: list[str] | None = None) -> int:
     from . import __main__ as cli
-    from . import engine
+    from . import heartbeat  # the module the engine's peers count in (this file may run as __main__)
 
-    engine.SimPeer = PacedPeer  # the World spawns engine.SimPeer
     code = cli.main(sys.argv[1:] if argv is None else argv)
     print("full reads of the peer table, by reason (and the reads they were spared):", file=sys.stderr)
-    for why, count in FULL_READS.most_common():
+    for why, count in heartbeat.FULL_READS.most_common():
         print(f"  {count:8d}  {why}", file=sys.stderr)
     return code
 

@@ -110,6 +110,11 @@ class SimPeer:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def leader_view(self, position: decisions.Position) -> set[str]:
+        """RoundPeers.latest of node/averaging.py: the peers expected at our step in the
+        heartbeat's view, which a bucket leader or step coordinator looks at while it waits."""
+        return decisions.expected_peers(self.view, position)
+
     async def refresh_view(self) -> SwarmView:
         """node/swarm.py's ``read_swarm`` on the simulated DHT (records parsed once, when stored)."""
         peers, left, self.view_tags = await self.dht.get_records(peers_key(self.world.config.run))
@@ -276,7 +281,7 @@ class SimPeer:
         position = self.position()
         round_peers = None if cfg.single_level else RoundPeers(
             frozenset(decisions.expected_peers(view, position)),
-            latest=lambda: decisions.expected_peers(self.view, position),
+            latest=lambda: self.leader_view(position),
             plan_of_state=decisions.plan_of_state(view, position))
         try:
             group = await self.matchmaker.form_group(step, self.tokens_since_round, self.link.up, expected_peers,

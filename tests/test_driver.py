@@ -97,6 +97,9 @@ class FakeSwarm:
     def last_view(self) -> SwarmView:
         return SwarmView({}, {}, 0.0)
 
+    def want_view(self) -> None:
+        pass  # a peer alone never leads a bucket
+
     async def refresh_view(self) -> SwarmView:
         return self.last_view()
 

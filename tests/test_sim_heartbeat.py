@@ -1,18 +1,19 @@
-"""The simulated paced heartbeat (sim/heartbeat.py): the same small swarm with the node's full
-reads of the peer table every beat (sim/peer.py) and paced (node/swarmpace.py), a full read
-every 4 beats (VIEW_PEERS lowered so that 16 peers make a cycle of 4)."""
+"""The simulated paced heartbeat (sim/heartbeat.py, the simulator's default peer): the same small
+swarm with full reads of the peer table at every beat (``unpaced_heartbeat``, sim/peer.py) and
+paced as the node paces it (node/swarmpace.py), a full read every 4 beats (VIEW_PEERS lowered so
+that 16 peers make a cycle of 4)."""
 
 from __future__ import annotations
 
 import pytest
 
 from lowcomm.node import swarmpace
-from sim import dht, engine, heartbeat
+from sim import dht, heartbeat
 from sim.engine import SimConfig, simulate
 
 
-def config() -> SimConfig:
-    return SimConfig(peers=16, rounds=3, seed=3, churn=0.5, numel=1_000_000, inner_steps=20, group_size=8)
+def config(**unpaced: bool) -> SimConfig:
+    return SimConfig(peers=16, rounds=3, seed=3, churn=0.5, numel=1_000_000, inner_steps=20, group_size=8, **unpaced)
 
 
 def test_a_paced_swarm_reads_fewer_table_records_and_still_averages_in_groups(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -25,18 +26,37 @@ def test_a_paced_swarm_reads_fewer_table_records_and_still_averages_in_groups(mo
         return found
 
     monkeypatch.setattr(dht.DHTClient, "get_records", counted)
-    before, _ = simulate(config())
+    heartbeat.FULL_READS.clear()
+    before, _ = simulate(config(unpaced_heartbeat=True))
+    assert not heartbeat.FULL_READS  # SimPeer: no pace
     table_before, table[0] = table[0], 0
     monkeypatch.setattr(swarmpace, "VIEW_PEERS", 4)
-    monkeypatch.setattr(engine, "SimPeer", heartbeat.PacedPeer)
-    heartbeat.FULL_READS.clear()
     after, _ = simulate(config())
     reads = heartbeat.FULL_READS
     # The pace ran: beats that read only the progress record, periodic and near-quorum full reads.
     assert reads["heartbeat: progress record only"] > 0 and reads["heartbeat: periodic"] > 0
-    assert reads["heartbeat: near quorum"] + reads["heartbeat: averaging"] > 0
+    assert reads["heartbeat: near quorum"] > 0
+    # Only matchmaking leaders ask for the view while they wait; 16 peers in groups of 8 make
+    # steps too small for buckets, whose leaders read the table at each look anyway.
+    assert reads["heartbeat: a leader waits on the view"] == 0 and reads["heartbeat: averaging"] == 0
     assert reads["catch-up: last view reused"] > 0
     assert table[0] < 0.7 * table_before, (table[0], table_before)
     for line in after:  # the decisions still work: groups form and commit one hash per group
         assert line["averaged"] >= line["live"] // 2 and line["groups"] >= 1
         assert 1 <= line["hashes"] <= line["groups"] + line["solo"]
+
+
+def test_in_bucketed_steps_only_the_matchmaking_leaders_read_the_table_while_they_wait(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # 48 peers in groups of 4: steps large enough for buckets (protocol/buckets.py), whose leaders
+    # wait on RoundPeers.latest, the heartbeat's view; a cycle of 12 beats between periodic reads.
+    monkeypatch.setattr(swarmpace, "VIEW_PEERS", 4)
+    heartbeat.FULL_READS.clear()
+    lines, _ = simulate(SimConfig(peers=48, rounds=3, seed=3, churn=0.5, numel=1_000_000, inner_steps=20,
+                                  group_size=4))
+    reads = heartbeat.FULL_READS
+    assert reads["heartbeat: a leader waits on the view"] > 0 and reads["heartbeat: averaging"] == 0
+    # Fewer than one per peer and round: the members that wait on their leader, and the reducers, read none.
+    assert reads["heartbeat: a leader waits on the view"] < 48 * 3
+    for line in lines:  # and the leaders still see who is coming: the whole swarm averages, one hash per step
+        assert line["averaged"] == line["live"] and line["groups"] >= 8 and line["hashes"] == 1, line

@@ -96,7 +96,11 @@ def test_the_pace_reads_the_table_when_decisions_need_it_and_otherwise_once_a_cy
     assert pace.full_read_due(1024, False, ME, "training", []) == "no view yet"
     reasons = [pace.full_read_due(1024, True, ME, "training", []) for _ in range(3 * every)]
     assert reasons.count("periodic") == 3 and reasons.count(None) == 3 * every - 3
-    assert pace.full_read_due(1024, True, ME, "averaging", []) == "averaging"
+    # Averaging: only a matchmaking leader's look at the view (RoundPeers.latest) asks for a read,
+    # at the next beat, once per look.
+    pace.want_view()
+    assert pace.full_read_due(1024, True, ME, "averaging", []) == "a leader waits on the view"
+    assert pace.full_read_due(1024, True, ME, "averaging", []) in (None, "periodic")
     # 9 others at our step and hash: outpaced needs 6 of them averaging; from 3 on, every beat reads.
     one, four = [Mark(OPEN, 5, "aa", 0)], [Mark(OPEN, 5, "aa", slot) for slot in range(4)]
     assert pace.full_read_due(1024, True, ME, "training", one, same=9) in (None, "periodic")
@@ -105,6 +109,8 @@ def test_the_pace_reads_the_table_when_decisions_need_it_and_otherwise_once_a_cy
     assert pace.full_read_due(1024, True, ME, "training", [Mark(OPEN, 5, "bb", s) for s in range(9)],
                               same=9) in (None, "periodic")  # a round from other parameters
     ahead = [Mark(COMMITTED, 6, "bb")]
+    # While we average, the round's end decides whether we are behind: the mark waits for it.
+    assert "progress" not in [pace.full_read_due(1024, True, ME, "averaging", ahead) for _ in range(every)]
     due = [pace.full_read_due(1024, True, ME, "training", ahead) for _ in range(every)]
     assert due[0] == "progress" and "progress" in due  # noticed at the first beat that saw it
     pace.read_full(ahead, ME)  # ... and once a full read accounted for it, only the cycle reads
@@ -215,27 +221,39 @@ def test_the_round_start_of_a_direct_follower_reuses_the_view_unless_the_last_be
     run_virtual(main)
 
 
-def test_a_large_swarm_heartbeat_reads_the_table_once_a_cycle_and_at_every_beat_of_a_round():
+def test_a_large_swarm_heartbeat_reads_the_table_once_a_cycle_and_at_every_beat_a_leader_waits_on_it():
     link, dht, state, stats = make_link(others=255)
     every = swarmpace.full_read_every(256)
     table = peers_key(link.config.run.name)
     beats = 10 * every
 
+    async def leader_looks() -> None:  # a bucket leader's polls of RoundPeers.latest (node/averaging.py)
+        while True:
+            link.want_view()
+            await asyncio.sleep(0.25)
+
     async def main(loop) -> None:
         beat = asyncio.create_task(link.heartbeat())
         await asyncio.sleep(beats - 0.5)  # heartbeats at t = 0, 1, ..., beats - 1
         training = dht.gets[table]
-        stats.phase = "averaging"
+        stats.phase = "averaging"  # a member waiting on its leader, or reducing: no view wanted
         await asyncio.sleep(every)
-        averaging = dht.gets[table] - training
+        member = dht.gets[table] - training
+        looks = asyncio.create_task(leader_looks())
+        await asyncio.sleep(every)
+        leading = dht.gets[table] - training - member
+        looks.cancel()
+        await asyncio.sleep(every)
+        after = dht.gets[table] - training - member - leading
         beat.cancel()
-        await asyncio.gather(beat, return_exceptions=True)
-        # The first beat (no view yet), then one per cycle; at every beat while averaging.
+        await asyncio.gather(beat, looks, return_exceptions=True)
+        # The first beat (no view yet), then one per cycle, averaging or not; at every beat while
+        # a leader looks at the view, and at the one beat after its last look.
         assert training in (beats // every + 1, beats // every + 2), training
-        assert averaging == every
+        assert member == 1 and leading == every and after in (1, 2), (member, leading, after)
 
     run_virtual(main)
-    assert dht.records[table] < (beats // every + 2 + every) * 256  # vs beats * 256 before
+    assert dht.records[table] <= (beats // every + 5 + every) * 256  # vs (beats + 3 * every) * 256 before
 
 
 def test_a_small_swarm_heartbeat_reads_the_table_at_every_beat_and_no_progress_record():
