@@ -21,7 +21,7 @@ import asyncio
 import sys
 from collections import Counter
 
-from lowcomm.node import swarmpace
+from lowcomm.node import decisions, swarmpace
 from lowcomm.node.swarm import SwarmView
 from lowcomm.node.swarmpace import Mark, MarkWriter, ViewPace, parse_marks, progress_key
 
@@ -59,8 +59,8 @@ class PacedPeer(SimPeer):
             self.view_changed.set()  # the inner phase looks again (round_open reads the marks)
         return self.marks
 
-    def leader_view(self, position):  # node/averaging.py's latest(): SwarmLink.want_view
-        self.pace.want_view()
+    def leader_view(self, position: decisions.Position) -> set[str]:
+        self.pace.want_view()  # node/averaging.py's latest(): SwarmLink.want_view
         return super().leader_view(position)
 
     def round_open(self, counts: tuple) -> bool:
