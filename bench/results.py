@@ -502,7 +502,7 @@ def _drop_rows(markdown: str, shown: set[str]) -> str:
     return "\n".join(out)
 
 
-def scale_section(sweep: Path, goals: list[str]) -> list[str]:
+def scale_section(sweep: Path, goals: list[str], plot_dir: Path | None = None) -> list[str]:
     """Section "Scale": the simulator's sweep (sim/, `python -m sim sweep`) and the issue 15 goals."""
     import math
 
@@ -511,7 +511,8 @@ def scale_section(sweep: Path, goals: list[str]) -> list[str]:
         goals.append("- Scale goals at N=1024 (issue 15): **not measured** (no bench/out/scale/sweep.jsonl).")
         return lines + ["Not run.", ""]
     sys.path.insert(0, str(BENCH.parent))
-    from sim.sweep import table as sweep_table  # the simulator's own table: one definition of the columns
+    from sim.plot import VARIANTS as PLOTTED, draw  # the simulator's own figure and table
+    from sim.sweep import table as sweep_table
 
     before = sweep.parent / "single-level" / "sweep.jsonl"
     sources = [before, sweep] if before.exists() else [sweep]  # later rows win: a re-run replaces the old sweep's
@@ -538,8 +539,8 @@ def scale_section(sweep: Path, goals: list[str]) -> list[str]:
               _drop_rows(sweep_table(*sources, variants=set(SCALE_CURRENT + SCALE_BEFORE + SCALE_WHATIF)), shown), ""]
     if stale:
         lines += ["Not re-run with buckets yet: " + ", ".join(f"{v} N={n}" for v, n in sorted(stale)) + ".", ""]
-    if (sweep.parent / "scale.png").exists():
-        lines += [f"![scale]({(sweep.parent / 'scale.png').relative_to(BENCH)})", ""]
+    if plot_dir is not None and (figure := draw(sources, PLOTTED, plot_dir / "scale.png")) is not None:
+        lines += images([figure])
     lines += real_swarm_lines(sweep.parent.parent / "real_swarm.jsonl")
     goals += _scale_goals(rows, "allreduce-g16", sweep.parent)
     if any(v == "allreduce-g64" and n > 16 for v, n in rows):
@@ -955,7 +956,7 @@ def main(argv: list[str] | None = None) -> int:
             + overlap_section(over, plot_dir, goals, other_overlap, sweep)
             + overlap_delay_section(sweep) + soak_section(soak_run)
             + data_memory_section(read_jsonl(args.in_dir / "data_memory.jsonl"))
-            + scale_section(args.in_dir / "scale" / "sweep.jsonl", goals))
+            + scale_section(args.in_dir / "scale" / "sweep.jsonl", goals, plot_dir))
     lines = ["# Benchmark results", "",
              "Generated from the JSON lines in bench/out/ by `python bench/results.py`; how each number is "
              "measured is in bench/README.md. Goals are reported, not asserted.", ""]
