@@ -7,7 +7,6 @@ bench/plots/scale.png with the rest of bench/RESULTS.md; ``python -m sim.plot`` 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 PANELS = [("mean_form_p95_s", "group formation p95 (s)"), ("mean_share_averaged", "share of live peers averaged"),
@@ -21,11 +20,9 @@ VARIANTS = ["allreduce-g16", "allreduce-g64", "gossip-k2", "single-level-g16", "
 def draw(sweeps: list[Path], variants: list[str], out: Path) -> Path | None:
     """The figure of the newest summary of every (variant, N) in ``sweeps`` (later files win), or
     None when they hold none of ``variants``."""
-    latest: dict[tuple[str, int], dict] = {}
-    for path in sweeps:
-        for line in path.read_text().splitlines() if path.exists() else []:
-            if line.strip() and (row := json.loads(line))["variant"] in variants:
-                latest[(row["variant"], row["peers"])] = row
+    from .sweep import newest
+
+    latest = newest(sweeps, set(variants))
     if not latest:
         return None
     import matplotlib

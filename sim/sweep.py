@@ -87,16 +87,23 @@ COLUMNS = [("share avg", "mean_share_averaged", 2), ("min share", "min_share_ave
            ("rounds to ½", "rounds_to_halve_consensus", 0)]
 
 
-def table(*paths: Path, variants: set[str] | None = None) -> str:
-    """The newest summary of every (variant, N) in ``paths`` (of ``variants``, default all), as a
-    Markdown table."""
+def newest(paths: list[Path] | tuple[Path, ...], variants: set[str] | None = None) -> dict[tuple[str, int], dict]:
+    """The newest summary of every (variant, N) in ``paths`` (of ``variants``, default all): later
+    lines and later files win; a missing file holds none."""
     latest: dict[tuple[str, int], dict] = {}
     for path in paths:
-        for line in path.read_text().splitlines():
+        for line in path.read_text().splitlines() if path.exists() else []:
             if line.strip():
                 row = json.loads(line)
                 if variants is None or row["variant"] in variants:
                     latest[(row["variant"], row["peers"])] = row
+    return latest
+
+
+def table(*paths: Path, variants: set[str] | None = None) -> str:
+    """The newest summary of every (variant, N) in ``paths`` (of ``variants``, default all), as a
+    Markdown table."""
+    latest = newest(paths, variants)
     head = ["variant", "N", "rounds", *(name for name, _, _ in COLUMNS)]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (variant, n), row in sorted(latest.items(), key=lambda item: (item[0][0], item[0][1])):
