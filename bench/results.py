@@ -469,11 +469,15 @@ def _scale_goals(rows: dict[tuple[str, int], dict], variant: str, out_dir: Path)
              f"**DHT records read per peer within 2×: {verdict(records <= 2)}** ({records:.0f}×; the busiest DHT "
              f"holder's requests {ratio('mean_dht_busiest_holder_requests'):.0f}×)")
     if records > 2:
-        line += (": what is left are reads of the whole `<run>/peers` table, one record per live peer: one at "
-                 "every round start (it must be fresh: a view from before the last commit shows nobody at the new "
-                 "step), the heartbeat's periodic ones (64 records per beat on average, node/swarmpace.py) and its "
-                 "reads while a round may cut our phase (near quorum); while averaging only matchmaking leaders read "
-                 "it. Profile: sim/README.md (\"The heartbeat's reads\")")
+        line += (": what is left, measured at N=1024 by key (sim/README.md, \"The heartbeat's reads\"): reads of "
+                 "the whole `<run>/peers` table, one record per live peer, by the heartbeat (periodic: 64 records "
+                 "per beat on average; at every beat while a round may cut our phase, near quorum; at every beat "
+                 "for a matchmaking leader), by a leader at its first look, and at a round start outside a plan "
+                 "(members of the last step's split plan start from the heartbeat's view, protocol/buckets.py "
+                 "`bucketed_by_plan`); and about a quarter in reads of `<run>/progress`, up to 64 open marks per "
+                 "step at every beat. At N=16 a peer reads the 16-record table at every beat, so any design that "
+                 "polls more than about 32 records per beat at N=1024 misses 2×: the goal needs the swarm's news "
+                 "pushed to peers rather than polled (not built)")
     line += (". **Busiest peer's RPCs within 2×: "
              f"{verdict(rpc_ok)}** ({small['mean_busiest_peer_rpcs']:.0f} → {big['mean_busiest_peer_rpcs']:.0f}, "
              f"{ratio('mean_busiest_peer_rpcs'):.2f}×; by method at N={n}: {kinds(big)}")

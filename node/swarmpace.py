@@ -40,14 +40,17 @@ What a stale view may miss, and the mark that says it changed:
   at its own offset in that cycle, so the swarm as a whole reads about VIEW_PEERS records per
   peer per heartbeat between rounds, whatever N is.
 The round start (node/averaging.py), the first catch-up and every read the matchmaker asks for
-stay fresh reads.
+stay fresh reads, but for two round starts that read nothing: a direct follower of a stable
+group, and a member of the last step's split plan (protocol/buckets.py ``bucketed_by_plan``: it
+knows the next step's B and its bucket from the plan, and reads the table only once it finds
+itself leading, ``RoundPeers.read_first``).
 
 What this does not bound (measured with ``python -m sim.heartbeat``, which prints the full reads
-by reason): the round start's read, a leader's reads and the reads at every beat while a round
-is open at our step are still N records each, and every peer reads ``<run>/progress`` at each
-beat, so the busiest holder still serves O(N) requests per beat. The round start's read alone is
-N records per peer and round. Measured in sim/README.md ("The heartbeat's reads"). The next
-stage, designed here and not built (it changes protocol/buckets.py's ``RoundPeers``):
+by reason): a round start outside a plan, a leader's reads and the reads at every beat while a
+round may cut our phase are still N records each, and every peer reads ``<run>/progress`` at each
+beat (up to 64 open marks per step, a quarter of the records read at N=1024), so the busiest
+holder still serves O(N) requests per beat. Measured in sim/README.md ("The heartbeat's reads").
+The next stage, designed here and not built (it changes protocol/buckets.py's ``RoundPeers``):
 - **Records per bucket of the next step.** A peer that committed step r as a member of a step
   plan of n_r members knows B_{r+1} = bucket_count(n_r, group_size) and its bucket label at
   r+1, and publishes its record (with its phase) under ``<run>/peers/<r+1>/<label>`` besides the

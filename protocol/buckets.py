@@ -51,8 +51,8 @@ import asyncio
 import hashlib
 import logging
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Collection
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Awaitable, Callable, Collection
 
 from ._pb.lowcomm.v1 import averaging_pb2
 from .election import (
@@ -120,6 +120,15 @@ def next_bucket_count(step: int, expected: int, group_size: int, last_plan: tupl
     return bucket_count(expected, group_size)
 
 
+def bucketed_by_plan(step: int, last_plan: tuple[int, int] | None, group_size: int) -> bool:
+    """Whether our round of ``step`` matchmakes in buckets whatever the peer table says: we were
+    in the split plan of ``step − 1`` (``last_plan``) and its size gives B > 1 (``next_bucket_count``
+    takes B from it). Such a round needs no view to start: a member only calls its bucket's
+    leader, and whoever finds itself leading reads the table at its first look
+    (``RoundPeers.read_first``)."""
+    return last_plan is not None and last_plan[0] == step - 1 and bucket_count(last_plan[1], group_size) > 1
+
+
 def bucket_label(step: int, peer_id: str, buckets: int) -> str:
     """``b<B>.<b>``: the bucket of ``peer_id`` at ``step`` among ``buckets`` (JoinRequest.bucket)."""
     index = int.from_bytes(hashlib.sha256(f"{step}/{peer_id}".encode()).digest()[:8], "big") % buckets
@@ -136,14 +145,34 @@ class RoundPeers:
     ``expected``, the peers expected at the step in the view read at round start (this peer
     included; it sets B unless ``plan_of_state`` or our own last plan does), and ``latest()``,
     the peers expected at the step in the heartbeat's latest view (no DHT call): those still
-    coming, a peer that reached the step since included, a peer that died or moved on left out."""
+    coming, a peer that reached the step since included, a peer that died or moved on left out.
+
+    ``read_first``: the round started from an older view (a member of the last step's split
+    plan, ``bucketed_by_plan``: it knows B and its bucket without one). Such a view shows nobody
+    at the new step, so the first look of a leader awaits ``read_first()`` (a fresh read of the
+    table, which ``latest()`` then sees) before it answers. Most members never lead and so read
+    no table at all at the round start (issue 15: that read was N records per peer and round)."""
 
     expected: frozenset[str]
     latest: Callable[[], Collection[str]]
     plan_of_state: int = 0  # peers in the split plan that made our state, as its members publish it (0: none)
+    read_first: Callable[[], Awaitable[object]] | None = None
+    _first_read: dict = field(default_factory=dict, compare=False, repr=False)  # "done" once read_first() returned
 
     def now(self, me: str) -> set[str]:
         return {*self.latest(), me}
+
+    async def look(self, me: str) -> set[str]:
+        """``now``, after the first read when the round started without one. Levels of a round
+        look one after the other (the step coordinator is a bucket leader that went up), so
+        one read serves them all; a read that failed or was cancelled is tried again."""
+        if self.read_first is not None and not self._first_read.get("done"):
+            try:
+                await self.read_first()
+            except Exception as err:  # a DHT failure fails the round, as the round start's read would
+                raise MatchmakingError(f"could not read the peer table to lead: {err!r}") from err
+            self._first_read["done"] = True
+        return self.now(me)
 
 
 class TopWatch:
@@ -244,10 +273,10 @@ class BucketLevel:
         unreachable: set[str] = set()  # a registrant of our bucket we could not reach is not waited for
 
         async def bucket_peers() -> set[str]:
-            return {p for p in peers.now(self.peer_id) if label(p) == current.bucket} - unreachable
+            return {p for p in await peers.look(self.peer_id) if label(p) == current.bucket} - unreachable
 
         async def all_peers() -> set[str]:  # the top level labels them (``_label``, in election._gather)
-            return peers.now(self.peer_id)
+            return await peers.look(self.peer_id)
 
         async def to_top(bucket: _Round) -> averaging_pb2.Group:
             return await self._through_top(bucket, me, request, registration, ttl, all_peers, labels,

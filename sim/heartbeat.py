@@ -4,9 +4,10 @@
 record (node/swarmpace.py): its record's publication also stores the progress marks that are due
 (``MarkWriter``), the heartbeat reads ``<run>/progress`` and the whole peer table only when
 ``ViewPace`` says so, and the loop's catch-up reuses the last view unless a mark could make it
-download (``fresh_needed``), as does the round start of a direct follower (``recent_view``). The
-other round starts and the matchmaker's looks stay fresh reads, as in node/averaging.py. The
-decisions are the real ones, called on whatever view this leaves.
+download (``fresh_needed``), as does the round start of a direct follower and of a member of the
+last step's split plan (``recent_view``; such a member reads the table once it leads,
+``leader_read``). The other round starts and the matchmaker's looks stay fresh reads, as in
+node/averaging.py. The decisions are the real ones, called on whatever view this leaves.
 
 ``PacedPeer`` is the simulator's peer (sim/engine.py spawns it, as the node paces its
 heartbeat); ``python -m sim --unpaced-heartbeat`` spawns ``SimPeer``, whose heartbeat reads the
@@ -77,8 +78,11 @@ class PacedPeer(SimPeer):
     def recent_view(self) -> SwarmView | None:  # SwarmLink.recent_view
         if not self.has_view or swarmpace.fresh_needed(self.marks, self.position(), self.pace.step_window):
             return None
-        FULL_READS["round start of a direct follower: last view reused"] += 1
+        FULL_READS["round start (direct follower, plan member): last view reused"] += 1
         return self.view
+
+    async def leader_read(self) -> SwarmView:
+        return await self._full_read("a plan member leads: its first look")
 
     async def refresh_view(self) -> SwarmView:
         if self._catching_up:  # SwarmLink.current_view

@@ -27,6 +27,7 @@ import numpy as np
 from lowcomm.node import decisions
 from lowcomm.node.swarm import PeerRecord, SwarmView, peers_key
 from lowcomm.protocol import PROTOCOL_VERSION
+from lowcomm.protocol.buckets import bucketed_by_plan
 from lowcomm.protocol.crossgroup import StepPlan
 from lowcomm.protocol.handshake import Identity
 from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError, PlanClosed, RoundPeers
@@ -114,6 +115,10 @@ class SimPeer:
         """RoundPeers.latest of node/averaging.py: the peers expected at our step in the
         heartbeat's view, which a bucket leader or step coordinator looks at while it waits."""
         return decisions.expected_peers(self.view, position)
+
+    async def leader_read(self) -> SwarmView:
+        """RoundPeers.read_first: a plan member that started its round from the last view leads."""
+        return await self.refresh_view()
 
     async def refresh_view(self) -> SwarmView:
         """node/swarm.py's ``read_swarm`` on the simulated DHT (records parsed once, when stored)."""
@@ -261,6 +266,13 @@ class SimPeer:
         cached = None
         if last is not None and self.matchmaker.follows_directly(step):
             cached = decisions.direct_follower_view(self.recent_view(), self.position(), {m.peer_id for m in last.members})
+        # A member of the last step's split plan starts from the heartbeat's view too, and reads
+        # the table only once it finds itself leading (node/averaging.py, RoundPeers.read_first).
+        read_when_leading = False
+        if cached is None and not cfg.single_level and bucketed_by_plan(step, self.matchmaker.last_plan,
+                                                                         cfg.group_size):
+            cached = self.recent_view()
+            read_when_leading = cached is not None
         view = cached if cached is not None else await self.refresh_view()
         if lagging(view, self.position()) if cfg.lag_tolerant else decisions.behind(view, self.position()):
             world.metrics.failed(step, self.peer_id, "behind")
@@ -282,7 +294,8 @@ class SimPeer:
         round_peers = None if cfg.single_level else RoundPeers(
             frozenset(decisions.expected_peers(view, position)),
             latest=lambda: self.leader_view(position),
-            plan_of_state=decisions.plan_of_state(view, position))
+            plan_of_state=decisions.plan_of_state(view, position),
+            read_first=self.leader_read if read_when_leading else None)
         try:
             group = await self.matchmaker.form_group(step, self.tokens_since_round, self.link.up, expected_peers,
                                                      cfg.matchmaking_timeout, params_hash=self.hash, numel=cfg.numel,

@@ -1,7 +1,8 @@
 """Eight real `lowcomm-node` processes with `[sync] group_size = 2` and `matchmaking_buckets =
 true`: a step that expects eight peers matchmakes in B = 4 buckets (protocol/buckets.py), whose leaders meet the step
 coordinator, and the step's four groups of two still commit one params hash (one step plan,
-crossgroup.py), with no state download after a node's first round."""
+crossgroup.py), with no state download after a node's first round; a round right after such a
+plan starts without a read of the peer table (its members know their buckets from the plan)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,12 @@ def test_eight_peers_in_four_buckets_commit_one_hash_per_step(swarm):
         return {step: events for step, events in by_step.items()
                 if len(events) == PEERS and through_buckets[step - 1] == PEERS}
 
-    first.wait_for(lambda _e: len(bucketed_steps()) >= STEPS, WAIT)
+    def after_a_plan(steps: dict[int, list[dict]]) -> list[int]:
+        """Bucketed steps whose round began right after a plan of all eight (the step before is
+        bucketed too): every member knew its bucket from that plan (buckets.bucketed_by_plan)."""
+        return [step for step in steps if step - 1 in steps]
+
+    first.wait_for(lambda _e: len(steps := bucketed_steps()) >= STEPS and after_a_plan(steps), WAIT)
     for step, events in sorted(bucketed_steps().items()):
         # On a failure, say who planned the step (two coordinators mean two plans)...
         closed = [(node.name, e["bucket"], e["bucket_members"], e["coordinated"]) for node in nodes
@@ -45,6 +51,11 @@ def test_eight_peers_in_four_buckets_commit_one_hash_per_step(swarm):
         # ... and whether a group skipped a shard the others applied (crossgroup.py's faults).
         hashes = [(e["params_sha256"][:8], e["skipped_shards"]) for e in events]
         assert len({e["params_sha256"] for e in events}) == 1, (step, hashes, closed)
+    for step in after_a_plan(bucketed_steps()):
+        # Such a round starts from the heartbeat's view: no member read the table at its start
+        # (only a bucket leader reads it, at its first look: RoundPeers.read_first).
+        started = [e["round_start_read"] for e in bucketed_steps()[step]]
+        assert not any(started), (step, started)
     closed = [e for node in nodes for e in node.events if e.get("event") == "bucket_closed"]
     assert {e["bucket"] for e in closed} <= {f"b4.{i}" for i in range(4)} and any(e["coordinated"] for e in closed)
     for node in nodes:

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
-from lowcomm.protocol.buckets import BUCKET_SHARE, RoundPeers, bucket_count, bucket_key, bucket_label
+from lowcomm.protocol.buckets import BUCKET_SHARE, RoundPeers, bucket_count, bucket_key, bucket_label, bucketed_by_plan
 from lowcomm.protocol.layout import close_groups, groups_of_step, split_into_groups
 from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError, PlanClosed, round_key
 
@@ -387,3 +387,68 @@ def test_a_member_of_a_split_plan_says_which_step_that_plan_made_and_how_many_it
 
     # The plan of step 7 made step 8 (the commit after it): 32 behind step 8, nothing else claimed.
     assert set(run_virtual(scenario)) == {(32, 0, 0)}
+
+
+def plan_member_round(fail_reads_of: str = "") -> tuple[dict, Counter, set[str]]:
+    """Step 8 after a plan of the whole 32-peer swarm at step 7, every peer starting from a view
+    older than the step (it shows nobody at step 8, as the heartbeat's view does right after a
+    commit) with ``read_first`` (node/averaging.py for a plan member): (outcomes by peer, fresh
+    reads by peer, the peers that led a bucket)."""
+    async def scenario(loop: VirtualTimeLoop):
+        net, dht = FakeNet(), FakeDHT(loop)
+        group = swarm(net, dht, loop, 32)
+        view = {m.peer_id for m in group}
+        await asyncio.gather(*(form(m, 7, view) for m in group))  # the plan of step 7: 32 peers
+        assert all(bucketed_by_plan(8, m.last_plan, GROUP) for m in group)
+        reads: Counter = Counter()
+
+        def round_peers(peer: str) -> RoundPeers:
+            fresh = {"read": False}
+
+            async def read_first() -> None:
+                reads[peer] += 1
+                await asyncio.sleep(0.05)  # a DHT read
+                if peer == fail_reads_of:
+                    raise ConnectionError("DHT unreachable")
+                fresh["read"] = True
+
+            # The old view expects nobody at step 8; the fresh one everybody (the heartbeat's).
+            return RoundPeers(frozenset({peer}), latest=lambda: view if fresh["read"] else set(),
+                              read_first=read_first)
+
+        async def never_read() -> set[str]:
+            raise AssertionError("a bucketed round read the view through expected_peers")
+
+        async def at_step_8(m: Matchmaker):
+            try:
+                return m.peer_id, await m.form_group(8, 1.0, 1e6, never_read, TIMEOUT, params_hash="ab" * 32,
+                                                     round_peers=round_peers(m.peer_id))
+            except MatchmakingError as err:
+                return m.peer_id, err
+
+        outcomes = dict(await asyncio.gather(*(at_step_8(m) for m in group)))
+        leaders = {min(ids) for ids in members_by_bucket(8, view, bucket_count(32, GROUP)).values()}
+        return outcomes, reads, leaders
+
+    return run_virtual(scenario)
+
+
+def test_members_of_the_last_plan_start_without_a_read_and_only_leaders_read_the_table():
+    """A member of a split plan knows the next step's B and bucket without a view
+    (``bucketed_by_plan``); a leader reads the table at its first look (``RoundPeers.read_first``)
+    and waits for the peers the fresh view expects, so the whole swarm is in one plan; the
+    others read nothing (the round-start read was N records per peer and round)."""
+    outcomes, reads, leaders = plan_member_round()
+    assert all(isinstance(g, averaging_pb2.Group) for g in outcomes.values()), outcomes
+    assert len({tuple(sg.group_id for sg in g.step_groups) for g in outcomes.values()}) == 1
+    assert {m.peer_id for sg in next(iter(outcomes.values())).step_groups for m in sg.members} == set(outcomes)
+    assert leaders <= set(reads) and set(reads.values()) == {1}  # each leader once, for all its levels
+    assert len(reads) < len(outcomes) / 2, reads  # most members never lead
+
+
+def test_a_leader_whose_first_read_fails_fails_its_round_and_the_others_still_meet():
+    outcomes, reads, leaders = plan_member_round(fail_reads_of="peer-00")
+    assert "peer-00" in leaders and isinstance(outcomes["peer-00"], MatchmakingError)
+    assert "could not read the peer table" in str(outcomes["peer-00"])
+    grouped = {p for p, g in outcomes.items() if isinstance(g, averaging_pb2.Group)}
+    assert len(grouped) >= len(outcomes) - 8  # peer-00's bucket may lose its round, nobody else
