@@ -27,8 +27,8 @@ import torch
 from lowcomm.protocol import codecs
 from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
 from lowcomm.protocol.allreduce import ReduceRegistry, run_allreduce
-from lowcomm.protocol.handshake import IncompatiblePeer
 from lowcomm.protocol.buckets import bucketed_by_plan
+from lowcomm.protocol.handshake import IncompatiblePeer
 from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError, RoundPeers
 from lowcomm.protocol.missed_rounds import AppliedAverage
 from lowcomm.protocol.rpc import ChannelPool
@@ -167,8 +167,8 @@ class Averager:
         cached = self._direct_follower_view(step)
         # A member of the last step's split plan knows B and its bucket (protocol/buckets.py
         # ``bucketed_by_plan``) and starts from the heartbeat's view: only a leader needs a fresh
-        # one (``RoundPeers.read_first``). At N = 1,024 the round start's read was a third of
-        # the records a peer read (sim/README.md, "The heartbeat's reads").
+        # one (``RoundPeers.read_first``). At N = 1,024 the round start's read was 29 % of the
+        # records a peer read (sim/README.md, "The heartbeat's reads").
         read_when_leading = False
         if cached is None and self.config.sync.matchmaking_buckets and bucketed_by_plan(
                 step, self.matchmaker.last_plan, self.config.sync.group_size):
