@@ -486,6 +486,15 @@ def _scale_goals(rows: dict[tuple[str, int], dict], variant: str, out_dir: Path)
                  f"{ratio('mean_busiest_peer_rpcs', beyond):.1f}×, {kinds(beyond)}")
     line += ")"
     if not rpc_ok:
+        # Where N=16 cannot form the variant's groups, say how the figure moves from the first N
+        # whose groups are as large as they get (the miss's profile: the group size, not N).
+        first_full = next((rows[(variant, m)] for m in ns if m > 16 and m < n
+                           and rows[(variant, m)].get("mean_group_size_median", 0) > small.get("mean_group_size_median", 0)), None)
+        if first_full is not None:
+            line += (f"; from N={first_full['peers']}, whose groups already hold "
+                     f"{first_full['mean_group_size_median']:.0f} peers (N=16: {small['mean_group_size_median']:.0f}): "
+                     f"{first_full['mean_busiest_peer_rpcs']:.0f} → {big['mean_busiest_peer_rpcs']:.0f}, "
+                     f"{big['mean_busiest_peer_rpcs'] / first_full['mean_busiest_peer_rpcs']:.2f}×")
         line += (": a peer's calls grow with its group's size g (2·(g − 1) Reduce and ReportShards inside a group, "
                  "and about g JoinGroup calls at a bucket's leader), which at N=16 is at most 16, and with √n at "
                  "the step coordinator (n/B JoinGroup calls from its bucket and B − 1 from the other buckets' "
