@@ -474,8 +474,8 @@ def _scale_goals(rows: dict[tuple[str, int], dict], variant: str, out_dir: Path)
                  "per beat on average; at every beat while a round may cut our phase, near quorum; at every beat "
                  "for a matchmaking leader), by a leader at its first look, and at a round start outside a plan "
                  "(members of the last step's split plan start from the heartbeat's view, protocol/buckets.py "
-                 "`bucketed_by_plan`); and about a quarter in reads of `<run>/progress`, up to 64 open marks per "
-                 "step at every beat. At N=16 a peer reads the 16-record table at every beat, so any design that "
+                 "`bucketed_by_plan`); the progress marks are a few records per beat since the open marks of a step "
+                 "have a key of their own, read only by peers training at that step. At N=16 a peer reads the 16-record table at every beat, so any design that "
                  "polls more than about 32 records per beat at N=1024 misses 2×: the goal needs the swarm's news "
                  "pushed to peers rather than polled (not built)")
     line += (". **Busiest peer's RPCs within 2×: "

@@ -85,12 +85,18 @@ class SwarmLink:
         """Store the progress marks this peer stands for that are due (swarmpace.MarkWriter)."""
         now = asyncio.get_running_loop().time()  # monotonic; virtual in tests
         for mark in self.mark_writer.due(self.position(), self.stats.phase, now):
-            if await self.dht_client.store(progress_key(self.config.run.name), mark.subkey, mark.to_value(),
+            if await self.dht_client.store(swarmpace.mark_key(self.config.run.name, mark), mark.subkey, mark.to_value(),
                                            self.mark_writer.ttl(mark)):
                 self.mark_writer.stored(mark, now)
 
     async def read_marks(self) -> frozenset[Mark]:
-        self.marks = parse_marks(await self.dht_client.get(progress_key(self.config.run.name)))
+        """The commit marks, and the open marks of our step while we train (one round trip)."""
+        run = self.config.run.name
+        keys = [progress_key(run)]
+        if swarmpace.reads_open_marks(self.stats.phase, self.gossip):
+            keys.append(swarmpace.opened_key(run, self.state.published()[0]))
+        records = await asyncio.gather(*(self.dht_client.get(key) for key in keys))
+        self.marks = frozenset().union(*(parse_marks(raw) for raw in records))
         return self.marks
 
     async def refresh_view(self) -> SwarmView:

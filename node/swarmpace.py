@@ -6,13 +6,17 @@ Every decision of node/decisions.py runs on a ``SwarmView``: the records of all 
 Most heartbeats learn nothing a decision would act on, so this module decides when a view
 older than one heartbeat still answers every decision as a fresh one would, from a small record:
 
-``<run>/progress``, subkey ``c/<step>/<hash>`` = "some peer committed ``step`` with ``hash``",
-``o/<step>/<hash>/<slot>`` = "a peer of that slot is averaging at ``step`` from ``hash``", slot =
-sha256(peer id) mod OPEN_SLOTS. Every peer that commits a step, or opens a round, writes the
-same subkey with the same value as the others (idempotent: the record holds at most
-1 + OPEN_SLOTS subkeys per (step, hash), whatever N is). How many slots are filled estimates
-how many peers are averaging (linear counting). In gossip mode hashes differ by design, so
-the marks carry no hash and no round opens (one subkey per step).
+``<run>/progress``, subkey ``c/<step>/<hash>`` = "some peer committed ``step`` with ``hash``";
+``<run>/opened/<step>``, subkey ``o/<step>/<hash>/<slot>`` = "a peer of that slot is averaging
+at ``step`` from ``hash``", slot = sha256(peer id) mod OPEN_SLOTS. Every peer that commits a
+step, or opens a round, writes the same subkey with the same value as the others (idempotent:
+the records hold at most one commit mark and OPEN_SLOTS open marks per (step, hash), whatever N
+is). How many slots are filled estimates how many peers are averaging (linear counting). In
+gossip mode hashes differ by design, so the marks carry no hash and no round opens (one subkey
+per step). The open marks have a key per step because only a peer still training at that step
+reads them (``reads_open_marks``): in one record with the commit marks, every peer read up to 64
+open marks of the step it had just committed at each beat for their whole TTL, and the peers
+that were averaging read them too, a quarter of the records a peer read at N=1,024.
 
 What a stale view may miss, and the mark that says it changed:
 - ``behind`` / the catch-up target: a peer past our step (any mark at a later step), another
@@ -47,9 +51,9 @@ itself leading, ``RoundPeers.read_first``).
 
 What this does not bound (measured with ``python -m sim.heartbeat``, which prints the full reads
 by reason): a round start outside a plan, a leader's reads and the reads at every beat while a
-round may cut our phase are still N records each, and every peer reads ``<run>/progress`` at each
-beat (up to 64 open marks per step, a quarter of the records read at N=1024), so the busiest
-holder still serves O(N) requests per beat. Measured in sim/README.md ("The heartbeat's reads").
+round may cut our phase are still N records each, and every peer reads ``<run>/progress`` (and,
+while training, its step's open marks) at each beat, so the busiest holder still serves O(N)
+requests per beat. Measured in sim/README.md ("The heartbeat's reads").
 The next stage, designed here and not built (it changes protocol/buckets.py's ``RoundPeers``):
 - **Records per bucket of the next step.** A peer that committed step r as a member of a step
   plan of n_r members knows B_{r+1} = bucket_count(n_r, group_size) and its bucket label at
@@ -83,7 +87,24 @@ COMMITTED, OPEN = "c", "o"
 
 
 def progress_key(run: str) -> str:
+    """The commit marks of every step."""
     return f"{run}/progress"
+
+
+def opened_key(run: str, step: int) -> str:
+    """The open marks of ``step``: read only by the peers training at it."""
+    return f"{run}/opened/{step}"
+
+
+def mark_key(run: str, mark: "Mark") -> str:
+    return opened_key(run, mark.step) if mark.kind == OPEN else progress_key(run)
+
+
+def reads_open_marks(phase: str, gossip: bool) -> bool:
+    """Whether a peer in ``phase`` reads the open marks of its step: while it trains, when
+    ``near_quorum`` and ``opened_by_others`` decide on them (not while it averages itself, nor in
+    gossip mode, which writes none)."""
+    return phase != "averaging" and not gossip
 
 
 @dataclass(frozen=True)

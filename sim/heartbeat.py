@@ -49,12 +49,16 @@ class PacedPeer(SimPeer):
             return
         now = asyncio.get_running_loop().time()
         for mark in self.mark_writer.due(self.position(), self.phase, now):
-            if await self.dht.store(progress_key(self.world.config.run), mark.subkey, mark.to_value(),
+            if await self.dht.store(swarmpace.mark_key(self.world.config.run, mark), mark.subkey, mark.to_value(),
                                     self.mark_writer.ttl(mark)):
                 self.mark_writer.stored(mark, now)
 
     async def read_marks(self) -> frozenset[Mark]:
-        marks = parse_marks(await self.dht.get(progress_key(self.world.config.run)))
+        run = self.world.config.run  # SwarmLink.read_marks
+        keys = [progress_key(run)]
+        if swarmpace.reads_open_marks(self.phase, self.gossip is not None):
+            keys.append(swarmpace.opened_key(run, self.step))
+        marks = frozenset().union(*(parse_marks(raw) for raw in await asyncio.gather(*(self.dht.get(k) for k in keys))))
         if marks != self.marks:
             self.marks = marks
             self.view_changed.set()  # the inner phase looks again (round_open reads the marks)

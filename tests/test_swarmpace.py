@@ -188,7 +188,8 @@ def test_the_link_writes_each_mark_once_and_the_catch_up_reuses_its_view_until_o
         assert dht.stores[progress] == 1 and set(dht.data[progress]) == {f"c/1/{state.params_hash}"}
         stats.phase = "averaging"
         await link.publish_record()
-        assert set(dht.data[progress]) == {f"c/1/{state.params_hash}", f"o/1/{state.params_hash}/{open_slot('me')}"}
+        assert set(dht.data[progress]) == {f"c/1/{state.params_hash}"}  # the open mark has its step's key
+        assert set(dht.data[swarmpace.opened_key(run, 1)]) == {f"o/1/{state.params_hash}/{open_slot('me')}"}
 
         reads = dht.gets[table]
         view = await link.current_view()  # our own marks: nothing to catch up with
@@ -296,7 +297,7 @@ def test_an_open_mark_of_another_peer_opens_our_round_and_our_own_slot_does_not(
 
 def test_the_link_sees_a_round_open_in_the_marks_between_two_full_reads_of_a_large_table():
     link, dht, state, stats = make_link(others=255)
-    progress = swarmpace.progress_key(link.config.run.name)
+    opened_at_0 = swarmpace.opened_key(link.config.run.name, 0)
 
     async def main(loop) -> None:
         await link.refresh_view()
@@ -304,9 +305,35 @@ def test_the_link_sees_a_round_open_in_the_marks_between_two_full_reads_of_a_lar
         assert not link.round_open()
         slot = next(s for s in range(OPEN_SLOTS) if s != open_slot("me"))
         opened = Mark(OPEN, 0, state.params_hash, slot)  # an averager the last full view did not show
-        dht.data.setdefault(progress, {})[opened.subkey] = opened.to_value()
+        dht.data.setdefault(opened_at_0, {})[opened.subkey] = opened.to_value()
         await link.read_marks()
         assert link.round_open()
+
+    run_virtual(main)
+
+
+def test_only_a_training_peer_reads_the_open_marks_and_only_those_of_its_own_step():
+    """The open marks of a step have a key of their own: a peer that committed the step no longer
+    reads them (they live on for their TTL), nor does a peer that averages; in one record with the
+    commit marks every peer read up to 64 of them at every beat."""
+    link, dht, state, stats = make_link(others=255)
+    run = link.config.run.name
+    for step in (0, 1):
+        dht.data[swarmpace.opened_key(run, step)] = {
+            (m := Mark(OPEN, step, "aa", slot)).subkey: m.to_value() for slot in range(OPEN_SLOTS)}
+
+    async def main(loop) -> None:
+        await link.read_marks()  # training at step 0
+        assert len(link.marks) == OPEN_SLOTS and dht.gets[swarmpace.opened_key(run, 0)] == 1
+        stats.phase = "averaging"
+        await link.read_marks()
+        assert not link.marks and dht.gets[swarmpace.opened_key(run, 0)] == 1
+        state.params += 1.0
+        state.commit()  # step 1: step 0's open marks are not read again
+        stats.phase = "training"
+        await link.read_marks()
+        assert {m.step for m in link.marks} == {1} and dht.gets[swarmpace.opened_key(run, 0)] == 1
+        assert dht.gets[swarmpace.progress_key(run)] == 3  # the commit marks at every read
 
     run_virtual(main)
 
