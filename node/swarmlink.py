@@ -25,7 +25,7 @@ from .metrics import NodeMetrics
 from .reconnect import Reconnector
 from .runstats import RunStats
 from .swarm import HivemindDHT, PeerRecord, SignedDHT, SwarmView, peers_key, read_swarm
-from .swarmpace import Mark, ViewPace, parse_marks, progress_key
+from .swarmpace import Mark, ViewPace, parse_marks
 
 log = logging.getLogger("lowcomm.node")
 
@@ -91,10 +91,7 @@ class SwarmLink:
 
     async def read_marks(self) -> frozenset[Mark]:
         """The commit marks, and the open marks of our step while we train (one round trip)."""
-        run = self.config.run.name
-        keys = [progress_key(run)]
-        if swarmpace.reads_open_marks(self.stats.phase, self.gossip):
-            keys.append(swarmpace.opened_key(run, self.state.published()[0]))
+        keys = swarmpace.mark_keys(self.config.run.name, self.state.published()[0], self.stats.phase, self.gossip)
         records = await asyncio.gather(*(self.dht_client.get(key) for key in keys))
         self.marks = frozenset().union(*(parse_marks(raw) for raw in records))
         return self.marks

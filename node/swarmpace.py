@@ -107,9 +107,15 @@ def reads_open_marks(phase: str, gossip: bool) -> bool:
     return phase != "averaging" and not gossip
 
 
+def mark_keys(run: str, step: int, phase: str, gossip: bool) -> list[str]:
+    """The keys a peer at ``step`` in ``phase`` reads its marks from (one ``get`` each, together)."""
+    return [progress_key(run), *([opened_key(run, step)] if reads_open_marks(phase, gossip) else [])]
+
+
 @dataclass(frozen=True)
 class Mark:
-    """One subkey of ``<run>/progress``: a step committed (``c``) or a round opened (``o``)."""
+    """A step committed (``c``, a subkey of ``<run>/progress``) or a round opened (``o``, a subkey
+    of ``<run>/opened/<step>``)."""
 
     kind: str  # COMMITTED or OPEN
     step: int

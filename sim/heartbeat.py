@@ -24,7 +24,7 @@ from collections import Counter
 
 from lowcomm.node import decisions, swarmpace
 from lowcomm.node.swarm import SwarmView
-from lowcomm.node.swarmpace import Mark, MarkWriter, ViewPace, parse_marks, progress_key
+from lowcomm.node.swarmpace import Mark, MarkWriter, ViewPace, parse_marks
 
 from .peer import SimPeer
 
@@ -54,10 +54,7 @@ class PacedPeer(SimPeer):
                 self.mark_writer.stored(mark, now)
 
     async def read_marks(self) -> frozenset[Mark]:
-        run = self.world.config.run  # SwarmLink.read_marks
-        keys = [progress_key(run)]
-        if swarmpace.reads_open_marks(self.phase, self.gossip is not None):
-            keys.append(swarmpace.opened_key(run, self.step))
+        keys = swarmpace.mark_keys(self.world.config.run, self.step, self.phase, self.gossip is not None)  # SwarmLink's
         marks = frozenset().union(*(parse_marks(raw) for raw in await asyncio.gather(*(self.dht.get(k) for k in keys))))
         if marks != self.marks:
             self.marks = marks
