@@ -207,14 +207,15 @@ class Averager:
         position = self.swarm.position()
 
         def latest() -> set[str]:
-            # Only a leader looks (a bucket's or the step coordinator): the heartbeat then reads the
-            # table at its next beat; the other members read no more than while training.
-            self.swarm.want_view()
+            # Only a leader looks (a bucket's or the step coordinator); the coordinator's looks
+            # also ask the heartbeat for a fresh table at its next beat (``watch``), a bucket
+            # leader's do not (RoundPeers.look). The other members read no more than while training.
             return decisions.expected_peers(self.swarm.last_view(), position)
 
         round_peers = RoundPeers(frozenset(decisions.expected_peers(view, position)), latest=latest,
                                  plan_of_state=decisions.plan_of_state(view, position),
                                  read_first=self.swarm.refresh_view if read_when_leading else None,
+                                 watch=self.swarm.want_view,
                                  ) if self.config.sync.matchmaking_buckets else None
         try:
             group = await self.matchmaker.form_group(

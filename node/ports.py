@@ -95,8 +95,8 @@ class SwarmPort(Protocol):
         """The swarm as the heartbeat last read it (no DHT call)."""
 
     def want_view(self) -> None:
-        """A matchmaking leader waits on ``last_view``: the heartbeat reads the table at its next
-        beat (otherwise a large swarm's heartbeat reads it only every few beats)."""
+        """A step coordinator waits on ``last_view`` (RoundPeers.watch): the heartbeat reads the
+        table at its next beat (otherwise a large swarm's heartbeat reads it only every few beats)."""
 
     async def refresh_view(self) -> "SwarmView":
         """Read the swarm from the DHT now (the heartbeat's view is updated too)."""

@@ -50,7 +50,8 @@ class SwarmLink:
         self.gossip = config.sync.mode == "gossip"
         # Gossip mode catches up with a swarm a few steps ahead by mixing (node/catchup.py).
         self.pace = ViewPace(self.peer_id, config.sync.quorum,
-                             step_window=self._gossip_window() if self.gossip else None)
+                             step_window=self._gossip_window() if self.gossip else None,
+                             group_size=config.sync.group_size if config.sync.matchmaking_buckets else 0)
         self.marks: frozenset[Mark] = frozenset()  # the progress record as last read
         self.mark_writer = swarmpace.MarkWriter(self.gossip, config.sync.matchmaking_timeout,
                                                 config.node.heartbeat_interval)
@@ -127,7 +128,8 @@ class SwarmLink:
         return self.view
 
     def want_view(self) -> None:
-        """A matchmaking leader waits on ``last_view``: keep it at most a beat old (swarmpace)."""
+        """A step coordinator waits on ``last_view``: keep it at most a beat old (swarmpace;
+        RoundPeers.watch)."""
         self.pace.want_view()
 
     def position(self) -> decisions.Position:

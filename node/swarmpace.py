@@ -26,19 +26,25 @@ What a stale view may miss, and the mark that says it changed:
   waits for the round's end (the groups of a step commit seconds apart: most peers in a large
   swarm see the step committed by another group before their own group commits it).
 - ``outpaced`` (the slow peer's cut of its inner phase): true only once a quorum of the peers at
-  our step with our hash (as many as in the last full view) are averaging. While the open marks
-  at our step and hash say that at least half of that many may be averaging (``near_quorum``,
-  which over-counts rather than under-counts), the heartbeat reads the table at every beat and
-  ``outpaced`` decides on the fresh view, as before (``ViewPace``).
+  our step with our hash (as many as in the last full view) are averaging. In a swarm whose
+  steps matchmake with one leader (fewer than 4 groups' worth of peers, ``ViewPace.single_level``)
+  that leader closes on this quorum: while the open marks at our step and hash say that at
+  least half of that many may be averaging (``near_quorum``, which over-counts rather than
+  under-counts), the heartbeat reads the table at every beat and ``outpaced`` decides on the
+  fresh view. In a bucketed step each bucket leader closes on its own bucket's quorum, a late
+  member still reaches the plan through the top level, and the cut comes from
+  ``decisions.join_by`` once the open marks show the round open: no read for it.
 - the matchmaking's liveness (``RoundPeers.latest``): a bucket leader or a step coordinator
-  waits for the peers expected in the heartbeat's view, so each of its looks asks for a full
-  read at the next beat (``ViewPace.want_view``). A member that waits on its leader's answer,
-  or reduces, looks at no view: it reads only the progress record, as while training. (Every
-  averaging peer read the table at every beat until 2026-12-03: two thirds of the full reads at
-  N=1024, `python -m sim.heartbeat`.) The solo-step check after a group of one reads the last
-  view: in a swarm whose table is read every beat it is fresh; in a larger one it may show a
-  peer that left (no solo step: the round fails, as it does with a fresh view) and it cannot
-  miss a swarm grown from one (a swarm of one reads at every beat).
+  waits for the peers expected in the heartbeat's view. The coordinator's looks (the top level)
+  ask for a full read at the next beat (``RoundPeers.watch``, ``ViewPace.want_view``); a bucket
+  leader waits on the view it started from, fresh from its round start or its first look. A
+  member that waits on its leader's answer, or reduces, looks at no view: it reads only the
+  progress record, as while training. (Every averaging peer read the table at every beat until
+  2026-12-03: two thirds of the full reads at N=1024, `python -m sim.heartbeat`.) The solo-step
+  check after a group of one reads the last view: in a swarm whose table is read every beat it
+  is fresh; in a larger one it may show a peer that left (no solo step: the round fails, as it
+  does with a fresh view) and it cannot miss a swarm grown from one (a swarm of one reads at
+  every beat).
 - liveness for the DHT re-bootstrap (node/reconnect.py), the swarm-size metrics and ``status``:
   only from full reads, which come at least every ``ceil(n / VIEW_PEERS)`` heartbeats, each peer
   at its own offset in that cycle, so the swarm as a whole reads about VIEW_PEERS records per
@@ -50,10 +56,12 @@ knows the next step's B and its bucket from the plan, and reads the table only o
 itself leading, ``RoundPeers.read_first``).
 
 What this does not bound (measured with ``python -m sim.heartbeat``, which prints the full reads
-by reason): a round start outside a plan, a leader's reads and the reads at every beat while a
-round may cut our phase are still N records each, and every peer reads ``<run>/progress`` (and,
-while training, its step's open marks) at each beat, so the busiest holder still serves O(N)
-requests per beat. Measured in sim/README.md ("The heartbeat's reads").
+by reason): a round start outside a plan, a plan member's first look as a leader and the step
+coordinator's looks are still N records each (at N=1,024 in groups of 16, 4 rounds, seed 0:
+about 105 such reads per round in the whole swarm, next to 232 periodic ones: about 390
+records per peer and round in all), and every peer reads ``<run>/progress``
+(and, while training, its step's open marks) at each beat, so the busiest holder still serves
+O(N) requests per beat. Measured in sim/README.md ("The heartbeat's reads").
 The next stage, designed here and not built (it changes protocol/buckets.py's ``RoundPeers``):
 - **Records per bucket of the next step.** A peer that committed step r as a member of a step
   plan of n_r members knows B_{r+1} = bucket_count(n_r, group_size) and its bucket label at
@@ -79,9 +87,17 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
+from lowcomm.protocol.buckets import bucket_count
+
 from .decisions import Position
 
-VIEW_PEERS = 64  # records a peer reads per heartbeat on average between rounds: full table every ceil(n/64) beats
+# Records a peer reads per heartbeat on average between rounds: the full table every ceil(n/16)
+# beats. 16 is what every peer of a swarm of 16 reads at each beat (it reads the table every
+# beat), so a larger swarm reads no more per peer for its liveness. The cost: the swarm-size
+# metrics, ``status`` and the re-bootstrap's list of live peers are up to n/16 beats old (5 min
+# at N=1,024 with 5 s beats); every decision that needs a fresh view reads one (module docstring).
+# It was 64 until 2026-12-03: then these reads were 40 % of the records a peer read at N=1,024.
+VIEW_PEERS = 16
 OPEN_SLOTS = 64  # open-mark slots per (step, hash): linear counting of averaging peers, ~±15 % up to ~150
 COMMITTED, OPEN = "c", "o"
 
@@ -242,10 +258,11 @@ class MarkWriter:
 class ViewPace:
     """Per heartbeat: read the whole table, or only the progress record (module docstring)."""
 
-    def __init__(self, peer_id: str, quorum: float, step_window: int | None = None) -> None:
+    def __init__(self, peer_id: str, quorum: float, step_window: int | None = None, group_size: int = 0) -> None:
         self.peer_id = peer_id
         self.quorum = quorum  # [sync] quorum, as outpaced() reads it
         self.step_window = step_window  # gossip mode: the steps it catches up with by mixing
+        self.group_size = group_size  # [sync] group_size with bucketed matchmaking, else 0 (every step single-level)
         self.beat = 0
         self.seen: frozenset[Mark] = frozenset()  # relevant marks known when the last full read was made
         self.full_reads = 0
@@ -270,7 +287,8 @@ class ViewPace:
             return "no view yet"
         if wanted:
             return "a leader waits on the view"  # RoundPeers.latest: who is still coming
-        if phase == "training" and self.step_window is None and near_quorum(marks, me, same, self.quorum):
+        if phase == "training" and self.step_window is None and self.single_level(peers) \
+                and near_quorum(marks, me, same, self.quorum):
             return "near quorum"  # outpaced() can turn true at any beat now
         if phase != "averaging" and relevant(marks, me, self.step_window) - self.seen:
             # behind / a catch-up target changed since the last full read. Not while we average:
@@ -281,6 +299,22 @@ class ViewPace:
         if beat % every == beat_offset(self.peer_id, every):
             return "periodic"  # liveness for reconnects and metrics, and any mark we could not see
         return None
+
+    def single_level(self, peers: int) -> bool:
+        """Whether the steps of a swarm of ``peers`` matchmake with one leader, whose quorum is
+        the step's: only then does ``outpaced`` need a fresh view near that quorum. (The swarm's
+        size, not the peers at our step in the last view: between periodic reads that view is
+        rounds old and shows few peers at our step.)
+
+        In a bucketed step (protocol/buckets.py) each bucket leader closes on its own bucket's
+        quorum, and a member that comes after its bucket closed still reaches the step's plan
+        through the top level until the plan closes; the cut that gets a slow peer there is
+        ``decisions.join_by``, which the open marks start without a table read. Reading the
+        whole table at every beat to judge a swarm-wide quorum bought nothing there: in the
+        simulator at N=1,024 in groups of 16 (4 rounds, seed 0) those reads were a third of the
+        records a peer read and ``outpaced`` cut 24 of about 4,000 inner phases; without them it
+        cut 1, with the same share averaged (0.999-1.00) and formation p95 within a second."""
+        return bucket_count(peers, self.group_size) == 1
 
     def read_full(self, marks: Iterable[Mark], me: Position) -> None:
         """A full read was made, knowing ``marks``: they are accounted for by that view."""

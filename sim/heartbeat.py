@@ -36,8 +36,9 @@ class PacedPeer(SimPeer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         gossip = self.gossip is not None
-        self.pace = ViewPace(self.peer_id, self.world.config.quorum,
-                             step_window=self.world.gossip_window if gossip else None)
+        cfg = self.world.config
+        self.pace = ViewPace(self.peer_id, cfg.quorum, step_window=self.world.gossip_window if gossip else None,
+                             group_size=0 if cfg.single_level else cfg.group_size)
         self.mark_writer = MarkWriter(gossip, self.world.config.matchmaking_timeout, self.world.config.heartbeat)
         self.marks: frozenset[Mark] = frozenset()
         self.has_view = False
@@ -61,9 +62,8 @@ class PacedPeer(SimPeer):
             self.view_changed.set()  # the inner phase looks again (round_open reads the marks)
         return self.marks
 
-    def leader_view(self, position: decisions.Position) -> set[str]:
-        self.pace.want_view()  # node/averaging.py's latest(): SwarmLink.want_view
-        return super().leader_view(position)
+    def want_view(self) -> None:  # RoundPeers.watch: SwarmLink.want_view
+        self.pace.want_view()
 
     def round_open(self, counts: tuple) -> bool:
         return super().round_open(counts) or swarmpace.opened_by_others(self.marks, self.position())

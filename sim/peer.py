@@ -116,6 +116,9 @@ class SimPeer:
         heartbeat's view, which a bucket leader or step coordinator looks at while it waits."""
         return decisions.expected_peers(self.view, position)
 
+    def want_view(self) -> None:
+        """RoundPeers.watch (SwarmLink.want_view): this heartbeat reads the table at every beat."""
+
     async def leader_read(self) -> SwarmView:
         """RoundPeers.read_first: a plan member that started its round from the last view leads."""
         return await self.refresh_view()
@@ -295,7 +298,8 @@ class SimPeer:
             frozenset(decisions.expected_peers(view, position)),
             latest=lambda: self.leader_view(position),
             plan_of_state=decisions.plan_of_state(view, position),
-            read_first=self.leader_read if read_when_leading else None)
+            read_first=self.leader_read if read_when_leading else None,
+            watch=self.want_view)
         try:
             group = await self.matchmaker.form_group(step, self.tokens_since_round, self.link.up, expected_peers,
                                                      cfg.matchmaking_timeout, params_hash=self.hash, numel=cfg.numel,

@@ -389,11 +389,11 @@ def test_a_member_of_a_split_plan_says_which_step_that_plan_made_and_how_many_it
     assert set(run_virtual(scenario)) == {(32, 0, 0)}
 
 
-def plan_member_round(fail_reads_of: str = "") -> tuple[dict, Counter, set[str]]:
+def plan_member_round(fail_reads_of: str = "") -> tuple[dict, Counter, set[str], Counter]:
     """Step 8 after a plan of the whole 32-peer swarm at step 7, every peer starting from a view
     older than the step (it shows nobody at step 8, as the heartbeat's view does right after a
     commit) with ``read_first`` (node/averaging.py for a plan member): (outcomes by peer, fresh
-    reads by peer, the peers that led a bucket)."""
+    reads by peer, the peers that led a bucket, fresh views asked for by peer: ``watch``)."""
     async def scenario(loop: VirtualTimeLoop):
         net, dht = FakeNet(), FakeDHT(loop)
         group = swarm(net, dht, loop, 32)
@@ -401,6 +401,7 @@ def plan_member_round(fail_reads_of: str = "") -> tuple[dict, Counter, set[str]]
         await asyncio.gather(*(form(m, 7, view) for m in group))  # the plan of step 7: 32 peers
         assert all(bucketed_by_plan(8, m.last_plan, GROUP) for m in group)
         reads: Counter = Counter()
+        watches: Counter = Counter()
 
         def round_peers(peer: str) -> RoundPeers:
             fresh = {"read": False}
@@ -414,7 +415,7 @@ def plan_member_round(fail_reads_of: str = "") -> tuple[dict, Counter, set[str]]
 
             # The old view expects nobody at step 8; the fresh one everybody (the heartbeat's).
             return RoundPeers(frozenset({peer}), latest=lambda: view if fresh["read"] else set(),
-                              read_first=read_first)
+                              read_first=read_first, watch=lambda: watches.update([peer]))
 
         async def never_read() -> set[str]:
             raise AssertionError("a bucketed round read the view through expected_peers")
@@ -428,7 +429,7 @@ def plan_member_round(fail_reads_of: str = "") -> tuple[dict, Counter, set[str]]
 
         outcomes = dict(await asyncio.gather(*(at_step_8(m) for m in group)))
         leaders = {min(ids) for ids in members_by_bucket(8, view, bucket_count(32, GROUP)).values()}
-        return outcomes, reads, leaders
+        return outcomes, reads, leaders, watches
 
     return run_virtual(scenario)
 
@@ -438,7 +439,7 @@ def test_members_of_the_last_plan_start_without_a_read_and_only_leaders_read_the
     (``bucketed_by_plan``); a leader reads the table at its first look (``RoundPeers.read_first``)
     and waits for the peers the fresh view expects, so the whole swarm is in one plan; the
     others read nothing (the round-start read was N records per peer and round)."""
-    outcomes, reads, leaders = plan_member_round()
+    outcomes, reads, leaders, _ = plan_member_round()
     assert all(isinstance(g, averaging_pb2.Group) for g in outcomes.values()), outcomes
     assert len({tuple(sg.group_id for sg in g.step_groups) for g in outcomes.values()}) == 1
     assert {m.peer_id for sg in next(iter(outcomes.values())).step_groups for m in sg.members} == set(outcomes)
@@ -446,8 +447,18 @@ def test_members_of_the_last_plan_start_without_a_read_and_only_leaders_read_the
     assert len(reads) < len(outcomes) / 2, reads  # most members never lead
 
 
+def test_only_the_top_level_asks_the_heartbeat_for_a_fresh_table():
+    """``RoundPeers.watch``: the step coordinator's looks span every bucket and ask for a view at
+    most a beat old; a bucket leader's looks use the view it started with (its first read)."""
+    outcomes, reads, leaders, watches = plan_member_round()
+    assert all(isinstance(g, averaging_pb2.Group) for g in outcomes.values()), outcomes
+    coordinator = min(outcomes)
+    assert watches[coordinator] > 0 and set(watches) <= leaders, (watches, leaders)
+    assert len(watches) < len(leaders), watches  # bucket leaders that found the coordinator at once asked nothing
+
+
 def test_a_leader_whose_first_read_fails_fails_its_round_and_the_others_still_meet():
-    outcomes, reads, leaders = plan_member_round(fail_reads_of="peer-00")
+    outcomes, reads, leaders, _ = plan_member_round(fail_reads_of="peer-00")
     assert "peer-00" in leaders and isinstance(outcomes["peer-00"], MatchmakingError)
     assert "could not read the peer table" in str(outcomes["peer-00"])
     grouped = {p for p, g in outcomes.items() if isinstance(g, averaging_pb2.Group)}

@@ -46,17 +46,26 @@ def test_a_paced_swarm_reads_fewer_table_records_and_still_averages_in_groups(mo
         assert 1 <= line["hashes"] <= line["groups"] + line["solo"]
 
 
-def test_in_bucketed_steps_only_the_matchmaking_leaders_read_the_table_while_they_wait(
+def test_in_bucketed_steps_only_the_step_coordinators_read_the_table_while_they_wait(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # 48 peers in groups of 4: steps large enough for buckets (protocol/buckets.py), whose leaders
-    # wait on RoundPeers.latest, the heartbeat's view; a cycle of 12 beats between periodic reads.
+    # wait on RoundPeers.latest, the heartbeat's view; only the top level's looks ask for a fresh
+    # one (RoundPeers.watch); a cycle of 12 beats between periodic reads. Bucketed steps make
+    # hardly any near-quorum reads (ViewPace.single_level).
     monkeypatch.setattr(swarmpace, "VIEW_PEERS", 4)
     heartbeat.FULL_READS.clear()
     lines, _ = simulate(SimConfig(peers=48, rounds=3, seed=3, churn=0.5, numel=1_000_000, inner_steps=20,
                                   group_size=4))
     reads = heartbeat.FULL_READS
     assert reads["heartbeat: a leader waits on the view"] > 0 and reads["heartbeat: averaging"] == 0
-    # Fewer than one per peer and round: the members that wait on their leader, and the reducers, read none.
-    assert reads["heartbeat: a leader waits on the view"] < 48 * 3
+    # Fewer than one per round and bucket: bucket leaders, the members that wait on their leader
+    # and the reducers read none.
+    assert reads["heartbeat: a leader waits on the view"] < 3 * 4, reads
+    near_quorum = reads["heartbeat: near quorum"]  # a few: joiners whose first views were small
     for line in lines:  # and the leaders still see who is coming: the whole swarm averages, one hash per step
         assert line["averaged"] == line["live"] and line["groups"] >= 8 and line["hashes"] == 1, line
+    # The same swarm matchmaking with one leader per step watches the step's quorum.
+    heartbeat.FULL_READS.clear()
+    simulate(SimConfig(peers=48, rounds=3, seed=3, churn=0.5, numel=1_000_000, inner_steps=20, group_size=4,
+                       single_level=True))
+    assert near_quorum < heartbeat.FULL_READS["heartbeat: near quorum"] / 10, (near_quorum, heartbeat.FULL_READS)

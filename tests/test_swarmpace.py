@@ -91,7 +91,8 @@ def test_without_a_relevant_mark_the_catch_up_of_a_fresh_view_downloads_nothing(
 
 def test_the_pace_reads_the_table_when_decisions_need_it_and_otherwise_once_a_cycle():
     every = swarmpace.full_read_every(1024)
-    assert every == 16 and swarmpace.full_read_every(64) == 1 and swarmpace.full_read_every(0) == 1
+    assert every == 64 and swarmpace.full_read_every(16) == 1 and swarmpace.full_read_every(0) == 1
+    assert swarmpace.full_read_every(17) == 2  # past 16 peers, fewer records per beat than the table
     pace = ViewPace("me", quorum=2 / 3)
     assert pace.full_read_due(1024, False, ME, "training", []) == "no view yet"
     reasons = [pace.full_read_due(1024, True, ME, "training", []) for _ in range(3 * every)]
@@ -115,6 +116,25 @@ def test_the_pace_reads_the_table_when_decisions_need_it_and_otherwise_once_a_cy
     assert due[0] == "progress" and "progress" in due  # noticed at the first beat that saw it
     pace.read_full(ahead, ME)  # ... and once a full read accounted for it, only the cycle reads
     assert "progress" not in [pace.full_read_due(1024, True, ME, "training", ahead) for _ in range(every)]
+
+
+def test_near_a_quorum_only_a_single_level_step_reads_the_table_at_every_beat():
+    """A bucketed step's leaders close on their buckets' quorums, and the open marks start the
+    join-by cut without a read: no swarm-wide quorum to watch there (ViewPace.single_level)."""
+    every = swarmpace.full_read_every(1024)
+    full = [Mark(OPEN, 5, "aa", slot) for slot in range(swarmpace.OPEN_SLOTS)]  # linear counting: saturated
+    bucketed = ViewPace("me", quorum=2 / 3, group_size=16)
+    reasons = [bucketed.full_read_due(1024, True, ME, "training", full, same=1023) for _ in range(every)]
+    assert "near quorum" not in reasons and reasons.count("periodic") == 1
+    # The same marks in a step too small for buckets (fewer than 4 groups' worth), or without
+    # bucketed matchmaking ([sync] matchmaking_buckets = false: group_size 0): every beat reads.
+    small = ViewPace("me", quorum=2 / 3, group_size=16)
+    assert [small.full_read_due(63, True, ME, "training", full, same=62) for _ in range(3)] == ["near quorum"] * 3
+    unbucketed = ViewPace("me", quorum=2 / 3, group_size=0)
+    assert unbucketed.full_read_due(1024, True, ME, "training", full, same=1023) == "near quorum"
+    assert bucketed.single_level(63) and not bucketed.single_level(64) and unbucketed.single_level(10_000)
+    # The swarm's size decides, not the peers at our step in a view a few rounds old.
+    assert "near quorum" not in [bucketed.full_read_due(1024, True, ME, "training", full, same=0) for _ in range(3)]
 
 
 def test_the_open_slots_count_the_averaging_peers_and_never_hide_a_quorum():
