@@ -97,6 +97,9 @@ from .decisions import Position
 # metrics, ``status`` and the re-bootstrap's list of live peers are up to n/16 beats old (5 min
 # at N=1,024 with 5 s beats); every decision that needs a fresh view reads one (module docstring).
 # It was 64 until 2026-12-03: then these reads were 40 % of the records a peer read at N=1,024.
+# Bounding them with the two changes of ViewPace.single_level and RoundPeers.watch cost +1 s of
+# formation p50 and +2 % of round time at N=1,024 in the simulator (3 seeds; sim/README.md,
+# "Fewer table reads between rounds", which also says what is known of why).
 VIEW_PEERS = 16
 OPEN_SLOTS = 64  # open-mark slots per (step, hash): linear counting of averaging peers, ~±15 % up to ~150
 COMMITTED, OPEN = "c", "o"

@@ -176,14 +176,14 @@ class RoundPeers:
         fresh views at every beat were ~230 records per peer and round at N=1,024 in groups of
         16, more than a third of what a peer read once the periodic reads were bounded
         (python -m sim.heartbeat)."""
-        if whole_step and self.watch is not None:
-            self.watch()
         if self.read_first is not None and not self._first_read.get("done"):
             try:
                 await self.read_first()
             except Exception as err:  # a DHT failure fails the round, as the round start's read would
                 raise MatchmakingError(f"could not read the peer table to lead: {err!r}") from err
             self._first_read["done"] = True
+        if whole_step and self.watch is not None:
+            self.watch()  # after the first read: the next beat's view is newer than it
         return self.now(me)
 
 

@@ -124,11 +124,14 @@ class PacedPeer(SimPeer):
 
 def main(argv: list[str] | None = None) -> int:
     from . import __main__ as cli
-    from . import heartbeat  # the module the engine's peers count in (this file may run as __main__)
+    from . import heartbeat, peer  # the modules the engine's peers count in (this file may run as __main__)
 
     code = cli.main(sys.argv[1:] if argv is None else argv)
     print("full reads of the peer table, by reason (and the reads they were spared):", file=sys.stderr)
     for why, count in heartbeat.FULL_READS.most_common():
+        print(f"  {count:8d}  {why}", file=sys.stderr)
+    print("inner phases, by what ended them:", file=sys.stderr)
+    for why, count in peer.CUTS.most_common():
         print(f"  {count:8d}  {why}", file=sys.stderr)
     return code
 

@@ -48,6 +48,9 @@ def params_hash(theta: np.ndarray) -> str:
     return hashlib.sha256(theta.tobytes()).hexdigest()
 
 
+CUTS: Counter = Counter()  # how inner phases ended, over every peer of the process (python -m sim.heartbeat prints it)
+
+
 class SimPeer:
     def __init__(self, world: "World", index: int, link: Link, dies_at: float, crash: bool,
                  theta: np.ndarray | None, step: int) -> None:
@@ -224,6 +227,7 @@ class SimPeer:
         done = cfg.inner_steps
         outpaced_counts: tuple | None = None
         cut_at = end  # decisions.join_by once we saw the round of our step open
+        why = "all inner steps"  # what ended the phase (CUTS)
         while (remaining := min(end, cut_at) - loop.time()) > 0:
             self.view_changed.clear()
             try:
@@ -231,6 +235,7 @@ class SimPeer:
                     await self.view_changed.wait()
             except TimeoutError:
                 if cut_at < end:  # the join-by time came first: the step in progress ends the phase
+                    why = "join_by"
                     done = max(1, math.ceil((loop.time() - start) / per_step))
                     await asyncio.sleep(start + done * per_step - loop.time())
                 break
@@ -246,8 +251,11 @@ class SimPeer:
             if steps > 0 and counts != outpaced_counts:
                 outpaced_counts = counts
                 if decisions.outpaced(self.view, self.position(), cfg.quorum):
-                    done = steps
+                    done, why = steps, "outpaced"
                     break
+        if why == "all inner steps" and cut_at < end:
+            why = "join_by"  # the join-by time had passed when the loop looked again
+        CUTS[why] += 1
         self.tokens_since_round += done
 
     async def round(self) -> None:
