@@ -316,7 +316,8 @@ class ViewPace:
         whole table at every beat to judge a swarm-wide quorum bought nothing there: in the
         simulator at N=1,024 in groups of 16 (4 rounds, seed 0) those reads were a third of the
         records a peer read and ``outpaced`` cut 24 of about 4,000 inner phases; without them it
-        cut 1, with the same share averaged (0.999-1.00) and formation p95 within a second."""
+        cut 1, with the same share averaged (0.999-1.00). (What the three bounds on the table
+        reads cost together in formation time is measured in sim/README.md.)"""
         return bucket_count(peers, self.group_size) == 1
 
     def read_full(self, marks: Iterable[Mark], me: Position) -> None:
