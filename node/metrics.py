@@ -47,7 +47,9 @@ class NodeMetrics:
         self.swarm_outer_step_max = Gauge(
             "lowcomm_swarm_outer_step_max", "Highest outer step published in the DHT by any live peer.", registry=r
         )
-        self.swarm_peers = Gauge("lowcomm_swarm_peers", "Live peers in the DHT, this node included.", registry=r)
+        self.swarm_peers = Gauge("lowcomm_swarm_peers", "Live peers in the DHT, this node included, as of the node's last "
+                                 "full read of the peer table (every ceil(peers / 16) heartbeats at most).",
+                                 registry=r)
         self.dht_rebootstraps = Counter(
             "lowcomm_dht_rebootstraps", "Times peers vanished from the swarm view and the DHT was re-bootstrapped.",
             ["outcome"], registry=r,
