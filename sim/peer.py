@@ -227,7 +227,7 @@ class SimPeer:
         done = cfg.inner_steps
         outpaced_counts: tuple | None = None
         cut_at = end  # decisions.join_by once we saw the round of our step open
-        why = "all inner steps"  # what ended the phase (CUTS)
+        outpaced = False
         while (remaining := min(end, cut_at) - loop.time()) > 0:
             self.view_changed.clear()
             try:
@@ -235,7 +235,6 @@ class SimPeer:
                     await self.view_changed.wait()
             except TimeoutError:
                 if cut_at < end:  # the join-by time came first: the step in progress ends the phase
-                    why = "join_by"
                     done = max(1, math.ceil((loop.time() - start) / per_step))
                     await asyncio.sleep(start + done * per_step - loop.time())
                 break
@@ -251,11 +250,9 @@ class SimPeer:
             if steps > 0 and counts != outpaced_counts:
                 outpaced_counts = counts
                 if decisions.outpaced(self.view, self.position(), cfg.quorum):
-                    done, why = steps, "outpaced"
+                    done, outpaced = steps, True
                     break
-        if why == "all inner steps" and cut_at < end:
-            why = "join_by"  # the join-by time had passed when the loop looked again
-        CUTS[why] += 1
+        CUTS["outpaced" if outpaced else "join_by" if cut_at < end else "all inner steps"] += 1
         self.tokens_since_round += done
 
     async def round(self) -> None:
