@@ -277,6 +277,13 @@ class Network:
     kind = "loopback"
     mbit: float | None = None
 
+    @property
+    def tcp_congestion(self) -> str | None:
+        """The congestion control new TCP sockets get (loopback: the host's)."""
+        with contextlib.suppress(OSError):
+            return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+        return None
+
     def host(self, index: int) -> str:
         return "127.0.0.1"
 
@@ -309,6 +316,10 @@ class NetnsNetwork(Network):
         self.state = state
         self.mbit = None
         self.set_cap(mbit)
+
+    @property
+    def tcp_congestion(self) -> str | None:
+        return self.state.tcp_congestion
 
     def host(self, index: int) -> str:
         return self.state.peers[index].ip
@@ -365,12 +376,31 @@ class NetnsNetwork(Network):
 
     def describe(self) -> str:
         cap = f"tc tbf {self.mbit:g} Mbit/s per peer, both directions" if self.mbit else "no cap"
-        return f"{len(self.state.peers)} network namespaces on a bridge (veth), {cap}"
+        return f"{len(self.state.peers)} network namespaces on a bridge (veth), {cap}, TCP {self.tcp_congestion}"
+
+
+# The TCP congestion control in the benchmarks' namespaces. A volunteer's machine runs its OS's
+# default, which is loss-based (cubic on Linux, Windows and macOS); this host runs bbr, which a new
+# namespace inherits, and bbr's paced rate follows the flow's own recent share of a link, so it
+# lags when an all-reduce moves a link from one peer to the next (bench/analysis.md, section 3:
+# 4×64 MB at 100 Mbit/s 0.75 with bbr, 0.85 with reno). cubic cannot be set in a namespace here
+# (the host allows reno and bbr there); reno is the loss-based one it allows. At these links'
+# bandwidth-delay products cubic grows its window as reno does (its TCP-friendly region), but
+# backs off to 0.7 of it on a loss instead of 0.5. "host" keeps the host's.
+BENCH_TCP_CONGESTION = "reno"
+
+
+def tcp_congestion_arg(parser) -> None:
+    parser.add_argument("--tcp-congestion", default=BENCH_TCP_CONGESTION, metavar="NAME",
+                        help=f"TCP congestion control in the peers' namespaces (default {BENCH_TCP_CONGESTION}; "
+                             "'host': the host's own)")
 
 
 @contextlib.contextmanager
-def network(kind: str, peers: int, mbit: float | None = None, prefix: str = "lcb") -> Iterator[Network]:
-    """``kind`` "loopback", "netns", or "auto" (netns when available and asked for a cap or root)."""
+def network(kind: str, peers: int, mbit: float | None = None, prefix: str = "lcb",
+            tcp_congestion: str = BENCH_TCP_CONGESTION) -> Iterator[Network]:
+    """``kind`` "loopback", "netns", or "auto" (netns when available and asked for a cap or root).
+    ``tcp_congestion``: the namespaces' TCP congestion control ("host": the host's)."""
     if kind == "auto":
         kind = "netns" if netns_unavailable() is None else "loopback"
     if kind == "loopback":
@@ -384,7 +414,11 @@ def network(kind: str, peers: int, mbit: float | None = None, prefix: str = "lcb
     nc = netns_module()
     state_dir = Path(f"/tmp/lowcomm-bench-{prefix}")
     nc.cluster_down(prefix, state_dir=state_dir)  # leftovers of an interrupted benchmark
-    state = nc.cluster_up(peers, mbit or 10_000, prefix=prefix, state_dir=state_dir, start_nodes=False)
+    try:
+        state = nc.cluster_up(peers, mbit or 10_000, prefix=prefix, state_dir=state_dir, start_nodes=False,
+                              tcp_congestion=None if tcp_congestion == "host" else tcp_congestion)
+    except nc.ClusterError as err:  # a user's mistake (e.g. --tcp-congestion), said without a traceback
+        raise SystemExit(f"bench: {err}") from None
     try:
         yield NetnsNetwork(state, mbit)
     finally:

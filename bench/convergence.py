@@ -41,7 +41,8 @@ import sys
 import time
 from pathlib import Path
 
-from common import OUT, append_jsonl, handle_signals, network, record_base, say, workload_args, workload_from
+from common import (OUT, append_jsonl, handle_signals, network, record_base, say, tcp_congestion_arg, workload_args,
+                    workload_from)
 from runners import run_ddp, run_diloco, run_hivemind, run_single
 
 STANDARD = ("single,ddp,diloco-fp32-H50,diloco-int8-H50,diloco-int4-H50,diloco-topk-H50,"
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                              "unless given")
     parser.add_argument("--time-limit", type=float, default=900, help="seconds per method before it is stopped")
     parser.add_argument("--prefix", default="lcb", help="netns cluster prefix (namespaces <prefix>-<i>)")
+    tcp_congestion_arg(parser)
     parser.add_argument("--run-id", help="add the records to this earlier run (to repeat a method that failed); "
                         "default: a new run")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     run_id = args.run_id or time.strftime("%Y%m%dT%H%M%S")
     logdir = args.json_out.parent / "logs" / f"convergence-{run_id}"
     started = time.monotonic()
-    with network(args.network, args.peers, prefix=args.prefix) as net:
+    with network(args.network, args.peers, prefix=args.prefix, tcp_congestion=args.tcp_congestion) as net:
         say(f"convergence: {len(methods)} method(s) on {net.describe()}; logs in {logdir}")
         for seed in seeds:
             args.seed = seed

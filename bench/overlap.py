@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 from common import (OUT, Workload, append_jsonl, handle_signals, nearest_rank, netns_unavailable, network, record_base,
-                    say)
+                    say, tcp_congestion_arg)
 from runners import run_diloco
 
 MODES = ("none", "delayed", "eager")
@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=600, help="seconds per mode before it is stopped")
     parser.add_argument("--json-out", type=Path, default=OUT / "overlap.jsonl")
     parser.add_argument("--prefix", default="lco", help="netns cluster prefix")
+    tcp_congestion_arg(parser)
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="extra node setting for every mode, e.g. sync.outer_momentum=0.5 (repeatable; "
                              "kept in the record as node_sets)")
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logdir = args.json_out.parent / "logs" / f"overlap-{run_id}"
     started = time.monotonic()
-    with network("netns", args.peers, mbit=args.mbit, prefix=args.prefix) as net:
+    with network("netns", args.peers, mbit=args.mbit, prefix=args.prefix, tcp_congestion=args.tcp_congestion) as net:
         say(f"overlap: modes {modes}, seeds {seeds} on {net.describe()}; logs in {logdir}")
         for seed, mode in [(seed, mode) for seed in seeds for mode in modes]:
             work = Workload(peers=args.peers, steps=args.rounds * args.inner_steps, batch_size=args.batch_size,

@@ -655,6 +655,14 @@ def _transport_note(record: dict) -> str:
     return "; ".join(notes)
 
 
+def _tcp_note(runs: list[dict]) -> str:
+    """Which TCP congestion control the namespaces ran (bench/common.py BENCH_TCP_CONGESTION)."""
+    names = sorted({r.get("tcp_congestion") or "not recorded" for r in runs})
+    return (f"TCP congestion control in the namespaces: {', '.join(names)} (`--tcp-congestion`; volunteers' "
+            "machines run a loss-based default, cubic, which a namespace here cannot use; this host's own is bbr, "
+            "which runs before 2026-12-03 inherited: bench/analysis.md, section 3).")
+
+
 def transport_section(records: list[dict], slow: list[dict], plot_dir: Path, goals: list[str]) -> list[str]:
     lines = ["## 3. Transport efficiency: one averaging round vs 2·(N−1)/N·S/B", ""]
     goal = "Transport ≥0.90 of the bound (median) and ≥0.80 in every configuration"
@@ -673,7 +681,7 @@ def transport_section(records: list[dict], slow: list[dict], plot_dir: Path, goa
               f"codec {runs[0]['codec']}, staggered schedule, the leader's layout with its pieces: "
               "protocol/layout.py), group given by the harness. `hivemind`: "
               "DecentralizedAverager, NoCompression, matchmaking excluded. Time: from the last member's start to the "
-              "last member's end; median of the measured rounds, with min–max.", ""]
+              "last member's end; median of the measured rounds, with min–max. " + _tcp_note(runs), ""]
     rows = []
     for r in sorted(runs, key=lambda r: (r["impl"] != "lowcomm", r["mbit"] or 0, r["peers"], r["payload_mb"])):
         rows.append([r["impl"], str(r["peers"]), f"{r['payload_mb']:g}", f"{r['mbit']:g}" if r["mbit"] else "none",

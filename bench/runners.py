@@ -77,7 +77,8 @@ class Evaluator:
 def _record(method: str, net: Network, work: Workload, curve: list[dict], **fields: Any) -> dict[str, Any]:
     final = curve[-1] if curve else {}
     record = {
-        "method": method, "network": net.kind, "mbit": net.mbit, "link": net.describe(), "peers": work.peers,
+        "method": method, "network": net.kind, "mbit": net.mbit, "link": net.describe(),
+        "tcp_congestion": net.tcp_congestion, "peers": work.peers,
         "workload": {"steps": work.steps, "batch_size": work.batch_size, "seq_len": work.seq_len,
                      "preset": work.preset, "seed": work.seed, "global_batch": work.global_batch},
         "curve": curve, "final_eval_loss": final.get("eval_loss"), "tokens": final.get("tokens"),

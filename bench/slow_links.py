@@ -33,7 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from common import (OUT, append_jsonl, handle_signals, netns_unavailable, network, read_jsonl, record_base, say,
-                    workload_args, workload_from)
+                    tcp_congestion_arg, workload_args, workload_from)
 from convergence import METHOD_RE, hivemind_args, hivemind_options, run_method
 from runners import run_ddp, with_target
 
@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--convergence", type=Path, default=OUT / "convergence.jsonl")
     parser.add_argument("--json-out", type=Path, default=OUT / "slow_links.jsonl")
     parser.add_argument("--prefix", default="lcs")
+    tcp_congestion_arg(parser)
     hivemind_args(parser)
     workload_args(parser)
     args = parser.parse_args(argv)
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--diloco {diloco!r}: expected <codec>-H<h>, e.g. int8-H50")
 
     started = time.monotonic()
-    with network("netns", work.peers, prefix=args.prefix) as net:
+    with network("netns", work.peers, prefix=args.prefix, tcp_congestion=args.tcp_congestion) as net:
         if args.target == "auto" and ddp_free is None:
             say("slow_links: no convergence run of ddp with this workload: running it on unlimited links")
             ddp_free = run_ddp(work, net, logdir / "ddp-unlimited")

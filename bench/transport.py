@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from common import (BENCH, OUT, PY, Proc, append_jsonl, handle_signals, netns_unavailable, network, processes,
-                    record_base, say)
+                    record_base, say, tcp_congestion_arg)
 
 from lowcomm.protocol.layout import encoded_size, piece_layout, pieces_per_owner
 
@@ -213,6 +213,7 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
                     record = record_base(
                         "transport", run_id=run_id, impl="lowcomm", peers=n, payload_mb=size, payload_bytes=payload,
                         numel=numel, codec=codec.name, mbit=mbit, network=net.kind, link=net.describe(),
+                        tcp_congestion=net.tcp_congestion,
                         queue=args.queue, schedule=args.schedule,
                         pieces=auto_pieces(numel, int(codec.id), n, mbit) if args.pieces is None else args.pieces,
                         load_avg=os.getloadavg()[0],
@@ -298,7 +299,8 @@ def sweep_hivemind(net, args, out: Path, run_id: str, logdir: Path) -> None:
             seconds = statistics.median(r["seconds"] for r in ok) if ok else None
             record = record_base(
                 "transport", run_id=run_id, impl="hivemind", peers=n, payload_mb=size, payload_bytes=payload,
-                numel=numel, codec="none (fp32)", mbit=mbit, network=net.kind, link=net.describe(), rounds=results,
+                numel=numel, codec="none (fp32)", mbit=mbit, network=net.kind, link=net.describe(),
+                tcp_congestion=net.tcp_congestion, rounds=results,
                 queue=args.queue, load_avg=os.getloadavg()[0], seconds=seconds,
                 seconds_spread=spread([r["seconds"] for r in ok]) if ok else None, bound_seconds=bound,
                 efficiency=bound / seconds if bound and seconds else None, bus_mbit=bus_mbit(n, payload, seconds),
@@ -338,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queue", choices=["router", "gso"], default="gso",
                         help="gso: the caps queue whole 64 kB GSO packets (netns_cluster's tbf); router: below "
                              "1 Gbit/s wire-sized packets, as a home router sees them (see set_cap)")
+    tcp_congestion_arg(parser)
     parser.add_argument("--prefix", default="lct")
     parser.add_argument("--json-out", type=Path, default=OUT / "transport.jsonl")
     args = parser.parse_args(argv)
@@ -351,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         args.caps = [None]
     peers_max = max([*args.peers, *(int(c.split("x")[0]) for c in args.hivemind.split(",") if c.strip())])
     started = time.monotonic()
-    with network(args.network, peers_max, prefix=args.prefix) as net:
+    with network(args.network, peers_max, prefix=args.prefix, tcp_congestion=args.tcp_congestion) as net:
         logdir = args.json_out.parent / "logs" / f"transport-{run_id}"
         logdir.mkdir(parents=True, exist_ok=True)
         sweeps = [("lowcomm", sweep_lowcomm)] if args.peers and args.sizes_mb else []

@@ -10,7 +10,10 @@ what a crashed ``up`` left behind even without its state file)::
 X is derived from the prefix, so two clusters get two subnets; a subnet that overlaps a route
 the host already has is refused. The namespaces have no default route and the host does not
 forward, so no packet leaves the bridge. Every peer is capped by ``tc tbf`` on both directions:
-egress of its eth0 (upload) and egress of the bridge-side lc-hi (download).
+egress of its eth0 (upload) and egress of the bridge-side lc-hi (download). A new namespace
+inherits the host's TCP congestion control; ``tcp_congestion`` (``up --tcp-congestion``) sets
+another one in every peer's namespace, e.g. a loss-based one like the Linux default (cubic)
+on a host that runs bbr: the two treat the caps' queues very differently (bench/analysis.md).
 
 Root only. Standard library only, so any python3 runs it; importable as a library::
 
@@ -82,6 +85,7 @@ class ClusterState:
     prometheus_pid: int | None = None
     prometheus_pid_start: int | None = None
     prometheus_url: str | None = None
+    tcp_congestion: str | None = None  # what the namespaces use (None: a state file from before it was kept)
 
     @property
     def state_file(self) -> Path:
@@ -229,6 +233,22 @@ def _tbf(mbit: float, *dev: str) -> None:
          "rate", f"{mbit}mbit", "burst", str(burst), "latency", "50ms")
 
 
+def tcp_congestion_of(netns: str) -> str:
+    """The TCP congestion control new sockets in ``netns`` get."""
+    return _run("ip", "netns", "exec", netns, "sysctl", "-n", "net.ipv4.tcp_congestion_control").stdout.strip()
+
+
+def set_tcp_congestion(netns: str, name: str) -> None:
+    """Make ``name`` the congestion control of new TCP sockets in ``netns``. Only those the host
+    allows outside its own namespace can be set (net.ipv4.tcp_allowed_congestion_control)."""
+    proc = _run("ip", "netns", "exec", netns, "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={name}", check=False)
+    if proc.returncode != 0:
+        allowed = _run("sysctl", "-n", "net.ipv4.tcp_allowed_congestion_control", check=False).stdout.split()
+        raise ClusterError(f"TCP congestion control {name!r} cannot be used in the namespaces "
+                           f"({proc.stderr.strip() or 'refused'}); this host allows {' '.join(allowed) or 'none'} "
+                           "there (net.ipv4.tcp_allowed_congestion_control); pick one of those")
+
+
 def _check_subnet(octet: int) -> None:
     routes = json.loads(_run("ip", "-j", "route", "show", "match", f"10.77.{octet}.1").stdout or "[]")
     for route in routes:
@@ -330,8 +350,10 @@ def cluster_up(peers: int, mbit: float, *, slow_mbit: float | None = None, prefi
                state_dir: str | Path | None = None, start_nodes: bool = True, join_args: Sequence[str] = (),
                peer_args: dict[int, Sequence[str]] | None = None, prometheus: bool = False,
                prometheus_port: int = 9090, node_command: Sequence[str] | None = None,
-               ready_timeout: float = 180.0, quiet: bool = True) -> ClusterState:
+               ready_timeout: float = 180.0, quiet: bool = True, tcp_congestion: str | None = None) -> ClusterState:
     """Make the bridge, one capped namespace per peer and (``start_nodes``) start the nodes.
+
+    ``tcp_congestion``: the TCP congestion control of every namespace (None: the host's).
 
     ``join_args`` go to every node's ``join``, ``peer_args[i]`` after them to node i only.
     Returns once every node printed its ready line. On any error everything made so far is
@@ -375,9 +397,13 @@ def cluster_up(peers: int, mbit: float, *, slow_mbit: float | None = None, prefi
             _run("ip", "-n", peer.netns, "addr", "add", f"{peer.ip}/24", "dev", "eth0")
             _run("ip", "-n", peer.netns, "link", "set", "eth0", "up")
             _run("ip", "-n", peer.netns, "link", "set", "lo", "up")
+            if tcp_congestion is not None:
+                set_tcp_congestion(peer.netns, tcp_congestion)
+            state.tcp_congestion = tcp_congestion_of(peer.netns)
+            state.save()
             _tbf(cap, "tc", "-n", peer.netns, "eth0")  # the peer's upload
             _tbf(cap, "tc", peer.host_veth)  # the peer's download
-            _say(f"peer {i}: {peer.netns} {peer.ip} capped at {cap} Mbit/s both ways", quiet)
+            _say(f"peer {i}: {peer.netns} {peer.ip} capped at {cap} Mbit/s both ways, TCP {state.tcp_congestion}", quiet)
         if start_nodes:
             first = state.peers[0]
             peer_args = peer_args or {}
@@ -547,7 +573,7 @@ def _status(prefix: str, state_dir: str | None) -> dict:
     report: dict = {"prefix": prefix, "state_file": str(path) if path.exists() else None, "exists": leftovers(prefix)}
     if path.exists():
         state = ClusterState.load(path)
-        report.update(subnet=state.subnet, prometheus=state.prometheus_url, peers=[
+        report.update(subnet=state.subnet, prometheus=state.prometheus_url, tcp_congestion=state.tcp_congestion, peers=[
             {"netns": p.netns, "ip": p.ip, "mbit": p.mbit, "pid": p.pid, "running": _alive(p.pid, p.pid_start),
              "multiaddr": p.multiaddr, "log": p.log,
              "rounds_done": sum(1 for e in read_json_lines(p.log) if e.get("event") == "round_done")}
@@ -570,6 +596,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--prometheus-port", type=int, default=9090)
     up.add_argument("--node-command", help="command that runs the node (default: lowcomm-node)")
     up.add_argument("--ready-timeout", type=float, default=180.0)
+    up.add_argument("--tcp-congestion", metavar="NAME",
+                    help="TCP congestion control in every namespace, e.g. reno (default: the host's)")
     down = sub.add_parser("down", help="stop and remove everything of a cluster, also after a crash")
     down.add_argument("--timeout", type=float, default=STOP_TIMEOUT, help="seconds nodes get to exit after SIGTERM")
     status = sub.add_parser("status", help="what exists and what the nodes do")
@@ -590,7 +618,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        start_nodes=not args.no_nodes, join_args=join_args, prometheus=args.prometheus,
                        prometheus_port=args.prometheus_port,
                        node_command=args.node_command.split() if args.node_command else None,
-                       ready_timeout=args.ready_timeout, quiet=False)
+                       ready_timeout=args.ready_timeout, quiet=False, tcp_congestion=args.tcp_congestion)
             print(f"up; stop it with: deploy/netns-cluster down --prefix {args.prefix}")
         elif args.cmd == "down":
             cluster_down(args.prefix, state_dir=args.state_dir, timeout=args.timeout, quiet=False)
