@@ -420,6 +420,11 @@ def network(kind: str, peers: int, mbit: float | None = None, prefix: str = "lcb
     except nc.ClusterError as err:  # a user's mistake (e.g. --tcp-congestion), said without a traceback
         raise SystemExit(f"bench: {err}") from None
     try:
+        for peer in state.peers:
+            # A closed connection's window is remembered per destination and starts the next one
+            # (tcp_metrics): a configuration's agents would start from the previous one's link.
+            subprocess.run(["ip", "netns", "exec", peer.netns, "sysctl", "-qw", "net.ipv4.tcp_no_metrics_save=1"],
+                           check=True, capture_output=True)
         yield NetnsNetwork(state, mbit)
     finally:
         nc.cluster_down(prefix, state_dir=state_dir)

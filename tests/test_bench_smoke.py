@@ -129,6 +129,8 @@ def test_transport(out, netns_reason):
         assert record["bytes_sent_per_peer"] == pytest.approx(record["bytes_bound_per_peer"], rel=1e-3)
         if netns_reason is None:
             assert record["efficiency"] > 0 and 0 <= record["rounds"][0]["tcp_retrans_fraction"] <= 1
+    if netns_reason is None:  # the namespaces ran the benchmarks' congestion control, not the host's
+        assert {r["tcp_congestion"] for r in got} == {"reno"}
 
 
 def test_overlap(out, netns_reason):

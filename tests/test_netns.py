@@ -97,6 +97,27 @@ def test_two_clusters_get_different_subnets():
         nc.check_prefix("Too-Long-Prefix")
 
 
+@pytest.mark.parametrize("prefix", ["lttcp"], indirect=True)
+def test_tcp_congestion_is_set_in_every_namespace_and_a_refused_one_leaves_nothing(prefix, tmp_path):
+    allowed = subprocess.run(["sysctl", "-n", "net.ipv4.tcp_allowed_congestion_control"], capture_output=True,
+                             text=True, check=True).stdout.split()
+    host = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    other = next((name for name in allowed if name != host), None)
+    if other is None:
+        pytest.skip(f"the host allows no congestion control in namespaces other than its own ({host})")
+    with nc.netns_cluster(2, 50, prefix=prefix, state_dir=tmp_path / "state", start_nodes=False,
+                          tcp_congestion=other) as state:
+        assert [nc.tcp_congestion_of(peer.netns) for peer in state.peers] == [other, other]
+        assert nc.ClusterState.load(state.state_file).tcp_congestion == other
+    assert_nothing_left(prefix)
+    with nc.netns_cluster(1, 50, prefix=prefix, state_dir=tmp_path / "state", start_nodes=False) as state:
+        assert nc.tcp_congestion_of(state.peers[0].netns) == host == state.tcp_congestion  # inherited
+    with pytest.raises(nc.ClusterError, match="allows .*pick one of those"):
+        nc.cluster_up(1, 50, prefix=prefix, state_dir=tmp_path / "state", start_nodes=False,
+                      tcp_congestion="no-such-control")
+    assert_nothing_left(prefix)
+
+
 # --------------------------------------------------------------------------- (b) crash cleanup
 @pytest.mark.parametrize("prefix", ["ltcr"], indirect=True)
 def test_down_removes_what_a_killed_up_left_behind(prefix, tmp_path):
