@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             say(f"overlap={mode} seed={seed}: starting")
             base = {"mode": mode, "seed": seed, "mbit": args.mbit, "peers": work.peers, "rounds": args.rounds,
                     "inner_steps": args.inner_steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                    "codec": args.codec, "logs": str(logdir / f"{mode}-seed{seed}"), "node_sets": args.sets}
+                    "codec": args.codec, "logs": str(logdir / f"{mode}-seed{seed}"), "node_sets": args.sets,
+                    "tcp_congestion": net.tcp_congestion}
             try:
                 run = run_diloco(work, net, logdir / f"{mode}-seed{seed}", args.codec, args.inner_steps, rounds=args.rounds,
                                  time_limit=args.time_limit, extra_sets=[f"sync.overlap={mode}", *SETTINGS, *args.sets])

@@ -582,7 +582,7 @@ def slow_links_section(records: list[dict], plot_dir: Path, goals: list[str]) ->
     lines += [f"Target: eval loss {f(target, 4)} (ddp's final eval loss on unlimited links, same workload). Every "
               f"peer in its own network namespace ({max(r.get('peers') or 0 for r in runs)} peers on a bridge), "
               "capped in both directions "
-              "with tc tbf.", ""]
+              "with tc tbf. " + tcp_note(runs), ""]
     rows = []
     for cap in sorted({r["mbit"] for r in runs}, reverse=True):
         here = [r for r in runs if r["mbit"] == cap]
@@ -655,12 +655,12 @@ def _transport_note(record: dict) -> str:
     return "; ".join(notes)
 
 
-def _tcp_note(runs: list[dict]) -> str:
+def tcp_note(runs: list[dict]) -> str:
     """Which TCP congestion control the namespaces ran (bench/common.py BENCH_TCP_CONGESTION)."""
     names = sorted({r.get("tcp_congestion") or "not recorded" for r in runs})
     return (f"TCP congestion control in the namespaces: {', '.join(names)} (`--tcp-congestion`; volunteers' "
             "machines run a loss-based default, cubic, which a namespace here cannot use; this host's own is bbr, "
-            "which runs before 2026-12-03 inherited: bench/analysis.md, section 3).")
+            "which runs before 2026-12-03 inherited: bench/README.md).")
 
 
 def transport_section(records: list[dict], slow: list[dict], plot_dir: Path, goals: list[str]) -> list[str]:
@@ -681,7 +681,7 @@ def transport_section(records: list[dict], slow: list[dict], plot_dir: Path, goa
               f"codec {runs[0]['codec']}, staggered schedule, the leader's layout with its pieces: "
               "protocol/layout.py), group given by the harness. `hivemind`: "
               "DecentralizedAverager, NoCompression, matchmaking excluded. Time: from the last member's start to the "
-              "last member's end; median of the measured rounds, with min–max. " + _tcp_note(runs), ""]
+              "last member's end; median of the measured rounds, with min–max. " + tcp_note(runs), ""]
     rows = []
     for r in sorted(runs, key=lambda r: (r["impl"] != "lowcomm", r["mbit"] or 0, r["peers"], r["payload_mb"])):
         rows.append([r["impl"], str(r["peers"]), f"{r['payload_mb']:g}", f"{r['mbit']:g}" if r["mbit"] else "none",
@@ -806,7 +806,7 @@ def overlap_summary(runs: list[dict], penalty: dict) -> list[str]:
              f"Mbit/s both ways; H={r0['inner_steps']}, {r0['batch_size']} × {r0['seq_len']} tokens per step, "
              f"codec {r0['codec']}, {r0['rounds']} outer rounds per mode, seeds {', '.join(map(str, seeds))} "
              f"(data order and initial weights; the same identities in every run). Only `[sync] overlap` "
-             f"differs{sets}. Command: `{r0.get('command', 'python bench/overlap.py')}`.", ""]
+             f"differs{sets}. Command: `{r0.get('command', 'python bench/overlap.py')}`. {tcp_note(runs)}", ""]
     rows = []
     for mode in dict.fromkeys(r["mode"] for r in runs):
         mine, utils, pens = mode_numbers(runs, mode, penalty)

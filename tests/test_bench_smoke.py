@@ -182,6 +182,9 @@ def test_results(out, tmp_path):
         assert "**FAILED: diloco-topk-H5** — peer-1: expected event did not come / boom: it broke" in text
         assert all((tmp_path / "plots" / name).stat().st_size > 0
                    for name in ("convergence_tokens.png", "convergence_bytes.png", "convergence_wall.png"))
+    if (out / "transport.jsonl").exists():  # which TCP the namespaces ran is said (loopback: the host's)
+        congestion = {r["tcp_congestion"] for r in records(out / "transport.jsonl") if r.get("impl") and not r.get("error")}
+        assert f"TCP congestion control in the namespaces: {', '.join(sorted(congestion))}" in text
     if (out / "overlap.jsonl").exists():
         assert "| eager |" in text and (tmp_path / "plots" / "overlap.png").stat().st_size > 0
         assert "Overlap `eager` at 20 Mbit/s, H=5, compute utilization ≥0.95" in text
