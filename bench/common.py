@@ -381,12 +381,12 @@ class NetnsNetwork(Network):
 
 # The TCP congestion control in the benchmarks' namespaces. A volunteer's machine runs its OS's
 # default, which is loss-based (cubic on Linux, Windows and macOS); this host runs bbr, which a new
-# namespace inherits, and bbr's paced rate follows the flow's own recent share of a link, so it
-# lags when an all-reduce moves a link from one peer to the next (bench/analysis.md, section 3:
-# 4×64 MB at 100 Mbit/s 0.75 with bbr, 0.85 with reno). cubic cannot be set in a namespace here
-# (the host allows reno and bbr there); reno is the loss-based one it allows. At these links'
-# bandwidth-delay products cubic grows its window as reno does (its TCP-friendly region), but
-# backs off to 0.7 of it on a loss instead of 0.5. "host" keeps the host's.
+# namespace inherits. bbr overfills the caps' short queues (8-20 % of the segments retransmitted
+# at 20 Mbit/s) and every 4 MB all-reduce of the transport grid was 0.03-0.12 less efficient with
+# it (bench/analysis.md, section 3). cubic cannot be set in a namespace here (the host allows reno
+# and bbr there); reno is the loss-based one it allows. At these links' bandwidth-delay products
+# cubic grows its window about as reno does (its TCP-friendly region), but backs off to 0.7 of it
+# on a loss instead of 0.5. "host" keeps the host's.
 BENCH_TCP_CONGESTION = "reno"
 
 
