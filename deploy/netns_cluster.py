@@ -399,8 +399,9 @@ def cluster_up(peers: int, mbit: float, *, slow_mbit: float | None = None, prefi
             _run("ip", "-n", peer.netns, "link", "set", "lo", "up")
             if tcp_congestion is not None:
                 set_tcp_congestion(peer.netns, tcp_congestion)
-            state.tcp_congestion = tcp_congestion_of(peer.netns)
-            state.save()
+            if i == 0:  # every namespace gets the same: read it back once
+                state.tcp_congestion = tcp_congestion_of(peer.netns)
+                state.save()
             _tbf(cap, "tc", "-n", peer.netns, "eth0")  # the peer's upload
             _tbf(cap, "tc", peer.host_veth)  # the peer's download
             _say(f"peer {i}: {peer.netns} {peer.ip} capped at {cap} Mbit/s both ways, TCP {state.tcp_congestion}", quiet)
