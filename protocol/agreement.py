@@ -61,7 +61,7 @@ from collections import OrderedDict
 from typing import Awaitable, Callable, Iterable, Sequence
 
 from ._pb.lowcomm.v1 import averaging_pb2
-from .transport import Clock, Code, LoopClock, Refused
+from .transport import CallFailed, Clock, Code, LoopClock, ReduceTransport, Refused
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,17 @@ class ReportFailed(Exception):
 
 # Sends one report to the member at an address and returns its answer; raises ReportFailed.
 SendReport = Callable[[str, averaging_pb2.ShardReport, float], Awaitable[averaging_pb2.ShardReport]]
+
+
+def report_sender(transport: ReduceTransport) -> SendReport:
+    """``agree``'s way to send a report: ReportShards through ``transport``, a failed call as
+    ReportFailed (at least 0.1 s, so that a call at the deadline still gets a chance)."""
+    async def send(address: str, report: averaging_pb2.ShardReport, timeout: float) -> averaging_pb2.ShardReport:
+        try:
+            return await transport.report_shards(address, report, max(0.1, timeout))
+        except CallFailed as err:
+            raise ReportFailed(f"{err.code.name}: {err.detail}") from None
+    return send
 
 
 class ShardAgreement:

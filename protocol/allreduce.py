@@ -57,6 +57,7 @@ from .accumulator import MAX_WEIGHT_RATIO, RejectCallback, ShardAccumulator, bou
 from .aggregation import Aggregation
 from .crossgroup import TeamBook, stretch
 from .member import EXCHANGE_END, EXCHANGE_MIN_SECONDS, RESULT_MARGIN, AllReduceResult, run_allreduce, shard_slices
+from .ring import RingBook
 from .sender import CHUNK_BYTES, Inbox
 from .transport import Clock, Code, LoopClock, Refused
 from .validate import ContributionRejected
@@ -83,6 +84,7 @@ class ReduceRegistry:
         self._changed = asyncio.Event()
         self.agreements = AgreementBook()  # which shards the members of recent rounds hold
         self.teams = TeamBook()  # split steps: the teams of shard owners across groups (crossgroup.py)
+        self.rings = RingBook()  # ring rounds: the stream from the member before this one (ring.py)
 
     def open(self, accumulators: list[ShardAccumulator]) -> None:
         # Only one round's accumulators are kept: the previous round's late senders get NOT_FOUND.
@@ -118,6 +120,10 @@ class ReduceRegistry:
             raise Refused(Code.INVALID_ARGUMENT, "Reduce stream must start with a header") from None
         if first.HasField("team_header"):  # a shard owner of another group of a split step
             async for message in self.teams.handle(first.team_header, requests, self.executor, HEADER_TIMEOUT):
+                yield message
+            return
+        if first.HasField("ring_header"):  # the member before this one in a ring round (ring.py)
+            async for message in self.rings.handle(first.ring_header, requests, HEADER_TIMEOUT):
                 yield message
             return
         if not first.HasField("header"):

@@ -421,7 +421,8 @@ class Election:
                 for carried in follower.request.bucket_members:
                     add(carried.member, carried.bandwidth_bps)
         mine: averaging_pb2.Group | None = None
-        template = averaging_pb2.Group(step=current.step, codec=self.codec, reduce_timeout_s=self.reduce_timeout)
+        template = averaging_pb2.Group(step=current.step, codec=self.codec, reduce_timeout_s=self.reduce_timeout,
+                                       schedule=self.schedule)
         parts = split_into_groups(members, self.group_size, current.step)
         for group in close_groups(parts, bandwidth, current.numel, template, self.random_bytes):
             for member in group.members:

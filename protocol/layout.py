@@ -8,7 +8,7 @@ import math
 from typing import Callable
 
 from . import codecs
-from ._pb.lowcomm.v1 import averaging_pb2
+from ._pb.lowcomm.v1 import averaging_pb2, tensor_pb2
 
 
 def split_into_groups(members: list[averaging_pb2.Member], group_size: int, step: int) -> list[list[averaging_pb2.Member]]:
@@ -69,12 +69,41 @@ MAX_PIECE_STREAMS = 28  # pieces × (owners − 1) at most: the Reduce streams a
 def pieces_per_owner(payload_bytes: int, owners: int, link_bytes_per_second: float) -> int:
     """Into how many pieces a single group's leader cuts each owner's share (``piece_layout``),
     for a round whose whole encoded Δ is ``payload_bytes`` over links of the given rate (the
-    owners' median declared bandwidth; 0 when none is known yet: then one piece)."""
-    if not (link_bytes_per_second > 0 and math.isfinite(link_bytes_per_second)) or owners > MAX_PIECE_OWNERS:
+    owners' median declared bandwidth; 0 when none is known yet: then one piece): as many as
+    size and time allow (``ring_pieces``), within the Reduce streams an owner receives."""
+    if owners > MAX_PIECE_OWNERS:
         return 1
-    owners = max(1, owners)
+    return max(1, min(ring_pieces(payload_bytes, owners, link_bytes_per_second),
+                      MAX_PIECE_STREAMS // max(1, owners - 1)))
+
+
+# Codecs a ring runs with: dense ones, whose running sum re-encoded at each hop keeps its mass
+# (a sparse codec's would not; ring.py).
+RING_CODECS = frozenset({tensor_pb2.CODEC_FP32, tensor_pb2.CODEC_FP16, tensor_pb2.CODEC_BF16,
+                         tensor_pb2.CODEC_INT8, tensor_pb2.CODEC_INT4})
+
+
+def ring_problem_of_members(members: list[averaging_pb2.Member], codec_id: int) -> str:
+    """Why a single group of ``members`` cannot run as a ring ("" when it can; ring.py
+    ``ring_problem`` checks the whole group message with this): a leader makes it a butterfly."""
+    if len(members) < 2:
+        return "a ring needs two members or more"
+    if codec_id not in RING_CODECS:
+        return f"codec {codec_id} is not a dense codec (fp32, fp16, bf16, int8, int4)"
+    if any(not m.address for m in members):
+        return "every member of a ring must be reachable (a client-mode member cannot receive)"
+    return ""
+
+
+def ring_pieces(payload_bytes: int, members: int, link_bytes_per_second: float) -> int:
+    """Into how many pieces each member's share is cut by size and time alone: pieces of at
+    least MIN_PIECE_BYTES and MIN_PIECE_SECONDS on the link, at most MAX_PIECES; one piece when
+    no bandwidth is known. A ring's leader cuts this many (a ring member has one stream whatever
+    the pieces), so that a hop forwards one piece while the next arrives."""
+    if not (link_bytes_per_second > 0 and math.isfinite(link_bytes_per_second)):
+        return 1
     piece = max(MIN_PIECE_BYTES, link_bytes_per_second * MIN_PIECE_SECONDS)
-    return max(1, min(MAX_PIECES, int(payload_bytes // (owners * piece)), MAX_PIECE_STREAMS // max(1, owners - 1)))
+    return max(1, min(MAX_PIECES, int(payload_bytes // (max(1, members) * piece))))
 
 
 def median_declared(bandwidths: list[float]) -> float:
@@ -144,10 +173,12 @@ def close_groups(parts: list[list[averaging_pb2.Member]], bandwidth: dict[str, f
                  template: averaging_pb2.Group, random_bytes: Callable[[int], bytes]) -> list[averaging_pb2.Group]:
     """The Group messages a leader sends for the groups ``parts`` (``split_into_groups``).
 
-    ``template`` carries what every group shares (step, codec, reduce timeout). One group: its
-    shard layout by bandwidth over its reachable members, each member's share in pieces
-    (``piece_layout``). Several: the same layout and the step
-    plan in every one of them (``split_step_layout``, crossgroup.py). Group ids are drawn in
+    ``template`` carries what every group shares (step, codec, reduce timeout, schedule). One
+    group: its shard layout by bandwidth over its reachable members, each member's share in
+    pieces (``piece_layout``); as a ring (ring.py) when the template asks for one and the group
+    can be one (``ring_problem_of_members``), with equal shares, else as a butterfly. Several: the same
+    layout and the step plan in every one of them (``split_step_layout``, crossgroup.py), always
+    a butterfly. Group ids are drawn in
     group order, one ``random_bytes(16)`` each.
     """
     ids = [random_bytes(16) for _ in parts]
@@ -158,8 +189,16 @@ def close_groups(parts: list[list[averaging_pb2.Member]], bandwidth: dict[str, f
         group.CopyFrom(template)
         group.group_id = ids[0]
         declared = [bandwidth[parts[0][i].peer_id] for i in owners]
-        bounds, owner_of = piece_layout(numel, declared, pieces_per_owner(encoded_size(template.codec, numel),
-                                                                          len(owners), median_declared(declared)))
+        link = median_declared(declared)
+        if template.schedule == averaging_pb2.ALL_REDUCE_SCHEDULE_RING and not ring_problem_of_members(parts[0],
+                                                                                                  template.codec):
+            # Every chunk crosses every link of a ring: equal chunks, whatever the bandwidths.
+            bounds, owner_of = piece_layout(numel, [0.0] * len(owners), ring_pieces(encoded_size(template.codec, numel),
+                                                                                    len(owners), link))
+        else:
+            group.schedule = averaging_pb2.ALL_REDUCE_SCHEDULE_BUTTERFLY
+            bounds, owner_of = piece_layout(numel, declared, pieces_per_owner(encoded_size(template.codec, numel),
+                                                                              len(owners), link))
         group.shard_bounds.extend(bounds)
         group.members.extend(parts[0])
         group.shard_owners.extend(owners[k] for k in owner_of)
@@ -171,6 +210,7 @@ def close_groups(parts: list[list[averaging_pb2.Member]], bandwidth: dict[str, f
     for index, (group_id, group_members) in enumerate(zip(ids, parts)):
         group = averaging_pb2.Group()
         group.CopyFrom(template)
+        group.schedule = averaging_pb2.ALL_REDUCE_SCHEDULE_BUTTERFLY  # teams across groups are the butterfly's
         group.group_id, group.group_index = group_id, index
         group.members.extend(group_members)
         group.shard_bounds.extend(bounds)

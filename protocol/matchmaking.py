@@ -69,11 +69,14 @@ class Matchmaker(Election, BucketLevel, DirectPath):
         clock: Clock | None = None,
         random_bytes: RandomBytes = os.urandom,
         wall_clock: Callable[[], float] = time.time,
+        schedule: int = averaging_pb2.ALL_REDUCE_SCHEDULE_BUTTERFLY,
     ) -> None:
         """``channel_for(address)``: grpc.aio channels for the default gRPC transport (unused
         when ``transport`` is given). ``clock`` and ``random_bytes``: see transport.py.
         ``wall_clock``: seconds that peers agree on (the DHT's time), for the one deadline
-        that peers tell each other through the DHT (buckets.py ``TopWatch``)."""
+        that peers tell each other through the DHT (buckets.py ``TopWatch``). ``schedule``: the
+        Group.schedule this peer's groups get when it leads (a ring where the group can be one,
+        layout.py ``close_groups``)."""
         self.dht = dht
         self.run = run
         self.identity = identity
@@ -92,6 +95,7 @@ class Matchmaker(Election, BucketLevel, DirectPath):
         self.wall_clock = wall_clock
         self.group_size = group_size
         self.codec = codec
+        self.schedule = schedule
         self.numel = numel
         self.reduce_timeout = reduce_timeout
         self.quorum = quorum

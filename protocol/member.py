@@ -17,9 +17,10 @@ import torch
 from . import codecs
 from ._pb.lowcomm.v1 import averaging_pb2
 from .accumulator import ShardAccumulator, bounded_weights
-from .agreement import ReportFailed, ShardAgreement, agree
+from .agreement import ShardAgreement, agree, report_sender
 from .crossgroup import FETCH_END, StepPlan, answer_delay, stretch
 from .team import TeamRound, fetch
+from .ring import RING, run_ring_allreduce
 from .schedule import StageChain, stage_budget, upload_order
 from .sender import reduce_with_owner
 from .transport import CallFailed, Code, ReduceTransport
@@ -91,6 +92,9 @@ async def run_allreduce(
         from .grpc_transport import GrpcReduceTransport  # the adapter; the logic below never sees gRPC
 
         transport = GrpcReduceTransport(channel_for)
+    if group.schedule == RING:
+        return await run_ring_allreduce(group, peer_id, delta, residual, owner_residual, registry, executor, transport,
+                                        RESULT_MARGIN, EXCHANGE_END, EXCHANGE_MIN_SECONDS, quorum)
     clock = registry.clock
     codec = codecs.get_codec(group.codec)
     members = list(group.members)
@@ -254,16 +258,9 @@ async def run_allreduce(
         held = [average is not None for average in averages]
         skip = [not h and i not in refused for i, h in enumerate(held)]
 
-        async def send_report(address: str, report: averaging_pb2.ShardReport,
-                              timeout: float) -> averaging_pb2.ShardReport:
-            try:
-                return await transport.report_shards(address, report, max(0.1, timeout))
-            except CallFailed as err:
-                raise ReportFailed(f"{err.code.name}: {err.detail}") from None
-
         reachable = {m.peer_id: m.address for m in members if m.address and m.peer_id != peer_id}
         exchange_deadline = max(agreement.deadline, clock.monotonic() + EXCHANGE_MIN_SECONDS)
-        agreed = await agree(agreement, held, skip, exchange_deadline, reachable, send_report, quorum)
+        agreed = await agree(agreement, held, skip, exchange_deadline, reachable, report_sender(transport), quorum)
     finally:
         agreement.abandon()  # no-op once decided; otherwise callers must not wait for us
 

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import torch
 
+from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
 from lowcomm.protocol.allreduce import run_allreduce
 from lowcomm.protocol.schedule import result_order, upload_order
 
@@ -180,5 +181,102 @@ def test_staggered_members_upload_to_one_owner_after_the_other(numel, pieces):
 
         finally:
             await stop_peers(peers)
+
+    run(scenario())
+
+
+# -- the ring (protocol/ring.py) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp32"])
+def test_a_ring_led_group_ends_bit_identical_with_the_weighted_mean_over_grpc(codec):
+    """Leaders that ask for a ring (the node's ``[sync] schedule = "ring"``) close a ring group,
+    and its members average over real gRPC streams, one per member, to the same bits."""
+    from lowcomm.protocol.ring import RING
+
+    numel = 300_007
+
+    async def scenario():
+        peers = await start_peers(4, numel, codec)
+        try:
+            for p in peers:
+                p.matchmaker.schedule = RING
+            gen = torch.Generator().manual_seed(6)
+            theta = torch.randn(numel, generator=gen)
+            deltas = [torch.randn(numel, generator=gen) * 0.01 for _ in peers]
+            expected = {p.peer_id for p in peers}
+            results = await asyncio.gather(*(p.average(0, d, expected) for p, d in zip(peers, deltas)))
+            groups = [g for g, _ in results]
+            assert all(g.schedule == RING and len(g.members) == 4 for g in groups)
+            assert len({digest(apply_outer(theta, r)) for _, r in results}) == 1
+            assert all(all(a is not None for a in r.averages) for _, r in results)
+            mean = torch.stack(deltas).mean(0)
+            got = torch.cat(results[0][1].averages)
+            tolerance = 1e-8 if codec == "fp32" else 0.02 * mean.abs().max().item()
+            assert torch.allclose(got, mean, atol=tolerance, rtol=1e-5)
+            # One stream per member: every member sent 2·(N−1)/N of the payload.
+            for _, r in results:
+                assert r.bytes_sent == pytest.approx(1.5 * r.payload_bytes, rel=0.01)
+        finally:
+            await stop_peers(peers)
+
+    run(scenario())
+
+
+def test_a_ring_member_stopped_mid_round_breaks_the_ring_for_all_at_once_over_grpc(monkeypatch):
+    """The third member's process goes away (task cancelled, server stopped) once the first sum
+    from the member before it has arrived: both survivors' streams break, they skip every shard
+    they do not all hold, keep all of x there, end long before the ring's deadline, and leave
+    no task or stream behind (the loop's exception handler hears nothing)."""
+    from lowcomm.protocol import ring
+    from lowcomm.protocol.layout import piece_layout
+
+    numel, reduce_timeout = 1_000_003, 20.0
+    first_read = asyncio.Event()
+    read = ring.RingInbox.read
+
+    async def observed_read(self, size):
+        box = await read(self, size)
+        if self.sender == "peer-01":  # the inbox of peer-02, the member after peer-01
+            first_read.set()
+            await asyncio.Event().wait()  # peer-02 goes no further
+        return box
+
+    monkeypatch.setattr(ring.RingInbox, "read", observed_read)
+
+    async def scenario():
+        problems = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: problems.append(f"{context['message']} {context.get('task') or context.get('future')!r}"))
+        peers = await start_peers(3, numel, "fp32", reduce_timeout=reduce_timeout)
+        try:
+            bounds, owners = piece_layout(numel, [0.0] * 3, 4)
+            group = averaging_pb2.Group(
+                group_id=b"k" * 16, step=0, shard_bounds=bounds, shard_owners=owners, codec=1,
+                reduce_timeout_s=reduce_timeout, schedule=ring.RING,
+                members=[averaging_pb2.Member(peer_id=p.peer_id, address=p.matchmaker.address, weight=1.0)
+                         for p in peers])
+            gen = torch.Generator().manual_seed(8)
+            deltas = [torch.randn(numel, generator=gen) * 0.01 for _ in peers]
+            started = asyncio.get_running_loop().time()
+            tasks = [asyncio.create_task(p.reduce(group, d)) for p, d in zip(peers, deltas)]
+            await first_read.wait()
+            tasks[2].cancel()
+            await peers[2].stop()
+            results = await asyncio.gather(*tasks[:2])
+            elapsed = asyncio.get_running_loop().time() - started
+            for p, r, d in zip(peers, results, deltas):
+                assert [a is None for a in r.averages] == [a is None for a in results[0].averages]
+                for j, sl in enumerate(r.slices):
+                    if r.averages[j] is None:
+                        assert torch.equal(p.residual[sl], d[sl])  # all of x carried
+            assert all(a is None for a in results[0].averages)  # no sum got round a ring with a hole
+            assert elapsed < reduce_timeout / 2
+        finally:
+            await stop_peers(peers)
+        await asyncio.sleep(0.1)  # let anything left behind be collected and reported
+        import gc
+        gc.collect()
+        await asyncio.sleep(0)
+        assert problems == []
 
     run(scenario())

@@ -26,13 +26,15 @@ from . import handshake_pb2 as lowcomm_dot_v1_dot_handshake__pb2
 from . import tensor_pb2 as lowcomm_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1alowcomm/v1/averaging.proto\x12\nlowcomm.v1\x1a\x1alowcomm/v1/handshake.proto\x1a\x17lowcomm/v1/tensor.proto\"\x85\x02\n\x0bJoinRequest\x12 \n\x05hello\x18\x01 \x01(\x0b\x32\x11.lowcomm.v1.Hello\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12\x15\n\rbandwidth_bps\x18\x05 \x01(\x01\x12\x15\n\rparams_sha256\x18\x06 \x01(\t\x12\x0e\n\x06wait_s\x18\x07 \x01(\x01\x12\x0e\n\x06\x64irect\x18\x08 \x01(\x08\x12\x0e\n\x06\x62ucket\x18\t \x01(\t\x12\x15\n\rclosed_bucket\x18\n \x01(\t\x12\x30\n\x0e\x62ucket_members\x18\x0b \x03(\x0b\x32\x18.lowcomm.v1.BucketMember\"I\n\x0c\x42ucketMember\x12\"\n\x06member\x18\x01 \x01(\x0b\x32\x12.lowcomm.v1.Member\x12\x15\n\rbandwidth_bps\x18\x02 \x01(\x01\":\n\x06Member\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\"\xa6\x02\n\x05Group\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12#\n\x07members\x18\x03 \x03(\x0b\x32\x12.lowcomm.v1.Member\x12\x14\n\x0cshard_bounds\x18\x04 \x03(\x03\x12\x14\n\x0cshard_owners\x18\x05 \x03(\x05\x12 \n\x05\x63odec\x18\x06 \x01(\x0e\x32\x11.lowcomm.v1.Codec\x12\x18\n\x10reduce_timeout_s\x18\x07 \x01(\x01\x12*\n\x0bstep_groups\x18\x08 \x03(\x0b\x32\x15.lowcomm.v1.StepGroup\x12\x13\n\x0bgroup_index\x18\t \x01(\x05\x12\x15\n\rteam_reducers\x18\n \x03(\x05\x12\x18\n\x10team_subreducers\x18\x0b \x03(\x05\"X\n\tStepGroup\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12#\n\x07members\x18\x02 \x03(\x0b\x32\x12.lowcomm.v1.Member\x12\x14\n\x0cshard_owners\x18\x03 \x03(\x05\"f\n\x0cJoinResponse\x12\"\n\x05group\x18\x01 \x01(\x0b\x32\x11.lowcomm.v1.GroupH\x00\x12(\n\x08redirect\x18\x02 \x01(\x0b\x32\x14.lowcomm.v1.RedirectH\x00\x42\x08\n\x06result\",\n\x08Redirect\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x95\x01\n\x0cReduceHeader\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x16\n\x0esender_peer_id\x18\x03 \x01(\t\x12 \n\x05\x63odec\x18\x04 \x01(\x0e\x32\x11.lowcomm.v1.Codec\x12\r\n\x05numel\x18\x05 \x01(\x03\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x03\"l\n\x0cReduceResult\x12 \n\x05\x63odec\x18\x01 \x01(\x0e\x32\x11.lowcomm.v1.Codec\x12\r\n\x05numel\x18\x02 \x01(\x03\x12\x15\n\rpayload_bytes\x18\x03 \x01(\x03\x12\x14\n\x0c\x63ontributors\x18\x04 \x03(\t\"\xaf\x01\n\rReduceMessage\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.lowcomm.v1.ReduceHeaderH\x00\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x18.lowcomm.v1.ReduceResultH\x00\x12\x0f\n\x05\x63hunk\x18\x03 \x01(\x0cH\x00\x12-\n\x0bteam_header\x18\x04 \x01(\x0b\x32\x16.lowcomm.v1.TeamHeaderH\x00\x42\x06\n\x04kind\"\xaa\x01\n\nTeamHeader\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x12\n\nfrom_group\x18\x03 \x01(\x05\x12\x16\n\x0esender_peer_id\x18\x04 \x01(\t\x12\r\n\x05numel\x18\x05 \x01(\x03\x12\x14\n\x0c\x63ontributors\x18\x06 \x03(\t\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x03\x12\r\n\x05\x66\x65tch\x18\x08 \x01(\x08\"E\n\x0bShardReport\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x16\n\x0esender_peer_id\x18\x02 \x01(\t\x12\x0c\n\x04skip\x18\x03 \x03(\x08\x32\xd1\x01\n\tAveraging\x12>\n\tJoinGroup\x12\x17.lowcomm.v1.JoinRequest\x1a\x18.lowcomm.v1.JoinResponse\x12\x42\n\x06Reduce\x12\x19.lowcomm.v1.ReduceMessage\x1a\x19.lowcomm.v1.ReduceMessage(\x01\x30\x01\x12@\n\x0cReportShards\x12\x17.lowcomm.v1.ShardReport\x1a\x17.lowcomm.v1.ShardReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1alowcomm/v1/averaging.proto\x12\nlowcomm.v1\x1a\x1alowcomm/v1/handshake.proto\x1a\x17lowcomm/v1/tensor.proto\"\x85\x02\n\x0bJoinRequest\x12 \n\x05hello\x18\x01 \x01(\x0b\x32\x11.lowcomm.v1.Hello\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12\x15\n\rbandwidth_bps\x18\x05 \x01(\x01\x12\x15\n\rparams_sha256\x18\x06 \x01(\t\x12\x0e\n\x06wait_s\x18\x07 \x01(\x01\x12\x0e\n\x06\x64irect\x18\x08 \x01(\x08\x12\x0e\n\x06\x62ucket\x18\t \x01(\t\x12\x15\n\rclosed_bucket\x18\n \x01(\t\x12\x30\n\x0e\x62ucket_members\x18\x0b \x03(\x0b\x32\x18.lowcomm.v1.BucketMember\"I\n\x0c\x42ucketMember\x12\"\n\x06member\x18\x01 \x01(\x0b\x32\x12.lowcomm.v1.Member\x12\x15\n\rbandwidth_bps\x18\x02 \x01(\x01\":\n\x06Member\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\"\xd7\x02\n\x05Group\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12#\n\x07members\x18\x03 \x03(\x0b\x32\x12.lowcomm.v1.Member\x12\x14\n\x0cshard_bounds\x18\x04 \x03(\x03\x12\x14\n\x0cshard_owners\x18\x05 \x03(\x05\x12 \n\x05\x63odec\x18\x06 \x01(\x0e\x32\x11.lowcomm.v1.Codec\x12\x18\n\x10reduce_timeout_s\x18\x07 \x01(\x01\x12*\n\x0bstep_groups\x18\x08 \x03(\x0b\x32\x15.lowcomm.v1.StepGroup\x12\x13\n\x0bgroup_index\x18\t \x01(\x05\x12\x15\n\rteam_reducers\x18\n \x03(\x05\x12\x18\n\x10team_subreducers\x18\x0b \x03(\x05\x12/\n\x08schedule\x18\x0c \x01(\x0e\x32\x1d.lowcomm.v1.AllReduceSchedule\"X\n\tStepGroup\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12#\n\x07members\x18\x02 \x03(\x0b\x32\x12.lowcomm.v1.Member\x12\x14\n\x0cshard_owners\x18\x03 \x03(\x05\"f\n\x0cJoinResponse\x12\"\n\x05group\x18\x01 \x01(\x0b\x32\x11.lowcomm.v1.GroupH\x00\x12(\n\x08redirect\x18\x02 \x01(\x0b\x32\x14.lowcomm.v1.RedirectH\x00\x42\x08\n\x06result\",\n\x08Redirect\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x95\x01\n\x0cReduceHeader\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x16\n\x0esender_peer_id\x18\x03 \x01(\t\x12 \n\x05\x63odec\x18\x04 \x01(\x0e\x32\x11.lowcomm.v1.Codec\x12\r\n\x05numel\x18\x05 \x01(\x03\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x03\"l\n\x0cReduceResult\x12 \n\x05\x63odec\x18\x01 \x01(\x0e\x32\x11.lowcomm.v1.Codec\x12\r\n\x05numel\x18\x02 \x01(\x03\x12\x15\n\rpayload_bytes\x18\x03 \x01(\x03\x12\x14\n\x0c\x63ontributors\x18\x04 \x03(\t\"\xde\x01\n\rReduceMessage\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.lowcomm.v1.ReduceHeaderH\x00\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x18.lowcomm.v1.ReduceResultH\x00\x12\x0f\n\x05\x63hunk\x18\x03 \x01(\x0cH\x00\x12-\n\x0bteam_header\x18\x04 \x01(\x0b\x32\x16.lowcomm.v1.TeamHeaderH\x00\x12-\n\x0bring_header\x18\x05 \x01(\x0b\x32\x16.lowcomm.v1.RingHeaderH\x00\x42\x06\n\x04kind\"6\n\nRingHeader\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x16\n\x0esender_peer_id\x18\x02 \x01(\t\"\xaa\x01\n\nTeamHeader\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x12\n\nfrom_group\x18\x03 \x01(\x05\x12\x16\n\x0esender_peer_id\x18\x04 \x01(\t\x12\r\n\x05numel\x18\x05 \x01(\x03\x12\x14\n\x0c\x63ontributors\x18\x06 \x03(\t\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x03\x12\r\n\x05\x66\x65tch\x18\x08 \x01(\x08\"E\n\x0bShardReport\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x16\n\x0esender_peer_id\x18\x02 \x01(\t\x12\x0c\n\x04skip\x18\x03 \x03(\x08*T\n\x11\x41llReduceSchedule\x12!\n\x1d\x41LL_REDUCE_SCHEDULE_BUTTERFLY\x10\x00\x12\x1c\n\x18\x41LL_REDUCE_SCHEDULE_RING\x10\x01\x32\xd1\x01\n\tAveraging\x12>\n\tJoinGroup\x12\x17.lowcomm.v1.JoinRequest\x1a\x18.lowcomm.v1.JoinResponse\x12\x42\n\x06Reduce\x12\x19.lowcomm.v1.ReduceMessage\x1a\x19.lowcomm.v1.ReduceMessage(\x01\x30\x01\x12@\n\x0cReportShards\x12\x17.lowcomm.v1.ShardReport\x1a\x17.lowcomm.v1.ShardReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lowcomm.v1.averaging_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_ALLREDUCESCHEDULE']._serialized_start=1867
+  _globals['_ALLREDUCESCHEDULE']._serialized_end=1951
   _globals['_JOINREQUEST']._serialized_start=96
   _globals['_JOINREQUEST']._serialized_end=357
   _globals['_BUCKETMEMBER']._serialized_start=359
@@ -40,23 +42,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MEMBER']._serialized_start=434
   _globals['_MEMBER']._serialized_end=492
   _globals['_GROUP']._serialized_start=495
-  _globals['_GROUP']._serialized_end=789
-  _globals['_STEPGROUP']._serialized_start=791
-  _globals['_STEPGROUP']._serialized_end=879
-  _globals['_JOINRESPONSE']._serialized_start=881
-  _globals['_JOINRESPONSE']._serialized_end=983
-  _globals['_REDIRECT']._serialized_start=985
-  _globals['_REDIRECT']._serialized_end=1029
-  _globals['_REDUCEHEADER']._serialized_start=1032
-  _globals['_REDUCEHEADER']._serialized_end=1181
-  _globals['_REDUCERESULT']._serialized_start=1183
-  _globals['_REDUCERESULT']._serialized_end=1291
-  _globals['_REDUCEMESSAGE']._serialized_start=1294
-  _globals['_REDUCEMESSAGE']._serialized_end=1469
-  _globals['_TEAMHEADER']._serialized_start=1472
-  _globals['_TEAMHEADER']._serialized_end=1642
-  _globals['_SHARDREPORT']._serialized_start=1644
-  _globals['_SHARDREPORT']._serialized_end=1713
-  _globals['_AVERAGING']._serialized_start=1716
-  _globals['_AVERAGING']._serialized_end=1925
+  _globals['_GROUP']._serialized_end=838
+  _globals['_STEPGROUP']._serialized_start=840
+  _globals['_STEPGROUP']._serialized_end=928
+  _globals['_JOINRESPONSE']._serialized_start=930
+  _globals['_JOINRESPONSE']._serialized_end=1032
+  _globals['_REDIRECT']._serialized_start=1034
+  _globals['_REDIRECT']._serialized_end=1078
+  _globals['_REDUCEHEADER']._serialized_start=1081
+  _globals['_REDUCEHEADER']._serialized_end=1230
+  _globals['_REDUCERESULT']._serialized_start=1232
+  _globals['_REDUCERESULT']._serialized_end=1340
+  _globals['_REDUCEMESSAGE']._serialized_start=1343
+  _globals['_REDUCEMESSAGE']._serialized_end=1565
+  _globals['_RINGHEADER']._serialized_start=1567
+  _globals['_RINGHEADER']._serialized_end=1621
+  _globals['_TEAMHEADER']._serialized_start=1624
+  _globals['_TEAMHEADER']._serialized_end=1794
+  _globals['_SHARDREPORT']._serialized_start=1796
+  _globals['_SHARDREPORT']._serialized_end=1865
+  _globals['_AVERAGING']._serialized_start=1954
+  _globals['_AVERAGING']._serialized_end=2163
 # @@protoc_insertion_point(module_scope)

@@ -1,12 +1,20 @@
 from . import handshake_pb2 as _handshake_pb2
 from . import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class AllReduceSchedule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ALL_REDUCE_SCHEDULE_BUTTERFLY: _ClassVar[AllReduceSchedule]
+    ALL_REDUCE_SCHEDULE_RING: _ClassVar[AllReduceSchedule]
+ALL_REDUCE_SCHEDULE_BUTTERFLY: AllReduceSchedule
+ALL_REDUCE_SCHEDULE_RING: AllReduceSchedule
 
 class JoinRequest(_message.Message):
     __slots__ = ("hello", "step", "address", "weight", "bandwidth_bps", "params_sha256", "wait_s", "direct", "bucket", "closed_bucket", "bucket_members")
@@ -53,7 +61,7 @@ class Member(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class Group(_message.Message):
-    __slots__ = ("group_id", "step", "members", "shard_bounds", "shard_owners", "codec", "reduce_timeout_s", "step_groups", "group_index", "team_reducers", "team_subreducers")
+    __slots__ = ("group_id", "step", "members", "shard_bounds", "shard_owners", "codec", "reduce_timeout_s", "step_groups", "group_index", "team_reducers", "team_subreducers", "schedule")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +73,7 @@ class Group(_message.Message):
     GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
     TEAM_REDUCERS_FIELD_NUMBER: _ClassVar[int]
     TEAM_SUBREDUCERS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     group_id: bytes
     step: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
@@ -76,7 +85,8 @@ class Group(_message.Message):
     group_index: int
     team_reducers: _containers.RepeatedScalarFieldContainer[int]
     team_subreducers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, group_id: _Optional[bytes] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., shard_bounds: _Optional[_Iterable[int]] = ..., shard_owners: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., reduce_timeout_s: _Optional[float] = ..., step_groups: _Optional[_Iterable[_Union[StepGroup, _Mapping]]] = ..., group_index: _Optional[int] = ..., team_reducers: _Optional[_Iterable[int]] = ..., team_subreducers: _Optional[_Iterable[int]] = ...) -> None: ...
+    schedule: AllReduceSchedule
+    def __init__(self, group_id: _Optional[bytes] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., shard_bounds: _Optional[_Iterable[int]] = ..., shard_owners: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., reduce_timeout_s: _Optional[float] = ..., step_groups: _Optional[_Iterable[_Union[StepGroup, _Mapping]]] = ..., group_index: _Optional[int] = ..., team_reducers: _Optional[_Iterable[int]] = ..., team_subreducers: _Optional[_Iterable[int]] = ..., schedule: _Optional[_Union[AllReduceSchedule, str]] = ...) -> None: ...
 
 class StepGroup(_message.Message):
     __slots__ = ("group_id", "members", "shard_owners")
@@ -133,16 +143,26 @@ class ReduceResult(_message.Message):
     def __init__(self, codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., contributors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReduceMessage(_message.Message):
-    __slots__ = ("header", "result", "chunk", "team_header")
+    __slots__ = ("header", "result", "chunk", "team_header", "ring_header")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TEAM_HEADER_FIELD_NUMBER: _ClassVar[int]
+    RING_HEADER_FIELD_NUMBER: _ClassVar[int]
     header: ReduceHeader
     result: ReduceResult
     chunk: bytes
     team_header: TeamHeader
-    def __init__(self, header: _Optional[_Union[ReduceHeader, _Mapping]] = ..., result: _Optional[_Union[ReduceResult, _Mapping]] = ..., chunk: _Optional[bytes] = ..., team_header: _Optional[_Union[TeamHeader, _Mapping]] = ...) -> None: ...
+    ring_header: RingHeader
+    def __init__(self, header: _Optional[_Union[ReduceHeader, _Mapping]] = ..., result: _Optional[_Union[ReduceResult, _Mapping]] = ..., chunk: _Optional[bytes] = ..., team_header: _Optional[_Union[TeamHeader, _Mapping]] = ..., ring_header: _Optional[_Union[RingHeader, _Mapping]] = ...) -> None: ...
+
+class RingHeader(_message.Message):
+    __slots__ = ("group_id", "sender_peer_id")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    group_id: bytes
+    sender_peer_id: str
+    def __init__(self, group_id: _Optional[bytes] = ..., sender_peer_id: _Optional[str] = ...) -> None: ...
 
 class TeamHeader(_message.Message):
     __slots__ = ("group_id", "shard_index", "from_group", "sender_peer_id", "numel", "contributors", "payload_bytes", "fetch")

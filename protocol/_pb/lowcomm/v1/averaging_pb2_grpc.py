@@ -31,7 +31,8 @@ class AveragingStub:
     (member, reachable member) pair after the reduce phase. A step split into several groups
     (Group.step_groups) also uses Reduce once per (shard owner, team reducer) pair, starting with
     a TeamHeader; an owner without the reducer's answer fetches it from the team's other owners
-    (a Reduce stream whose TeamHeader has `fetch`).
+    (a Reduce stream whose TeamHeader has `fetch`). A ring round (Group.schedule RING) uses Reduce
+    once per member instead, to the next member of the ring, starting with a RingHeader.
     """
 
     def __init__(self, channel):
@@ -63,7 +64,8 @@ class AveragingServicer:
     (member, reachable member) pair after the reduce phase. A step split into several groups
     (Group.step_groups) also uses Reduce once per (shard owner, team reducer) pair, starting with
     a TeamHeader; an owner without the reducer's answer fetches it from the team's other owners
-    (a Reduce stream whose TeamHeader has `fetch`).
+    (a Reduce stream whose TeamHeader has `fetch`). A ring round (Group.schedule RING) uses Reduce
+    once per member instead, to the next member of the ring, starting with a RingHeader.
     """
 
     def JoinGroup(self, request, context):
@@ -124,7 +126,8 @@ class Averaging:
     (member, reachable member) pair after the reduce phase. A step split into several groups
     (Group.step_groups) also uses Reduce once per (shard owner, team reducer) pair, starting with
     a TeamHeader; an owner without the reducer's answer fetches it from the team's other owners
-    (a Reduce stream whose TeamHeader has `fetch`).
+    (a Reduce stream whose TeamHeader has `fetch`). A ring round (Group.schedule RING) uses Reduce
+    once per member instead, to the next member of the ring, starting with a RingHeader.
     """
 
     @staticmethod
