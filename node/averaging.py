@@ -31,6 +31,7 @@ from lowcomm.protocol.buckets import bucketed_by_plan
 from lowcomm.protocol.handshake import IncompatiblePeer
 from lowcomm.protocol.matchmaking import Matchmaker, MatchmakingError, RoundPeers
 from lowcomm.protocol.missed_rounds import AppliedAverage
+from lowcomm.protocol.ring import RING
 from lowcomm.protocol.rpc import ChannelPool
 from lowcomm.protocol.state import params_sha256
 
@@ -63,6 +64,7 @@ class RoundReport:
     round_start_read: bool = True  # the table was read at the round's start (not: a direct follower, a plan member)
     tokens: float = 0.0  # what this node's Δ stood for (its weight in the round)
     consensus_distance: float = math.nan  # gossip mode: to the partners reached, before mixing
+    schedule: str = ""  # all-reduce mode: how the group exchanged ("butterfly" or "ring", protocol/ring.py)
 
 
 @dataclass
@@ -373,5 +375,6 @@ class Averager:
             self.metrics.round_failures.labels(reason="shard_skipped").inc()
         applied = None if self.config.sync.state_sync else (codecs.get_codec(group.codec),
                                                              applied_averages(fragment, result))
-        return RoundOutcome(RoundReport(len(group.members), 0.0, sent, received, skipped, allreduce_seconds=seconds),
+        return RoundOutcome(RoundReport(len(group.members), 0.0, sent, received, skipped, allreduce_seconds=seconds,
+                                        schedule="ring" if group.schedule == RING else "butterfly"),
                             apply=apply, group=group, applied=applied)

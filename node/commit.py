@@ -158,6 +158,7 @@ class Committer:
                  "payload_bytes": self.codec.encoded_size(fragment.stop - fragment.start),
                  "fragment": [fragment.start, fragment.stop],
                  "bytes_received": report.bytes_received, "skipped_shards": report.skipped_shards,
+                 "schedule": report.schedule,
                  "numel": self.trainer.numel, "codec": self.codec.name, "tokens_total": stats.tokens_total,
                  "tokens_averaged": report.tokens,
                  "compute_utilization": stats.compute_utilization,

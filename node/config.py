@@ -99,6 +99,8 @@ class Config(ConfigSection):
         # Keys added later enter the fingerprint only when set: runs without them keep theirs.
         if not sync["state_sync"]:
             del sync["state_sync"], sync["state_codec"]
+        if sync["schedule"] == "butterfly":
+            del sync["schedule"]
         train = self.train.model_dump()
         if train["optimizer"] == "adamw":
             for key in ("optimizer", "mtdao_beta_slow", "mtdao_slow_weight"):

@@ -30,7 +30,7 @@ from grpc_health.v1 import health, health_pb2
 
 from lowcomm import __version__
 from lowcomm.protocol import codecs
-from lowcomm.protocol._pb.lowcomm.v1 import node_pb2
+from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2, node_pb2
 from lowcomm.protocol.aggregation import Aggregation
 from lowcomm.protocol.allreduce import ReduceRegistry
 from lowcomm.protocol.auth import RunAuth, ServerAuthInterceptor, TLSConfig, client_interceptors
@@ -244,6 +244,8 @@ class Node:
             self.dht_client, self.config.run.name, self.identity, "", self.channels,
             self.config.sync.group_size, int(self.codec.id), self.trainer.numel, self.config.sync.reduce_timeout,
             quorum=self.config.sync.quorum, min_straggler_wait=self.config.sync.straggler_wait,
+            schedule=averaging_pb2.ALL_REDUCE_SCHEDULE_RING if self.config.sync.schedule == "ring"
+            else averaging_pb2.ALL_REDUCE_SCHEDULE_BUTTERFLY,
         )
         link.plan_behind = self.matchmaker.plan_behind
         serve_peers = not cfg.client_mode

@@ -14,7 +14,7 @@ from typing import Mapping
 
 PREFIX = "LOWCOMM_FAULT_"
 # Handled outside the node's own code (tests/faultinject/sitecustomize.py patches the process).
-EXTERNAL = frozenset({"DIE_SERVING"})
+EXTERNAL = frozenset({"DIE_SERVING", "DIE_IN_RING"})
 
 
 @dataclass(frozen=True)

@@ -252,3 +252,21 @@ def test_rendered_config_documents_the_model_and_data_plug_ins(tmp_path):
     model_json.write_text('{"model_type": "llama"}')
     path = write(tmp_path, text.replace('[model]\n', f'[model]\nhf_config = "{model_json}"\n', 1))
     assert load_config(path, environ={}).model.kind == "hf_config"
+
+
+# -- the ring schedule --------------------------------------------------------------------------
+
+
+def test_ring_schedule_enters_the_fingerprint_and_the_default_keeps_old_ones():
+    assert "schedule" not in load_config(environ={}).run_config()["sync"]
+    assert fingerprint("sync.schedule=butterfly") == fingerprint()
+    assert fingerprint("sync.schedule=ring") != fingerprint()
+
+
+@pytest.mark.parametrize("override,needle", [("sync.aggregation=clipped_mean", "aggregation = \"mean\""),
+                                             ("sync.codec=sparseloco", "sparse codec"),
+                                             ("sync.mode=gossip", "mode = \"allreduce\"")])
+def test_a_ring_needs_the_plain_mean_a_dense_codec_and_allreduce(override, needle):
+    with pytest.raises(ConfigError, match="schedule") as err:
+        load_config(overrides=["sync.schedule=ring", override], environ={})
+    assert needle in str(err.value)

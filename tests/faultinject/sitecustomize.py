@@ -11,6 +11,12 @@ holds the result streams of the others, and kills itself (SIGKILL) as soon as th
 shard report arrives, which proves it holds the average: an owner that dies in the middle of its
 result stream, with one member holding its average and the others not. Before dying it logs the
 event ``fault_die_serving`` with the step and the member that got the average.
+
+LOWCOMM_FAULT_DIE_IN_RING=<n>: in the n-th ring round (protocol/ring.py) of this peer with three
+members or more, it kills itself (SIGKILL) as soon as the first running sum from the member
+before it has arrived: a member that dies in the middle of the reduce-scatter, with
+sums of the others on their way through it. Before dying it logs ``fault_die_in_ring`` with the
+step.
 """
 
 from __future__ import annotations
@@ -18,6 +24,40 @@ from __future__ import annotations
 import os
 
 _SIZE = os.environ.get("LOWCOMM_FAULT_DIE_SERVING")
+_RING_SIZE = os.environ.get("LOWCOMM_FAULT_DIE_IN_RING")
+
+
+def _die(event: str, **fields) -> None:
+    import logging
+    import signal
+
+    logging.getLogger("lowcomm.faults").warning("fault injection: %s", event, extra={"event": event, **fields})
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if _RING_SIZE:
+    from lowcomm.protocol import ring
+
+    _read = ring.RingInbox.read
+    _run = ring.run_ring_allreduce
+
+    _rounds = [0]
+
+    async def _faulty_run(group, *args, **kwargs):
+        _rounds[0] += len(group.members) >= 3
+        ring._fault_step = group.step if len(group.members) >= 3 and _rounds[0] == int(_RING_SIZE) else None
+        return await _run(group, *args, **kwargs)
+
+    async def _faulty_read(self, size):
+        box = await _read(self, size)
+        if getattr(ring, "_fault_step", None) is not None:
+            _die("fault_die_in_ring", outer_step=ring._fault_step)
+        return box
+
+    ring.RingInbox.read = _faulty_read
+    ring.run_ring_allreduce = _faulty_run
 
 if _SIZE:
     import asyncio
