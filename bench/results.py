@@ -663,13 +663,24 @@ def tcp_note(runs: list[dict]) -> str:
             "which runs before 2026-12-03 inherited: bench/README.md).")
 
 
+SCHEDULE_LABELS = {"staggered": "butterfly", "all": "butterfly, all at once", "ring": "ring"}
+
+
+def impl_label(record: dict) -> str:
+    """``lowcomm <schedule>`` for the project's rows (bench/transport.py --schedule), else the impl."""
+    if record.get("impl") != "lowcomm":
+        return record.get("impl", "")
+    schedule = record.get("schedule") or "staggered"
+    return f"lowcomm {SCHEDULE_LABELS.get(schedule, schedule)}"
+
+
 def transport_section(records: list[dict], slow: list[dict], plot_dir: Path, goals: list[str]) -> list[str]:
     lines = ["## 3. Transport efficiency: one averaging round vs 2·(N−1)/N·S/B", ""]
     goal = "Transport ≥0.90 of the bound (median) and ≥0.80 in every configuration"
     if (skipped := skip_note(records, goals, goal)) is not None:
         return lines + skipped
     broken = [r for r in records if r.get("error")]
-    runs = [r for r in records if r.get("impl") and not r.get("error")]
+    runs = [dict(r, impl=impl_label(r)) for r in records if r.get("impl") and not r.get("error")]
     if not runs:
         goals.append(f"- {goal}: **not measured** (see section 3).")
         return lines + (failures(broken) or ["Not run.", ""])
@@ -677,13 +688,17 @@ def transport_section(records: list[dict], slow: list[dict], plot_dir: Path, goa
     lines += ["One agent per network namespace (bench/transport_agent.py), every peer capped at B in both "
               "directions (tc tbf, 50 ms queue" + (", MTU-sized packets (`--queue router`)" if queue == "router" else
                                                    ", 64 kB GSO packets" if queue == "gso" else "") + "). "
-              "`lowcomm`: the node's butterfly all-reduce (protocol/allreduce.py, gRPC streams, "
+              "`lowcomm butterfly`: the node's default all-reduce (protocol/allreduce.py, gRPC streams, "
               f"codec {runs[0]['codec']}, staggered schedule, the leader's layout with its pieces: "
-              "protocol/layout.py), group given by the harness. `hivemind`: "
+              "protocol/layout.py); `lowcomm ring`: `[sync] schedule = \"ring\"` (protocol/ring.py: one stream per "
+              "member to the next, equal chunks in pieces, layout.py `ring_pieces`; plain mean only, for members "
+              "that trust each other); group given by the harness, fresh agents for every cap and schedule. "
+              "`hivemind`: "
               "DecentralizedAverager, NoCompression, matchmaking excluded. Time: from the last member's start to the "
               "last member's end; median of the measured rounds, with min–max. " + tcp_note(runs), ""]
     rows = []
-    for r in sorted(runs, key=lambda r: (r["impl"] != "lowcomm", r["mbit"] or 0, r["peers"], r["payload_mb"])):
+    for r in sorted(runs, key=lambda r: (not r["impl"].startswith("lowcomm"), r["impl"], r["mbit"] or 0, r["peers"],
+                                         r["payload_mb"])):
         rows.append([r["impl"], str(r["peers"]), f"{r['payload_mb']:g}", f"{r['mbit']:g}" if r["mbit"] else "none",
                      _spread(r), f(r.get("bound_seconds"), 2), f(r.get("efficiency"), 2), f(r.get("bus_mbit"), 0),
                      _phases(r), mb(r.get("bytes_sent_per_peer")), mb(r.get("wire_bytes_sent_per_peer")),
@@ -714,25 +729,32 @@ def transport_section(records: list[dict], slow: list[dict], plot_dir: Path, goa
               "average at the end of each is in its notes.", ""]
     lines += failures(broken)
     lines += images(plots.transport(runs, plot_dir))
-    capped = [r for r in runs if r["impl"] == "lowcomm" and r.get("efficiency") is not None]
-    if capped:
-        below = [r for r in capped if r["efficiency"] < GOAL_EFFICIENCY]
-        median = statistics.median(r["efficiency"] for r in capped)
-        met = median >= GOAL_EFFICIENCY_MEDIAN and not below
-        goals.append(f"- **{goal}: {'met' if met else 'MISSED'}** "
-                     f"(median {median:.2f}, range {min(r['efficiency'] for r in capped):.2f}–"
-                     f"{max(r['efficiency'] for r in capped):.2f} over {len(capped)} configurations"
-                     + ("; below 0.8: " + ", ".join(f"N={r['peers']} S={r['payload_mb']:g} MB at {r['mbit']:g} Mbit/s "
-                                                   f"({r['efficiency']:.2f})" for r in below) if below else "") + ").")
-        both = [(r, h) for h in runs if h["impl"] == "hivemind" and h.get("seconds")
-                for r in capped if (r["peers"], r["payload_mb"], r["mbit"]) == (h["peers"], h["payload_mb"], h["mbit"])]
-        if both:
-            slower = [(r, h) for r, h in both if r["seconds"] >= h["seconds"]]
-            goals.append(f"- **lowcomm faster than hivemind in every configuration both ran: "
-                         f"{'met' if not slower else 'MISSED'}** ("
-                         + ", ".join(f"{r['peers']}×{r['payload_mb']:g} MB at {r['mbit']:g} Mbit/s "
-                                     f"{r['seconds']:.2f} s vs {h['seconds']:.2f} s" for r, h in both) + ").")
+    for label in sorted({r["impl"] for r in runs if r["impl"].startswith("lowcomm")}):
+        transport_goals([r for r in runs if r["impl"] == label and r.get("efficiency") is not None],
+                        [h for h in runs if h["impl"] == "hivemind" and h.get("seconds")], label, goal, goals)
     return lines
+
+
+def transport_goals(capped: list[dict], hivemind: list[dict], label: str, goal: str, goals: list[str]) -> None:
+    """The goal lines of one lowcomm schedule: efficiency, and faster than hivemind where both ran."""
+    if not capped:
+        return
+    below = [r for r in capped if r["efficiency"] < GOAL_EFFICIENCY]
+    median = statistics.median(r["efficiency"] for r in capped)
+    met = median >= GOAL_EFFICIENCY_MEDIAN and not below
+    goals.append(f"- **{goal}, {label}: {'met' if met else 'MISSED'}** "
+                 f"(median {median:.2f}, range {min(r['efficiency'] for r in capped):.2f}–"
+                 f"{max(r['efficiency'] for r in capped):.2f} over {len(capped)} configurations"
+                 + ("; below 0.8: " + ", ".join(f"N={r['peers']} S={r['payload_mb']:g} MB at {r['mbit']:g} Mbit/s "
+                                               f"({r['efficiency']:.2f})" for r in below) if below else "") + ").")
+    both = [(r, h) for h in hivemind for r in capped
+            if (r["peers"], r["payload_mb"], r["mbit"]) == (h["peers"], h["payload_mb"], h["mbit"])]
+    if both:
+        slower = [(r, h) for r, h in both if r["seconds"] >= h["seconds"]]
+        goals.append(f"- **{label} faster than hivemind in every configuration both ran: "
+                     f"{'met' if not slower else 'MISSED'}** ("
+                     + ", ".join(f"{r['peers']}×{r['payload_mb']:g} MB at {r['mbit']:g} Mbit/s "
+                                 f"{r['seconds']:.2f} s vs {h['seconds']:.2f} s" for r, h in both) + ").")
 
 
 def overlap_section(records: list[dict], plot_dir: Path, goals: list[str],

@@ -3,7 +3,7 @@
 
     python bench/transport.py [--peers 2,4,8] [--sizes-mb 4,64] [--caps 20,100,1000] [--rounds 5]
                               [--large-rounds 3] [--hivemind 4x4@20,4x4@100,4x4@1000,4x64@100] [--codec fp32]
-                              [--queue router|gso] [--schedule staggered|all]
+                              [--queue router|gso] [--schedule staggered,ring]
                               [--network netns|loopback] [--json-out bench/out/transport.jsonl]
 
 One agent (bench/transport_agent.py) per network namespace; every peer is capped at C Mbit/s in
@@ -30,6 +30,7 @@ Without root (no namespaces) use ``--network loopback``: no caps, no bound, time
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -42,7 +43,9 @@ from pathlib import Path
 from common import (BENCH, OUT, PY, Proc, append_jsonl, handle_signals, netns_unavailable, network, processes,
                     record_base, say, tcp_congestion_arg)
 
-from lowcomm.protocol.layout import encoded_size, piece_layout, pieces_per_owner
+from lowcomm.protocol._pb.lowcomm.v1.averaging_pb2 import ALL_REDUCE_SCHEDULE_BUTTERFLY as BUTTERFLY
+from lowcomm.protocol.layout import encoded_size, piece_layout, pieces_per_owner, ring_pieces
+from lowcomm.protocol.ring import RING
 
 AGENT = BENCH / "transport_agent.py"
 WARMUP_NUMEL = 2**16
@@ -97,8 +100,10 @@ def set_cap(net, mbit: float | None, queue: str) -> None:
                        check=True, capture_output=True)
 
 
-def auto_pieces(numel: int, codec_id: int, peers: int, mbit: float | None) -> int:
-    return pieces_per_owner(encoded_size(codec_id, numel), peers, (mbit or 0.0) * 1e6 / 8)
+def auto_pieces(numel: int, codec_id: int, peers: int, mbit: float | None, schedule: str = "staggered") -> int:
+    """Pieces per owner as the leader cuts them for this schedule (protocol/layout.py)."""
+    cut = ring_pieces if schedule == "ring" else pieces_per_owner
+    return cut(encoded_size(codec_id, numel), peers, (mbit or 0.0) * 1e6 / 8)
 
 
 def _ask(agents: list[Proc], cmd: dict, reply: str, timeout: float) -> list[dict]:
@@ -110,25 +115,28 @@ def _ask(agents: list[Proc], cmd: dict, reply: str, timeout: float) -> list[dict
 
 
 def lowcomm_round(agents: list[Proc], addresses: list[str], numel: int, codec_id: int, timeout: float,
-                  step: int, staggered: bool = True, pieces: int | None = None, mbit: float | None = None) -> dict:
+                  step: int, schedule: str = "staggered", pieces: int | None = None, mbit: float | None = None) -> dict:
     """One round of the project's all-reduce; ``pieces`` per owner as the leader cuts them
     (protocol/layout.py) unless given, for members that declared the link's cap as their
-    bandwidth (a node declares its last round's measured rate, somewhat less)."""
+    bandwidth (a node declares its last round's measured rate, somewhat less). ``schedule``:
+    the butterfly ``staggered`` or ``all`` at once (protocol/schedule.py), or ``ring`` (protocol/ring.py)."""
     n = len(agents)
     if pieces is None:
-        pieces = auto_pieces(numel, codec_id, n, mbit)
+        pieces = auto_pieces(numel, codec_id, n, mbit, schedule)
     bounds, owners = piece_layout(numel, [0.0] * n, pieces)
     group = {"group_id": os.urandom(8).hex(), "step": step,
              "members": [{"peer_id": f"agent-{i}", "address": addresses[i], "weight": 1.0} for i in range(n)],
              "shard_bounds": bounds, "shard_owners": owners, "codec": codec_id,
-             "reduce_timeout_s": timeout}
-    done = _ask(agents, {"cmd": "round", "group": group, "staggered": staggered}, "round_done", timeout * 2 + 30)
+             "reduce_timeout_s": timeout, "schedule": RING if schedule == "ring" else BUTTERFLY}
+    done = _ask(agents, {"cmd": "round", "group": group, "staggered": schedule != "all"}, "round_done",
+                timeout * 2 + 30)
     start = max(d["t_start"] for d in done)
     seconds = max(d["t_end"] for d in done) - start
     # Per member: its stage timestamps (transport_agent.Trace), counted from the round's start.
     trace = {f"agent-{i}": [[round(d["t_start"] - start + t, 4), *rest] for t, *rest in d.get("trace", [])]
              for i, d in enumerate(done)}
-    return {"seconds": seconds, "trace": trace, "phases": phases(trace, seconds),
+    # The phases are the butterfly's stages; a ring's one stream per member has none of them.
+    return {"seconds": seconds, "trace": trace, "phases": phases(trace, seconds) if schedule != "ring" else None,
             "bytes_sent": statistics.fmean(d["bytes_sent"] for d in done),
             "skipped_shards": sum(d["skipped"] for d in done),
             # CPU seconds all agents spent in the round per second of it: 2.0 = both cores busy.
@@ -180,21 +188,21 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
     codec = codecs.get_codec(args.codec)
     peers_max = max(args.peers)
     step = 0
-    for mbit in args.caps:
+    for mbit, schedule in itertools.product(args.caps, args.schedule):
         if net.kind == "netns":
             set_cap(net, mbit, args.queue)
-        with processes() as agents:
+        with processes() as agents:  # fresh agents for every schedule too: the ring uses other connections
             for i in range(peers_max):
                 port = "7701" if net.kind == "netns" else "0"
                 agents.append(Proc(f"agent-{i}", net.wrap(i, [PY, str(AGENT), "lowcomm", "--index", str(i),
                                                               "--host", net.host(i), "--port", port]),
-                                   stdin=True, log_path=logdir / f"agent-{i}-{mbit}.log"))
+                                   stdin=True, log_path=logdir / f"agent-{i}-{mbit}-{schedule}.log"))
             addresses = [a.wait_event("ready", 120)["address"] for a in agents]
             for n in args.peers:
                 members = agents[:n]
                 _ask(members, {"cmd": "setup", "numel": WARMUP_NUMEL}, "setup_done", 60)
                 step += 1
-                lowcomm_round(members, addresses, WARMUP_NUMEL, int(codec.id), 30, step)  # channels up
+                lowcomm_round(members, addresses, WARMUP_NUMEL, int(codec.id), 30, step, schedule)  # channels up
                 for size in args.sizes_mb:
                     numel = _numel_for(codec, size * 1e6)
                     payload = codec.encoded_size(numel)
@@ -206,7 +214,7 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
                         wire0, links0 = [net.wire_sent(i) for i in range(n)], link_counters(net, n)
                         step += 1
                         result = lowcomm_round(members, addresses, numel, int(codec.id), timeout, step,
-                                               args.schedule == "staggered", args.pieces, mbit)
+                                               schedule, args.pieces, mbit)
                         wire = [None if a is None or b is None else b - a
                                 for a, b in zip(wire0, [net.wire_sent(i) for i in range(n)])]
                         result["wire_bytes_sent"] = statistics.fmean(wire) if None not in wire else None
@@ -217,8 +225,9 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
                         "transport", run_id=run_id, impl="lowcomm", peers=n, payload_mb=size, payload_bytes=payload,
                         numel=numel, codec=codec.name, mbit=mbit, network=net.kind, link=net.describe(),
                         tcp_congestion=net.tcp_congestion,
-                        queue=args.queue, schedule=args.schedule,
-                        pieces=auto_pieces(numel, int(codec.id), n, mbit) if args.pieces is None else args.pieces,
+                        queue=args.queue, schedule=schedule,
+                        pieces=(auto_pieces(numel, int(codec.id), n, mbit, schedule) if args.pieces is None
+                                else args.pieces),
                         load_avg=os.getloadavg()[0],
                         rounds=results, seconds=seconds, seconds_spread=spread([r["seconds"] for r in results]),
                         bound_seconds=bound, efficiency=bound / seconds if bound else None,
@@ -231,7 +240,7 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
                     save_traces(logdir, record)
                     append_jsonl(out, record)
                     eff = f"{record['efficiency']:.2f}" if bound else "n/a"
-                    say(f"lowcomm N={n} S={size}MB cap={mbit}: {seconds:.2f} s, bound {bound or 0:.2f} s, "
+                    say(f"lowcomm {schedule} N={n} S={size}MB cap={mbit}: {seconds:.2f} s, bound {bound or 0:.2f} s, "
                         f"efficiency {eff}")
             for agent in agents:
                 agent.send('{"cmd": "quit"}')
@@ -328,6 +337,18 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+SCHEDULES = ("staggered", "all", "ring")
+
+
+def schedules(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in SCHEDULES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown schedule(s) {', '.join(unknown) or '(none)'}; "
+                                         f"choose from {', '.join(SCHEDULES)}")
+    return list(dict.fromkeys(names))
+
+
 def floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
@@ -346,8 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--network", choices=["netns", "loopback"], default="netns")
     parser.add_argument("--pieces", type=int, default=None,
                         help="pieces per owner (default: as the leader cuts them, protocol/layout.py)")
-    parser.add_argument("--schedule", choices=["staggered", "all"], default="staggered",
-                        help="lowcomm's upload/result order (protocol/schedule.py) or everything at once")
+    parser.add_argument("--schedule", type=schedules, default=["staggered", "ring"],
+                        help="comma-separated: lowcomm's butterfly with its staggered upload/result order "
+                             "(protocol/schedule.py), the butterfly with everything at once (all), or the ring "
+                             "(protocol/ring.py, [sync] schedule = \"ring\"); each is measured on every cap")
     parser.add_argument("--queue", choices=["router", "gso"], default="gso",
                         help="gso: the caps queue whole 64 kB GSO packets (netns_cluster's tbf); router: below "
                              "1 Gbit/s wire-sized packets, as a home router sees them (see set_cap)")

@@ -183,7 +183,7 @@ async def run_lowcomm(args: argparse.Namespace) -> None:
                     group_id=bytes.fromhex(spec["group_id"]), step=spec["step"],
                     members=[averaging_pb2.Member(**m) for m in spec["members"]],
                     shard_bounds=spec["shard_bounds"], shard_owners=spec["shard_owners"], codec=spec["codec"],
-                    reduce_timeout_s=spec["reduce_timeout_s"])
+                    reduce_timeout_s=spec["reduce_timeout_s"], schedule=spec.get("schedule", 0))
                 transport.trace = Trace()
                 t_start, cpu_start = transport.trace.t0, time.process_time()
                 result = await run_allreduce(group, peer_id, delta, residual, owner_residual, registry, None,

@@ -121,11 +121,14 @@ def test_transport(out, netns_reason):
     bench("transport.py", "--peers", "2,3", "--sizes-mb", "0.5", "--rounds", "1", "--hivemind",
           "2x0.5@100", *network, "--json-out", str(out / "transport.jsonl"))
     got = records(out / "transport.jsonl")
-    assert {(r["impl"], r["peers"]) for r in got} == {("lowcomm", 2), ("lowcomm", 3), ("hivemind", 2)}
+    # Both of lowcomm's schedules by default: the node's butterfly and the ring (sync.schedule).
+    assert {(r["impl"], r.get("schedule"), r["peers"]) for r in got} == {
+        ("lowcomm", "staggered", 2), ("lowcomm", "staggered", 3), ("lowcomm", "ring", 2), ("lowcomm", "ring", 3),
+        ("hivemind", None, 2)}
     for record in got:
         assert record["ok"] and record["seconds"] > 0, record
     for record in (r for r in got if r["impl"] == "lowcomm"):
-        # What the all-reduce counted equals the butterfly volume 2(N-1)/N*S (fp32 shards, exact split).
+        # What the all-reduce counted equals the volume 2(N-1)/N*S (fp32 shards, exact split), ring or not.
         assert record["bytes_sent_per_peer"] == pytest.approx(record["bytes_bound_per_peer"], rel=1e-3)
         if netns_reason is None:
             assert record["efficiency"] > 0 and 0 <= record["rounds"][0]["tcp_retrans_fraction"] <= 1
