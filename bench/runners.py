@@ -352,7 +352,7 @@ def _diloco_record(method: str, net: Network, work: Workload, procs: list[Proc],
                      "train_seconds": e.get("train_seconds"), "train_clock": e.get("train_clock"), "compute_utilization": e.get("compute_utilization"),
                      "round_seconds": e.get("round_seconds"), "matchmaking_seconds": e.get("matchmaking_seconds"),
                      "allreduce_seconds": e.get("allreduce_seconds"), "group_size": e.get("group_size"),
-                     "tokens_total": e.get("tokens_total"), "tokens_averaged": e.get("tokens_averaged")}
+                     "schedule": e.get("schedule"), "tokens_total": e.get("tokens_total"), "tokens_averaged": e.get("tokens_averaged")}
                     for e in peer] for peer in rounds]
     late = [sum(1 for e in p.events if e.get("event") == "round_late") for p in procs]
     over = [sum(1 for e in p.events if ROUND_OVER_RE.search(str(e.get("msg", "")))) for p in procs]
