@@ -886,7 +886,8 @@ def overlap_goals(runs: list[dict], penalty: dict, goals: list[str], sweep: list
         if mode == "none":
             continue
         _, utils, pens = mode_numbers(runs, mode, penalty)
-        where = f"at {r0['mbit']:g} Mbit/s, H={r0['inner_steps']}"
+        where = f"at {r0['mbit']:g} Mbit/s, H={r0['inner_steps']}" + (f" (`{' '.join(r0['node_sets'])}`)"
+                                                                      if r0.get("node_sets") else "")
         if not utils:
             goals.append(f"- Overlap `{mode}` {where}: **not measured** (the runs failed; see section 5).")
             continue
