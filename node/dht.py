@@ -19,6 +19,7 @@ import functools
 import os
 import signal
 import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -40,6 +41,30 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+# The longest path of a unix socket (sun_path holds 108 bytes with its terminating NUL), and
+# the longest name hivemind gives p2pd's sockets in a folder ("hivemind-p2pclient-" + 11 + ".sock").
+_SUN_PATH_MAX = 107
+_SOCKET_NAME_MAX = 40
+
+
+def place_p2pd_sockets(folder: str) -> bool:
+    """Put the two unix sockets of the p2pd daemons this process starts into ``folder``.
+
+    hivemind puts them in /tmp whatever TMPDIR says, and removes them when it stops p2pd; a node
+    killed with SIGKILL (or by the OOM killer) leaves them behind. With TMPDIR honoured they go
+    where the user keeps temporary files, and the test suite, which kills nodes by the dozen,
+    points TMPDIR at a folder it removes (tests/conftest.py). A folder whose sockets' paths would
+    not fit a unix socket address keeps hivemind's /tmp. Returns whether ``folder`` is used.
+    """
+    from hivemind.p2p import P2P
+
+    if len(folder.rstrip("/")) + 1 + _SOCKET_NAME_MAX > _SUN_PATH_MAX:
+        return False
+    # hivemind reads this class attribute each time it names a socket; it has no parameter for it.
+    P2P._UNIX_SOCKET_PREFIX = f"/unix{folder.rstrip('/')}/hivemind-"
+    return True
+
+
 class SupervisedDHT(hivemind.DHT):
     """``hivemind.DHT`` whose process and p2pd daemon die with the node, on swarm time.
 
@@ -59,6 +84,7 @@ class SupervisedDHT(hivemind.DHT):
 
     def run(self) -> None:  # runs in the forked DHT process
         die_with_parent()
+        place_p2pd_sockets(tempfile.gettempdir())
         spawn = asyncio.subprocess.create_subprocess_exec
         # Only this (forked) process is patched: p2pd, started from here, dies with it.
         asyncio.subprocess.create_subprocess_exec = functools.partial(spawn, preexec_fn=die_with_parent)

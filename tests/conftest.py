@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -48,6 +51,28 @@ class Swarm:
         # (pytest keeps the last few base temp directories).
         for number, node in enumerate(self.nodes):
             (self.workdir / f"{number:02d}-{node.name}.log").write_text("\n".join(node.raw_lines) + "\n")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_tmpdir(tmp_path_factory: pytest.TempPathFactory):
+    """TMPDIR for the session: a short folder under /tmp that is removed at the end. Nodes put
+    p2pd's unix sockets there (node/dht.py ``place_p2pd_sockets``), and the suite SIGKILLs nodes
+    by the dozen, whose sockets nobody else removes (about 80 files per run in /tmp before).
+    pytest's own folders (tmp_path) stay where they were, for a failed run to be read."""
+    tmp_path_factory.getbasetemp()  # fixed before TMPDIR changes
+    before = os.environ.get("TMPDIR")
+    folder = tempfile.mkdtemp(prefix="lct-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    os.environ["TMPDIR"] = folder
+    tempfile.tempdir = None  # tempfile caches the folder it chose: let it choose again
+    try:
+        yield Path(folder)
+    finally:
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
+        tempfile.tempdir = None
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
