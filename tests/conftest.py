@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import shutil
 import tempfile
@@ -60,6 +61,9 @@ def private_tmpdir(tmp_path_factory: pytest.TempPathFactory):
     by the dozen, whose sockets nobody else removes (about 80 files per run in /tmp before).
     pytest's own folders (tmp_path) stay where they were, for a failed run to be read."""
     tmp_path_factory.getbasetemp()  # fixed before TMPDIR changes
+    # This process's multiprocessing folder too: multiprocessing removes it at exit, after the
+    # session, and would find it gone (a traceback) if it were in the folder removed below.
+    multiprocessing.util.get_temp_dir()
     before = os.environ.get("TMPDIR")
     folder = tempfile.mkdtemp(prefix="lct-", dir="/tmp" if os.path.isdir("/tmp") else None)
     os.environ["TMPDIR"] = folder

@@ -140,8 +140,10 @@ def test_a_peer_that_missed_a_round_applies_its_averages_instead_of_downloading(
     # two average without it and it is one step behind.
     late = swarm.start(2, [first.multiaddr], env={"LOWCOMM_FAULT_MISS_ROUND": "2"})
     step = late.wait_event("fault_miss_round", ROUND_WAIT * 2)["outer_step"]
-    caught_up = late.wait_event("missed_rounds_applied", ROUND_WAIT * 2)
-    assert (caught_up["from_step"], caught_up["outer_step"]) == (step, step + 1)
+    # The round it sat out (a peer that joins late may also miss a round on its own before, and
+    # catch up the same way: that is not the one this test made).
+    caught_up = late.wait_event("missed_rounds_applied", ROUND_WAIT * 2, from_step=step)
+    assert caught_up["outer_step"] == step + 1
     assert caught_up["params_sha256"] == hash_at(first, step + 1) == hash_at(second, step + 1)
     # An int8 round's averages: about a quarter of the 8 bytes per parameter a download moves.
     numel = first.rounds()[0]["numel"]
