@@ -431,7 +431,9 @@ def network(kind: str, peers: int, mbit: float | None = None, prefix: str = "lcb
 
 
 _BOOTSTRAP_DHT = r"""
-import json, sys, hivemind
+import json, sys, tempfile, hivemind
+from lowcomm.node.dht import place_p2pd_sockets
+place_p2pd_sockets(tempfile.gettempdir())  # p2pd's sockets in TMPDIR, as a node's (node/dht.py)
 dht = hivemind.DHT(host_maddrs=[f"/ip4/{sys.argv[1]}/tcp/0"], start=True)
 print(json.dumps({"event": "bootstrap_ready", "maddrs": [str(m) for m in dht.get_visible_maddrs()]}), flush=True)
 sys.stdin.read()  # until the harness closes our stdin (or dies)

@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import sys
+import tempfile
 import threading
 import time
 
@@ -203,6 +204,9 @@ async def run_lowcomm(args: argparse.Namespace) -> None:
 def run_hivemind(args: argparse.Namespace) -> None:
     import hivemind  # the DHT forks: before torch threads exist
 
+    from lowcomm.node.dht import place_p2pd_sockets
+
+    place_p2pd_sockets(tempfile.gettempdir())  # p2pd's sockets in TMPDIR, as a node's (node/dht.py)
     dht = hivemind.DHT(initial_peers=args.initial_peer, host_maddrs=[f"/ip4/{args.host}/tcp/0"], start=True)
     import torch
     from hivemind.averaging.control import AveragingStage

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -108,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     # The DHT forks a process: create it before torch spins up threads (as the node does).
     import hivemind
 
+    from lowcomm.node.dht import place_p2pd_sockets
+
+    place_p2pd_sockets(tempfile.gettempdir())  # p2pd's sockets in TMPDIR, as a node's (node/dht.py)
     dht = hivemind.DHT(initial_peers=args.initial_peer, host_maddrs=[f"/ip4/{args.host}/tcp/0"], start=True)
     emit(event="dht_ready", maddrs=[str(m) for m in dht.get_visible_maddrs()])
 
