@@ -369,8 +369,8 @@ class Averager:
         self.metrics.bytes_received.inc(received)
         if result.payload_bytes:
             self.metrics.compression_ratio.set(4 * delta.numel() / result.payload_bytes)
-        if sent and seconds > 0:
-            self.stats.bandwidth_bps = sent / seconds
+        self.stats.bandwidth_bps = decisions.declared_bandwidth(self.stats.bandwidth_bps, result.upload_bps,
+                                                                group.schedule == RING, sent, seconds)
         if skipped:
             self.metrics.round_failures.labels(reason="shard_skipped").inc()
         applied = None if self.config.sync.state_sync else (codecs.get_codec(group.codec),

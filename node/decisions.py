@@ -189,3 +189,18 @@ def phase_steps(inner_steps: int, fragments: int) -> int:
     """Inner steps between two rounds: H, or H/K with K fragments (each fragment is then synced
     every H steps, the fragments at staggered times); at least one."""
     return max(1, round(inner_steps / fragments))
+
+
+def declared_bandwidth(previous: float, upload_bps: float, ring: bool, bytes_sent: int, seconds: float) -> float:
+    """The bandwidth a peer declares after an all-reduce round (heartbeat, JoinGroup), by which
+    the next leader sizes its shard (protocol/layout.py): its uplink as the owners timed its
+    uploads (``AllReduceResult.upload_bps``). Bytes over the whole round would not do: a round
+    lasts as long as its slowest member's part, so every member of a group with one slow link
+    would declare about the same rate and keep the same share. A ring round says nothing of our
+    own link either (every hop moves at the slowest link's pace), so ``previous`` stays. Owners
+    that time nothing (an older version): bytes over the round, as before."""
+    if upload_bps > 0:
+        return upload_bps
+    if not ring and bytes_sent and seconds > 0:
+        return bytes_sent / seconds
+    return previous

@@ -118,6 +118,7 @@ class ReduceRegistry:
                 first = await anext(requests)
         except (StopAsyncIteration, TimeoutError):
             raise Refused(Code.INVALID_ARGUMENT, "Reduce stream must start with a header") from None
+        header_at = self.clock.monotonic()  # the sender's upload starts here (before any wait of ours)
         if first.HasField("team_header"):  # a shard owner of another group of a split step
             async for message in self.teams.handle(first.team_header, requests, self.executor, HEADER_TIMEOUT):
                 yield message
@@ -134,14 +135,14 @@ class ReduceRegistry:
             raise Refused(Code.NOT_FOUND, "no such group or shard on this peer")
         acc.stream_opened()
         try:
-            async for message in self._serve(acc, header, requests, context):
+            async for message in self._serve(acc, header, requests, header_at):
                 yield message
         finally:
             acc.stream_closed()
 
     async def _serve(self, acc: ShardAccumulator, header: averaging_pb2.ReduceHeader,
                      requests: AsyncIterator[averaging_pb2.ReduceMessage],
-                     context: object = None) -> AsyncIterator[averaging_pb2.ReduceMessage]:
+                     header_at: float) -> AsyncIterator[averaging_pb2.ReduceMessage]:
         sender = header.sender_peer_id
         problem = self._check_header(acc, header)
         if problem is not None:
@@ -151,9 +152,9 @@ class ReduceRegistry:
 
         # The header used up this sender's one try: if its contribution does not make it into the
         # accumulator, nothing more can come from it, and the owner stops waiting for it.
-        decoded = None
+        decoded, upload_seconds = None, 0.0
         try:
-            decoded = await self._receive(acc, sender, header, requests, context)
+            decoded, upload_seconds = await self._receive(acc, sender, header, requests, header_at)
         finally:
             if decoded is None:
                 acc.give_up(sender)
@@ -171,7 +172,7 @@ class ReduceRegistry:
             await acc.wait_turn(sender)
             yield averaging_pb2.ReduceMessage(result=averaging_pb2.ReduceResult(
                 codec=acc.codec.id, numel=acc.numel, payload_bytes=len(acc.result_payload),
-                contributors=acc.contributors))
+                contributors=acc.contributors, upload_seconds=upload_seconds))
             for chunk in acc.result_chunks():  # framed once per shard, not once per sender
                 acc.bytes_out += len(chunk.chunk)
                 yield chunk
@@ -180,8 +181,9 @@ class ReduceRegistry:
 
     async def _receive(self, acc: ShardAccumulator, sender: str, header: averaging_pb2.ReduceHeader,
                        requests: AsyncIterator[averaging_pb2.ReduceMessage],
-                       context: object = None) -> torch.Tensor:
-        """The declared payload, decoded and checked (length, codec, finite values), or Refused."""
+                       header_at: float) -> tuple[torch.Tensor, float]:
+        """The declared payload, decoded and checked (length, codec, finite values), and the
+        seconds from its header (read at ``header_at``) to its last byte; or Refused."""
         payload = Inbox(header.payload_bytes)  # bounded: equals the codec's size for this shard
         # A sender that declared its size and then stalls must not hold this buffer (nor the
         # stream) past the round: the same margin as for the owner's average below.
@@ -204,6 +206,7 @@ class ReduceRegistry:
             self.on_reject("length", sender, f"{filled} of {header.payload_bytes} declared bytes arrived")
             raise Refused(Code.INVALID_ARGUMENT, f"{filled} of {header.payload_bytes} declared bytes arrived")
         acc.bytes_in += payload.filled
+        upload_seconds = self.clock.monotonic() - header_at
 
         loop = asyncio.get_running_loop()
         try:  # decoded in place and checked for finite values off the event loop
@@ -214,7 +217,7 @@ class ReduceRegistry:
         except ContributionRejected as err:
             self.on_reject(err.reason, sender, str(err))
             raise Refused(Code.INVALID_ARGUMENT, str(err)) from None
-        return decoded
+        return decoded, upload_seconds
 
     @staticmethod
     def _check_header(acc: ShardAccumulator, header: averaging_pb2.ReduceHeader) -> tuple[str, str] | None:

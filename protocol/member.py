@@ -62,6 +62,11 @@ class AllReduceResult:
     # Per shard: the encoded bytes of the average in ``averages`` (None where that is None), kept
     # for peers that missed the round (missed_rounds.py).
     payloads: list[bytes | None] = field(default_factory=list)
+    # How fast this peer's uplink carried its parts: the fastest of its uploads as the owners
+    # timed them (``ReduceResult.upload_seconds``), bytes/s; 0 when no owner timed one. An
+    # upload to an owner with a slower downlink is slower than our uplink, so the fastest
+    # one is the estimate (what a leader lays shards out by: layout.py).
+    upload_bps: float = 0.0
 
 
 async def run_allreduce(
@@ -110,6 +115,7 @@ async def run_allreduce(
                                                started, group.reduce_timeout_s, quorum)
     loop = asyncio.get_running_loop()
     stats = {"sent": 0, "received": 0, "payload": 0}
+    upload_rates: list[float] = []  # bytes/s of each upload an owner timed
     # Per shard, until the agreement: this peer's exact contribution x (what a skipped shard
     # leaves in the residual) and, for shards it owns, its owner residual before the round.
     carried: list[torch.Tensor | None] = [None] * len(slices)
@@ -202,6 +208,8 @@ async def run_allreduce(
                     transport, owner.address, header, payload, codec.encoded_size(sl.stop - sl.start), timeout,
                     count_sent, lambda: stages.done(index))
                 stats["received"] += received.size
+                if result.upload_seconds > 0:
+                    upload_rates.append(len(payload) / result.upload_seconds)
 
                 def keep_and_decode() -> tuple[bytes, torch.Tensor]:  # the copy too stays off the event loop
                     return received.payload(), received.decode(codec, result.numel)
@@ -285,4 +293,5 @@ async def run_allreduce(
         payload_bytes=stats["payload"] + sum(codec.encoded_size(a.numel) for a in mine),
         held=held, reports_heard=len(agreement.heard),
         payloads=[payload if average is not None else None for payload, average in zip(encoded, averages)],
+        upload_bps=max(upload_rates, default=0.0),
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 from contextlib import suppress
 from typing import AsyncIterator, Awaitable, Callable, Coroutine, TypeVar
 
@@ -121,6 +122,9 @@ class FakeNet:
         self.silent: set[str] = set()
         self.calls: list[tuple[str, str]] = []  # (method, callee address), in call order
         self.joins: list[tuple[str, averaging_pb2.JoinRequest]] = []  # (callee address, request) of every JoinGroup
+        # Per peer id, the bytes/s of its link (both ways): a Reduce stream's chunks then arrive
+        # at the slower of the sender's and the owner's rates (one flow at a time per link: no sharing).
+        self.link_bps: dict[str, float] = {}
 
     async def _unary(self, method: str, address: str, request, timeout: float,
                      handler: Callable[[object], Awaitable[object]] | None):
@@ -164,12 +168,23 @@ class FakeNet:
         if registry is None or address in self.down:
             raise CallFailed(Code.UNAVAILABLE, f"{address}: connection refused")
         answers: asyncio.Queue = asyncio.Queue()
+        owner = registry.peer_id
+
+        async def paced() -> AsyncIterator[averaging_pb2.ReduceMessage]:
+            sender = ""
+            async for message in requests:
+                if message.HasField("header"):
+                    sender = message.header.sender_peer_id
+                elif message.HasField("chunk") and self.link_bps:
+                    rate = min(self.link_bps.get(sender, math.inf), self.link_bps.get(owner, math.inf))
+                    await asyncio.sleep(len(message.chunk) / rate)
+                yield message
 
         async def serve() -> None:
             if address in self.silent:
                 await asyncio.Event().wait()
             try:
-                async for message in registry.handle(requests):
+                async for message in registry.handle(paced()):
                     await answers.put(("message", _copy(message)))
                 await answers.put(("end", None))
             except Refused as err:

@@ -213,3 +213,38 @@ def test_a_stage_that_fails_before_its_turn_frees_the_next_at_once():
         return loop.time() - t0
 
     assert run_virtual(scenario) == 0.0
+
+
+def test_each_member_learns_its_own_uplink_from_the_owners_timing_not_the_rounds_length():
+    """One member with a slow link among fast ones: the round lasts as long as the slow member's
+    part for everybody, but the owners time every upload from its header, and a member takes
+    its fastest upload as its uplink (an upload to the slow owner runs at that owner's pace)."""
+    fast, slow = 10e6, 1e6
+
+    async def scenario(loop: VirtualTimeLoop):
+        net = FakeNet()
+        members = [Member(net, loop, p) for p in ("a", "b", "c")]
+        net.link_bps = {"a": fast, "b": fast, "c": slow}
+        group = make_group(members)
+        started = loop.time()
+        results = await asyncio.gather(*(m.reduce(group, d) for m, d in zip(members, deltas(3))))
+        return loop.time() - started, results
+
+    seconds, results = run_virtual(scenario)
+    estimates = {p: r.upload_bps for p, r in zip("abc", results)}
+    assert estimates["a"] == pytest.approx(fast, rel=0.01) and estimates["b"] == pytest.approx(fast, rel=0.01)
+    assert estimates["c"] == pytest.approx(slow, rel=0.01)
+    # What the node declared before: bytes over the round, which the slow part sets for all.
+    whole_round = [r.bytes_sent / seconds for r in results]
+    assert max(whole_round) / min(whole_round) < 2
+
+
+def test_a_ring_round_times_no_upload():
+    async def scenario(loop: VirtualTimeLoop):
+        net = FakeNet()
+        members = [Member(net, loop, p) for p in ("a", "b", "c")]
+        group = make_group(members)
+        group.schedule = averaging_pb2.ALL_REDUCE_SCHEDULE_RING
+        return await asyncio.gather(*(m.reduce(group, d) for m, d in zip(members, deltas(3))))
+
+    assert [r.upload_bps for r in run_virtual(scenario)] == [0.0, 0.0, 0.0]

@@ -201,3 +201,13 @@ def test_a_direct_follower_starts_from_the_heartbeats_view_only_while_it_shows_n
     averager.matchmaker.last_group = None
     seen.append(stable)
     assert averager._direct_follower_view(5) is None
+
+
+def test_the_declared_bandwidth_is_the_timed_uplink_and_a_ring_round_keeps_the_last_one():
+    from lowcomm.node.decisions import declared_bandwidth
+
+    assert declared_bandwidth(5e6, 12e6, ring=False, bytes_sent=1_000_000, seconds=1.0) == 12e6
+    assert declared_bandwidth(5e6, 0.0, ring=True, bytes_sent=1_000_000, seconds=1.0) == 5e6
+    # Owners that time nothing (an older version): bytes over the round.
+    assert declared_bandwidth(5e6, 0.0, ring=False, bytes_sent=3_000_000, seconds=2.0) == 1.5e6
+    assert declared_bandwidth(5e6, 0.0, ring=False, bytes_sent=0, seconds=2.0) == 5e6

@@ -71,11 +71,11 @@ if _SIZE:
     _serve = allreduce.ReduceRegistry._serve
     _handle = agreement.AgreementBook.handle
 
-    async def _faulty_serve(self, acc, header, requests, context):
+    async def _faulty_serve(self, acc, header, requests, header_at):
         if _state["group"] is None and len(acc.group.members) >= int(_SIZE):
             _state["group"], _state["step"] = acc.group.group_id, acc.group.step
         faulty = _state["group"] == acc.group.group_id
-        async for message in _serve(self, acc, header, requests, context):
+        async for message in _serve(self, acc, header, requests, header_at):
             if faulty and message.HasField("result"):
                 if _state["holder"] is None:
                     _state["holder"] = header.sender_peer_id

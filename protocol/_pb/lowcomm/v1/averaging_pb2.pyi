@@ -131,16 +131,18 @@ class ReduceHeader(_message.Message):
     def __init__(self, group_id: _Optional[bytes] = ..., shard_index: _Optional[int] = ..., sender_peer_id: _Optional[str] = ..., codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
 class ReduceResult(_message.Message):
-    __slots__ = ("codec", "numel", "payload_bytes", "contributors")
+    __slots__ = ("codec", "numel", "payload_bytes", "contributors", "upload_seconds")
     CODEC_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     codec: _tensor_pb2.Codec
     numel: int
     payload_bytes: int
     contributors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., contributors: _Optional[_Iterable[str]] = ...) -> None: ...
+    upload_seconds: float
+    def __init__(self, codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., contributors: _Optional[_Iterable[str]] = ..., upload_seconds: _Optional[float] = ...) -> None: ...
 
 class ReduceMessage(_message.Message):
     __slots__ = ("header", "result", "chunk", "team_header", "ring_header")
