@@ -314,7 +314,8 @@ class NetnsNetwork(Network):
 
     def __init__(self, state, mbit: float | None) -> None:
         self.state = state
-        self.mbit = None
+        self.mbit: float | None = None
+        self.slow: tuple[int, float] | None = None
         self.set_cap(mbit)
 
     @property
@@ -360,22 +361,26 @@ class NetnsNetwork(Network):
                                                                                   text=True).stdout or "[]"))
         return {"out_segs": values.get("OutSegs", 0), "retrans_segs": values.get("RetransSegs", 0), "tbf_drops": drops}
 
-    def set_cap(self, mbit: float | None) -> None:
-        """Cap every peer at ``mbit`` both ways (tbf as netns_cluster sets it), or remove the caps."""
-        for peer in self.state.peers:
+    def set_cap(self, mbit: float | None, slow: tuple[int, float] | None = None) -> None:
+        """Cap every peer at ``mbit`` both ways (tbf as netns_cluster sets it), or remove the caps;
+        ``slow`` = (index, Mbit/s): that peer gets its own, lower cap (a slow volunteer)."""
+        for index, peer in enumerate(self.state.peers):
+            cap = slow[1] if slow is not None and index == slow[0] else mbit
             for dev in (["tc", "-n", peer.netns], ["tc"]):
                 name = "eth0" if len(dev) == 3 else peer.host_veth
-                if mbit is None:
+                if cap is None:
                     subprocess.run([*dev, "qdisc", "del", "dev", name, "root"], capture_output=True)
                 else:
-                    rate = mbit * 1e6 / 8
+                    rate = cap * 1e6 / 8
                     burst = max(64 * 1024, int(rate * 0.01))
-                    subprocess.run([*dev, "qdisc", "replace", "dev", name, "root", "tbf", "rate", f"{mbit}mbit",
+                    subprocess.run([*dev, "qdisc", "replace", "dev", name, "root", "tbf", "rate", f"{cap}mbit",
                                     "burst", str(burst), "latency", "50ms"], check=True, capture_output=True)
-        self.mbit = mbit
+        self.mbit, self.slow = mbit, slow
 
     def describe(self) -> str:
         cap = f"tc tbf {self.mbit:g} Mbit/s per peer, both directions" if self.mbit else "no cap"
+        if self.mbit and self.slow is not None:
+            cap += f" (peer {self.slow[0]}: {self.slow[1]:g} Mbit/s)"
         return f"{len(self.state.peers)} network namespaces on a bridge (veth), {cap}, TCP {self.tcp_congestion}"
 
 

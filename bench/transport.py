@@ -22,6 +22,14 @@ median, min and max, each round's phases (reduce-scatter, all-gather, agreement:
 stage timestamps, whose full traces go to the run's log folder) and the CPU seconds the agents
 spent per MB they sent (nearly independent of other load on the machine, unlike the times).
 
+``--slow-mbit X`` caps the last member of every group at X Mbit/s instead (a slow volunteer among
+fast ones), and ``--layout equal,measured`` says how the butterfly's shards are cut: equal, or
+by the bandwidth each member measured in the round before (``AllReduceResult.upload_bps``, what a
+node declares and a leader lays out shards by: protocol/layout.py), after one unmeasured round
+for the first estimates. The bound is then the lower of the two schedules' own bounds on those
+links: a ring's 2·(N−1)/N·S over the slowest cap, and a butterfly's best layout, where member i
+sends S + (N−2)·s_i for its share s_i (see ``heterogeneous_bound``).
+
 ``--hivemind`` lists NxS@C configurations for which hivemind's DecentralizedAverager moves the
 same payload (NoCompression) on the same links (matchmaking excluded, the all-reduce timed).
 Without root (no namespaces) use ``--network loopback``: no caps, no bound, times only.
@@ -74,7 +82,7 @@ def link_delta(after: list[dict] | None, before: list[dict] | None) -> dict:
 SEGMENT_BELOW_MBIT = 1000.0  # caps below this get wire-sized packets with --queue router
 
 
-def set_cap(net, mbit: float | None, queue: str) -> None:
+def set_cap(net, mbit: float | None, queue: str, slow: tuple[int, float] | None = None) -> None:
     """Cap every peer at ``mbit`` both ways (tbf as netns_cluster sets it: 50 ms queue, a burst
     of at least 64 kB); ``queue`` says what packets reach the caps.
 
@@ -91,13 +99,35 @@ def set_cap(net, mbit: float | None, queue: str) -> None:
     because the upload cap sits in the sender's own qdisc, where TCP Small Queues let a socket
     keep only ~2 small packets queued, so a sender descheduled on a loaded machine leaves the
     link idle; a router's queue is not limited that way, and neither mode emulates it exactly."""
-    net.set_cap(mbit)
     if net.kind != "netns":
+        net.set_cap(mbit)
         return
+    net.set_cap(mbit, slow)
     size = 1500 if queue == "router" and mbit is not None and mbit < SEGMENT_BELOW_MBIT else 65536
     for peer in net.state.peers:
         subprocess.run(["ip", "-n", peer.netns, "link", "set", "dev", "eth0", "gso_max_size", str(size)],
                        check=True, capture_output=True)
+
+
+def heterogeneous_bound(peers: int, payload_bytes: float, mbit: float, slow_mbit: float) -> float:
+    """Seconds of the faster schedule at its bound, with the last of ``peers`` capped at
+    ``slow_mbit``. Ring: every link carries 2·(N−1)/N·S, so the slowest sets the pace. Butterfly:
+    member i uploads S − s_i and sends its average of s_i to N − 1 members (and receives as much),
+    S + (N−2)·s_i each way; the best shares make every member with a share finish together
+    (τ·B_i = S + (N−2)·s_i, the slow one owning nothing when even S alone takes it longer)."""
+    caps = [mbit * 1e6 / 8] * (peers - 1) + [slow_mbit * 1e6 / 8]
+    ring = 2 * (peers - 1) / peers * payload_bytes / min(caps)
+    if peers <= 2:
+        return ring  # every member sends S whatever the shares
+
+    def owned(tau: float) -> float:
+        return sum(max(0.0, (tau * b - payload_bytes) / (peers - 2)) for b in caps)
+
+    low, high = payload_bytes / max(caps), 2 * payload_bytes / min(caps)
+    for _ in range(100):  # bisection: the level at which the shares add up to S
+        mid = (low + high) / 2
+        low, high = (mid, high) if owned(mid) < payload_bytes else (low, mid)
+    return min(ring, max(high, payload_bytes / min(caps)))
 
 
 def auto_pieces(numel: int, codec_id: int, peers: int, mbit: float | None, schedule: str = "staggered") -> int:
@@ -115,15 +145,20 @@ def _ask(agents: list[Proc], cmd: dict, reply: str, timeout: float) -> list[dict
 
 
 def lowcomm_round(agents: list[Proc], addresses: list[str], numel: int, codec_id: int, timeout: float,
-                  step: int, schedule: str = "staggered", pieces: int | None = None, mbit: float | None = None) -> dict:
+                  step: int, schedule: str = "staggered", pieces: int | None = None, mbit: float | None = None,
+                  declared: list[float] | None = None) -> dict:
     """One round of the project's all-reduce; ``pieces`` per owner as the leader cuts them
     (protocol/layout.py) unless given, for members that declared the link's cap as their
     bandwidth (a node declares its last round's measured rate, somewhat less). ``schedule``:
-    the butterfly ``staggered`` or ``all`` at once (protocol/schedule.py), or ``ring`` (protocol/ring.py)."""
+    the butterfly ``staggered`` or ``all`` at once (protocol/schedule.py), or ``ring`` (protocol/ring.py).
+    ``declared``: the members' bandwidths (bytes/s) the shares are cut by; equal shares without."""
     n = len(agents)
     if pieces is None:
         pieces = auto_pieces(numel, codec_id, n, mbit, schedule)
-    bounds, owners = piece_layout(numel, [0.0] * n, pieces)
+    bounds, owners = piece_layout(numel, declared if declared and schedule != "ring" else [0.0] * n, pieces)
+    shares = [0] * n
+    for k, owner in enumerate(owners):
+        shares[owner] += bounds[k + 1] - bounds[k]
     group = {"group_id": os.urandom(8).hex(), "step": step,
              "members": [{"peer_id": f"agent-{i}", "address": addresses[i], "weight": 1.0} for i in range(n)],
              "shard_bounds": bounds, "shard_owners": owners, "codec": codec_id,
@@ -138,6 +173,9 @@ def lowcomm_round(agents: list[Proc], addresses: list[str], numel: int, codec_id
     # The phases are the butterfly's stages; a ring's one stream per member has none of them.
     return {"seconds": seconds, "trace": trace, "phases": phases(trace, seconds) if schedule != "ring" else None,
             "bytes_sent": statistics.fmean(d["bytes_sent"] for d in done),
+            # What each member measured of its uplink (bytes/s; 0 in a ring) and the share it owned.
+            "upload_bps": [d.get("upload_bps", 0.0) for d in done], "shares": [x / numel for x in shares],
+            "upload_rates": [d.get("upload_rates", []) for d in done],
             "skipped_shards": sum(d["skipped"] for d in done),
             # CPU seconds all agents spent in the round per second of it: 2.0 = both cores busy.
             "cpu_cores_busy": sum(d["cpu_seconds"] for d in done) / seconds if seconds > 0 else None,
@@ -189,7 +227,7 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
     peers_max = max(args.peers)
     step = 0
     for mbit, schedule in itertools.product(args.caps, args.schedule):
-        if net.kind == "netns":
+        if net.kind == "netns" and not args.slow_mbit:
             set_cap(net, mbit, args.queue)
         with processes() as agents:  # fresh agents for every schedule too: the ring uses other connections
             for i in range(peers_max):
@@ -200,21 +238,31 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
             addresses = [a.wait_event("ready", 120)["address"] for a in agents]
             for n in args.peers:
                 members = agents[:n]
+                if net.kind == "netns" and args.slow_mbit:  # the last member of this group is the slow one
+                    set_cap(net, mbit, args.queue, (n - 1, args.slow_mbit))
                 _ask(members, {"cmd": "setup", "numel": WARMUP_NUMEL}, "setup_done", 60)
                 step += 1
                 lowcomm_round(members, addresses, WARMUP_NUMEL, int(codec.id), 30, step, schedule)  # channels up
-                for size in args.sizes_mb:
+                for size, layout in itertools.product(args.sizes_mb, ["equal"] if schedule == "ring" else args.layout):
                     numel = _numel_for(codec, size * 1e6)
                     payload = codec.encoded_size(numel)
-                    bound = bound_seconds(n, payload, mbit)
+                    bound = (heterogeneous_bound(n, payload, mbit, args.slow_mbit) if args.slow_mbit and mbit
+                             else bound_seconds(n, payload, mbit))
                     timeout = max(60.0, 4 * (bound or 0))
                     _ask(members, {"cmd": "setup", "numel": numel}, "setup_done", 120)
+                    declared = None
+                    if layout == "measured":  # a first round for the members' first estimates, not counted
+                        step += 1
+                        declared = lowcomm_round(members, addresses, numel, int(codec.id), timeout, step,
+                                                 schedule, args.pieces, mbit)["upload_bps"]
                     results = []
                     for _ in range(rounds_for(args, size)):
                         wire0, links0 = [net.wire_sent(i) for i in range(n)], link_counters(net, n)
                         step += 1
                         result = lowcomm_round(members, addresses, numel, int(codec.id), timeout, step,
-                                               schedule, args.pieces, mbit)
+                                               schedule, args.pieces, mbit, declared)
+                        if layout == "measured":  # as a node: a member that measured nothing keeps its estimate
+                            declared = [new or old for new, old in zip(result["upload_bps"], declared)]
                         wire = [None if a is None or b is None else b - a
                                 for a, b in zip(wire0, [net.wire_sent(i) for i in range(n)])]
                         result["wire_bytes_sent"] = statistics.fmean(wire) if None not in wire else None
@@ -225,7 +273,7 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
                         "transport", run_id=run_id, impl="lowcomm", peers=n, payload_mb=size, payload_bytes=payload,
                         numel=numel, codec=codec.name, mbit=mbit, network=net.kind, link=net.describe(),
                         tcp_congestion=net.tcp_congestion,
-                        queue=args.queue, schedule=schedule,
+                        queue=args.queue, schedule=schedule, layout=layout, slow_mbit=args.slow_mbit,
                         pieces=(auto_pieces(numel, int(codec.id), n, mbit, schedule) if args.pieces is None
                                 else args.pieces),
                         load_avg=os.getloadavg()[0],
@@ -240,8 +288,9 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
                     save_traces(logdir, record)
                     append_jsonl(out, record)
                     eff = f"{record['efficiency']:.2f}" if bound else "n/a"
-                    say(f"lowcomm {schedule} N={n} S={size}MB cap={mbit}: {seconds:.2f} s, bound {bound or 0:.2f} s, "
-                        f"efficiency {eff}")
+                    slow_note = f" (last peer {args.slow_mbit:g}), {layout} shares" if args.slow_mbit else ""
+                    say(f"lowcomm {schedule} N={n} S={size}MB cap={mbit}{slow_note}: {seconds:.2f} s, "
+                        f"bound {bound or 0:.2f} s, efficiency {eff}")
             for agent in agents:
                 agent.send('{"cmd": "quit"}')
 
@@ -349,6 +398,13 @@ def schedules(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def layouts(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names or any(n not in ("equal", "measured") for n in names):
+        raise argparse.ArgumentTypeError(f"--layout {text!r}: choose from equal, measured")
+    return list(dict.fromkeys(names))
+
+
 def floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
@@ -374,6 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queue", choices=["router", "gso"], default="gso",
                         help="gso: the caps queue whole 64 kB GSO packets (netns_cluster's tbf); router: below "
                              "1 Gbit/s wire-sized packets, as a home router sees them (see set_cap)")
+    parser.add_argument("--slow-mbit", type=float, default=None,
+                        help="cap the last member of every group at this many Mbit/s (a slow volunteer)")
+    parser.add_argument("--layout", type=layouts, default=["equal"],
+                        help="comma-separated: the butterfly's shards equal, or by the bandwidths the members "
+                             "measured in the round before (measured), as a node's leader cuts them")
     tcp_congestion_arg(parser)
     parser.add_argument("--prefix", default="lct")
     parser.add_argument("--json-out", type=Path, default=OUT / "transport.jsonl")
@@ -386,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.network == "loopback":
         args.caps = [None]
+        if args.slow_mbit:
+            parser.error("--slow-mbit needs caps, hence network namespaces (--network netns)")
+    if args.slow_mbit is not None and (args.slow_mbit <= 0 or any(args.slow_mbit >= c for c in args.caps)):
+        parser.error(f"--slow-mbit {args.slow_mbit:g} must be above 0 and below every cap ({args.caps})")
     peers_max = max([*args.peers, *(int(c.split("x")[0]) for c in args.hivemind.split(",") if c.strip())])
     started = time.monotonic()
     with network(args.network, peers_max, prefix=args.prefix, tcp_congestion=args.tcp_congestion) as net:

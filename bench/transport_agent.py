@@ -193,6 +193,7 @@ async def run_lowcomm(args: argparse.Namespace) -> None:
                 residual.zero_()
                 owner_residual.zero_()
                 emit(event="round_done", t_start=t_start, t_end=t_end, cpu_seconds=cpu, bytes_sent=result.bytes_sent,
+                     upload_bps=result.upload_bps, upload_rates=result.upload_rates,
                      bytes_received=result.bytes_received, skipped=sum(a is None for a in result.averages),
                      trace=transport.trace.events)
     finally:

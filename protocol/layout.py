@@ -31,10 +31,20 @@ def split_into_groups(members: list[averaging_pb2.Member], group_size: int, step
     return [sorted(g, key=lambda m: m.peer_id) for g in groups]
 
 
+# Declared bandwidths within this factor of the group's median count as the median. A member's
+# estimate of its uplink (protocol/member.py ``AllReduceResult.upload_bps``) moves by ±30 % from
+# round to round on the same link, and members on equal links declared up to 1.7× apart in one
+# round (8 peers at 100 Mbit/s, bench/analysis.md): cut by those figures, the shares were up to
+# 1.5× the equal one and the round 10 % slower than with equal shares. A slow volunteer among
+# fast peers declares several times less, and gets its smaller share.
+BANDWIDTH_NOISE = 2.0
+
+
 def shard_layout(numel: int, owners_bandwidth: list[float]) -> list[int]:
     """Shard bounds over ``numel`` parameters, sized in proportion to the owners' bandwidth.
 
-    Owners that report no bandwidth (0) count as the median of the others, or all equal.
+    Owners that report no bandwidth (0) count as the median of the others, or all equal; so do
+    owners within BANDWIDTH_NOISE of the median (the estimates' noise, not their links).
     """
     if not owners_bandwidth:
         return [0, numel]
@@ -42,6 +52,7 @@ def shard_layout(numel: int, owners_bandwidth: list[float]) -> list[int]:
     # weights are scaled down when their sum overflows (two 1e308 would overflow).
     default = median_declared(owners_bandwidth) or 1.0
     weights = [b if b > 0 and math.isfinite(b) else default for b in owners_bandwidth]
+    weights = [default if default / BANDWIDTH_NOISE <= w <= default * BANDWIDTH_NOISE else w for w in weights]
     total = sum(weights)
     if not math.isfinite(total):
         top = max(weights)

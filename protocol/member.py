@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -66,7 +67,20 @@ class AllReduceResult:
     # timed them (``ReduceResult.upload_seconds``), bytes/s; 0 when no owner timed one. An
     # upload to an owner with a slower downlink is slower than our uplink, so the fastest
     # one is the estimate (what a leader lays shards out by: layout.py).
-    upload_bps: float = 0.0
+    upload_rates: list[float] = field(default_factory=list)  # bytes/s of each upload an owner timed
+
+    @property
+    def upload_bps(self) -> float:
+        """How fast this peer's uplink carries its parts, bytes/s (0: no owner timed one): the
+        upper quartile of its uploads' rates. Not the mean: an upload to an owner with a slower
+        downlink runs at that owner's pace, and now and then an owner reads a header after
+        much of the part already waited in its buffers, which times it far too fast (up to
+        10× a 100 Mbit/s cap in bench/transport.py --slow-mbit runs); the upper quartile
+        passes over both as long as they are under a quarter of the uploads."""
+        if not self.upload_rates:
+            return 0.0
+        ranked = sorted(self.upload_rates)
+        return ranked[math.ceil(0.75 * len(ranked)) - 1]
 
 
 async def run_allreduce(
@@ -293,5 +307,5 @@ async def run_allreduce(
         payload_bytes=stats["payload"] + sum(codec.encoded_size(a.numel) for a in mine),
         held=held, reports_heard=len(agreement.heard),
         payloads=[payload if average is not None else None for payload, average in zip(encoded, averages)],
-        upload_bps=max(upload_rates, default=0.0),
+        upload_rates=upload_rates,
     )

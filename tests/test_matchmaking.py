@@ -90,7 +90,7 @@ def test_a_single_groups_leader_cuts_large_rounds_in_pieces_by_their_encoded_siz
 
 def test_shard_layout_proportional_to_bandwidth():
     assert shard_layout(100, [1.0, 3.0]) == [0, 25, 100]
-    assert shard_layout(1000, [1e6, 1e6, 2e6]) == [0, 250, 500, 1000]
+    assert shard_layout(1000, [1e6, 1e6, 3e6]) == [0, 200, 400, 1000]
     assert shard_layout(100, [5.0]) == [0, 100]
     assert shard_layout(100, []) == [0, 100]
 
@@ -98,9 +98,18 @@ def test_shard_layout_proportional_to_bandwidth():
 def test_shard_layout_zeros_count_as_the_median():
     assert shard_layout(90, [0.0, 0.0, 0.0]) == [0, 30, 60, 90]  # nobody knows: equal shards
     assert shard_layout(300, [0.0, 1.0, 1.0]) == [0, 100, 200, 300]
-    bounds = shard_layout(1000, [2.0, 0.0, 4.0, 4.0])  # the unknown one counts as 4
+    bounds = shard_layout(1000, [1.0, 0.0, 4.0, 4.0])  # the unknown one counts as 4
     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
-    assert sizes == [143, 286, 285, 286]
+    assert sizes == [77, 308, 307, 308]
+
+
+def test_shard_layout_takes_bandwidths_near_the_median_for_the_estimates_noise():
+    """Members on equal links declare up to ~1.7× apart (layout.BANDWIDTH_NOISE): equal shares;
+    a slow volunteer at a tenth of the others' rate gets a tenth of their share."""
+    assert shard_layout(1000, [1.0, 1.5, 0.8, 1.9]) == [0, 250, 500, 750, 1000]
+    bounds = shard_layout(1000, [5.0, 50.0, 60.0, 70.0])
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert sizes == [27, 324, 325, 324]  # 50, 60 and 70 count as their median, 60
 
 
 @pytest.mark.parametrize("numel", [0, 1, 2, 7, 10_001])
