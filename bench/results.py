@@ -735,6 +735,48 @@ def transport_section(records: list[dict], slow: list[dict], plot_dir: Path, goa
     return lines
 
 
+def heterogeneous_section(records: list[dict]) -> list[str]:
+    """Section 3b: one slow volunteer among fast peers (``bench/transport.py --slow-mbit``), the
+    butterfly with equal shares, with shares by the members' measured uplinks, and the ring."""
+    newest_per_row: dict[tuple, dict] = {}  # the newest run of every configuration (runs may cover a few each)
+    for r in sorted((r for r in records if r.get("slow_mbit") and r.get("seconds") and not r.get("error")),
+                    key=lambda r: r.get("run_id", "")):
+        newest_per_row[(r["peers"], r["payload_mb"], r["mbit"], r["slow_mbit"], r["schedule"], r.get("layout"))] = r
+    runs = list(newest_per_row.values())
+    if not runs:
+        return []
+    first = runs[0]
+    commands = "; ".join(f"`{c}`" for c in dict.fromkeys(r.get("command", "") for r in runs))
+    commits = ", ".join(dict.fromkeys((r.get("code") or {}).get("commit", "?") for r in runs))
+    lines = ["## 3b. One slow volunteer: shares by measured uplink (`python bench/transport.py --slow-mbit ...`)", "",
+             f"As section 3, with the last member of each group capped at {first['slow_mbit']:g} Mbit/s and the others "
+             f"at {first['mbit']:g} ({commands}; commit {commits}; TCP "
+             f"{', '.join(sorted({r.get('tcp_congestion') or 'not recorded' for r in runs}))}). *equal*: every owner the same share; *measured*: "
+             "shares cut by the bandwidth each member measured of its uplink in the round before "
+             "(`AllReduceResult.upload_bps`, what a node declares and its leader lays shards out by, protocol/layout.py), "
+             "after one round that is not counted. *bound*: the lower of the two schedules' bounds on these links "
+             "(bench/transport.py `heterogeneous_bound`): at least S over the slow cap, since every member sends S or more. "
+             "*declared*: the members' estimates in the measured rounds, median over rounds, fast members / the slow one "
+             "(the caps' tbf counts what the uplink carries; an upload shares it with the member's result stages, "
+             "so an estimate is below the cap).", ""]
+    rows = []
+    for r in sorted(runs, key=lambda r: (r["peers"], r["payload_mb"], r["schedule"] == "ring", r.get("layout", ""))):
+        rounds = r.get("rounds", [])
+        slow_share = statistics.median(x["shares"][-1] for x in rounds) if rounds and rounds[0].get("shares") else None
+        declared = "–"
+        if r.get("layout") == "measured" and rounds and rounds[0].get("upload_bps"):
+            fast = statistics.median(statistics.median(x["upload_bps"][:-1]) for x in rounds) * 8 / 1e6
+            slow = statistics.median(x["upload_bps"][-1] for x in rounds) * 8 / 1e6
+            declared = f"{fast:.0f} / {slow:.0f} Mbit/s"
+        label = "ring" if r["schedule"] == "ring" else f"butterfly, {r.get('layout', 'equal')} shares"
+        rows.append([label, str(r["peers"]), f"{r['payload_mb']:g}", f"{r['mbit']:g} / {r['slow_mbit']:g}", _spread(r),
+                     f(r.get("bound_seconds"), 2), f(r.get("efficiency"), 2),
+                     "–" if slow_share is None else f"{slow_share:.3f}", declared, str(len(rounds))])
+    lines += table(["schedule", "N", "S MB", "caps Mbit/s (fast / slow)", "round s (min–max)", "bound s", "efficiency",
+                    "slow member's share", "declared (fast / slow)", "rounds"], rows)
+    return lines
+
+
 def transport_goals(capped: list[dict], hivemind: list[dict], label: str, goal: str, goals: list[str]) -> None:
     """The goal lines of one lowcomm schedule: efficiency, and faster than hivemind where both ran."""
     if not capped:
@@ -999,7 +1041,9 @@ def main(argv: list[str] | None = None) -> int:
                                    and long_records.outer_settings(r) == current] + confirm)
             + inner_lr_section(sweep)
             + slow_links_section(slow, plot_dir, goals)
-            + transport_section(trans, slow, plot_dir, goals) + codecs_section(cod)
+            + transport_section(trans, slow, plot_dir, goals)
+            + heterogeneous_section(read_jsonl(args.in_dir / "transport_heterogeneous.jsonl"))
+            + codecs_section(cod)
             + overlap_section(over, plot_dir, goals, other_overlap, sweep)
             + overlap_delay_section(sweep) + soak_section(soak_run)
             + data_memory_section(read_jsonl(args.in_dir / "data_memory.jsonl"))

@@ -24,9 +24,9 @@ spent per MB they sent (nearly independent of other load on the machine, unlike 
 
 ``--slow-mbit X`` caps the last member of every group at X Mbit/s instead (a slow volunteer among
 fast ones), and ``--layout equal,measured`` says how the butterfly's shards are cut: equal, or
-by the bandwidth each member measured in the round before (``AllReduceResult.upload_bps``, what a
-node declares and a leader lays out shards by: protocol/layout.py), after one unmeasured round
-for the first estimates. The bound is then the lower of the two schedules' own bounds on those
+by what each member declares after the rounds before, as a node does (the median of its last few
+``AllReduceResult.upload_bps``: node/decisions.py; a leader lays out shards by it: protocol/layout.py),
+after one unmeasured round for the first estimates. The bound is then the lower of the two schedules' own bounds on those
 links: a ring's 2·(N−1)/N·S over the slowest cap, and a butterfly's best layout, where member i
 sends S + (N−2)·s_i for its share s_i (see ``heterogeneous_bound``).
 
@@ -51,6 +51,7 @@ from pathlib import Path
 from common import (BENCH, OUT, PY, Proc, append_jsonl, handle_signals, netns_unavailable, network, processes,
                     record_base, say, tcp_congestion_arg)
 
+from lowcomm.node.decisions import declared_bandwidth
 from lowcomm.protocol._pb.lowcomm.v1.averaging_pb2 import ALL_REDUCE_SCHEDULE_BUTTERFLY as BUTTERFLY
 from lowcomm.protocol.layout import encoded_size, piece_layout, pieces_per_owner, ring_pieces
 from lowcomm.protocol.ring import RING
@@ -128,6 +129,15 @@ def heterogeneous_bound(peers: int, payload_bytes: float, mbit: float, slow_mbit
         mid = (low + high) / 2
         low, high = (mid, high) if owned(mid) < payload_bytes else (low, mid)
     return min(ring, max(high, payload_bytes / min(caps)))
+
+
+def declare(samples: list[list[float]], upload_bps: list[float]) -> list[float]:
+    """What every member declares after a round, as a node does (node/decisions.py): the median
+    of its last few estimates; ``samples`` (per member) grows by this round's."""
+    for mine, estimate in zip(samples, upload_bps):
+        if estimate > 0:
+            mine.append(estimate)
+    return [declared_bandwidth(mine) for mine in samples]
 
 
 def auto_pieces(numel: int, codec_id: int, peers: int, mbit: float | None, schedule: str = "staggered") -> int:
@@ -250,19 +260,20 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
                              else bound_seconds(n, payload, mbit))
                     timeout = max(60.0, 4 * (bound or 0))
                     _ask(members, {"cmd": "setup", "numel": numel}, "setup_done", 120)
-                    declared = None
+                    declared, samples = None, [[] for _ in members]
                     if layout == "measured":  # a first round for the members' first estimates, not counted
                         step += 1
-                        declared = lowcomm_round(members, addresses, numel, int(codec.id), timeout, step,
-                                                 schedule, args.pieces, mbit)["upload_bps"]
+                        first = lowcomm_round(members, addresses, numel, int(codec.id), timeout, step,
+                                              schedule, args.pieces, mbit)
+                        declared = declare(samples, first["upload_bps"])
                     results = []
                     for _ in range(rounds_for(args, size)):
                         wire0, links0 = [net.wire_sent(i) for i in range(n)], link_counters(net, n)
                         step += 1
                         result = lowcomm_round(members, addresses, numel, int(codec.id), timeout, step,
                                                schedule, args.pieces, mbit, declared)
-                        if layout == "measured":  # as a node: a member that measured nothing keeps its estimate
-                            declared = [new or old for new, old in zip(result["upload_bps"], declared)]
+                        if layout == "measured":
+                            declared = declare(samples, result["upload_bps"])
                         wire = [None if a is None or b is None else b - a
                                 for a, b in zip(wire0, [net.wire_sent(i) for i in range(n)])]
                         result["wire_bytes_sent"] = statistics.fmean(wire) if None not in wire else None

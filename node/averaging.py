@@ -18,6 +18,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -65,6 +66,18 @@ class RoundReport:
     tokens: float = 0.0  # what this node's Δ stood for (its weight in the round)
     consensus_distance: float = math.nan  # gossip mode: to the partners reached, before mixing
     schedule: str = ""  # all-reduce mode: how the group exchanged ("butterfly" or "ring", protocol/ring.py)
+    owned_share: float = math.nan  # all-reduce mode: the fraction of the parameters whose shards this peer owned
+
+
+def owned_share(group: averaging_pb2.Group, peer_id: str) -> float:
+    """The fraction of the group's parameters in the shards ``peer_id`` owns (the leader sizes
+    them by the members' declared bandwidths: protocol/layout.py)."""
+    bounds = list(group.shard_bounds)
+    if len(bounds) < 2 or bounds[-1] <= 0:
+        return math.nan
+    mine = [i for i, m in enumerate(group.members) if m.peer_id == peer_id]
+    owned = sum(bounds[k + 1] - bounds[k] for k, owner in enumerate(group.shard_owners) if owner in mine)
+    return owned / bounds[-1]
 
 
 @dataclass
@@ -111,6 +124,8 @@ class Averager:
         self.faults = faults
         self.stop_training = stop_training  # the busy-codec fault's job waits for a stop
         self.gossip = gossip
+        # What the last all-reduce rounds said of our uplink; we declare their median (decisions.py).
+        self.bandwidth_samples: deque[float] = deque(maxlen=decisions.BANDWIDTH_SAMPLES)
         self.tried: set[int] = set()  # recent steps whose round this peer started
         self.undo: RoundUndo | None = None  # set while an all-reduce may write our residual
         # (step it produced, Δ + residual we put into it): restored if that round's result loses
@@ -369,12 +384,15 @@ class Averager:
         self.metrics.bytes_received.inc(received)
         if result.payload_bytes:
             self.metrics.compression_ratio.set(4 * delta.numel() / result.payload_bytes)
-        self.stats.bandwidth_bps = decisions.declared_bandwidth(self.stats.bandwidth_bps, result.upload_bps,
-                                                                group.schedule == RING, sent, seconds)
+        sample = decisions.bandwidth_sample(result.upload_bps, group.schedule == RING, sent, seconds)
+        if sample is not None:
+            self.bandwidth_samples.append(sample)
+            self.stats.bandwidth_bps = decisions.declared_bandwidth(self.bandwidth_samples)
         if skipped:
             self.metrics.round_failures.labels(reason="shard_skipped").inc()
         applied = None if self.config.sync.state_sync else (codecs.get_codec(group.codec),
                                                              applied_averages(fragment, result))
         return RoundOutcome(RoundReport(len(group.members), 0.0, sent, received, skipped, allreduce_seconds=seconds,
-                                        schedule="ring" if group.schedule == RING else "butterfly"),
+                                        schedule="ring" if group.schedule == RING else "butterfly",
+                                        owned_share=owned_share(group, self.peer_id)),
                             apply=apply, group=group, applied=applied)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from concurrent.futures import Executor
 from typing import Any, Callable
@@ -159,6 +160,8 @@ class Committer:
                  "fragment": [fragment.start, fragment.stop],
                  "bytes_received": report.bytes_received, "skipped_shards": report.skipped_shards,
                  "schedule": report.schedule,
+                 "owned_share": None if math.isnan(report.owned_share) else report.owned_share,
+                 "bandwidth_bps": stats.bandwidth_bps,
                  "numel": self.trainer.numel, "codec": self.codec.name, "tokens_total": stats.tokens_total,
                  "tokens_averaged": report.tokens,
                  "compute_utilization": stats.compute_utilization,

@@ -11,7 +11,9 @@ may or may not be in it (it is whatever the DHT returned); every function leaves
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .swarm import PeerRecord, SwarmView
@@ -191,16 +193,29 @@ def phase_steps(inner_steps: int, fragments: int) -> int:
     return max(1, round(inner_steps / fragments))
 
 
-def declared_bandwidth(previous: float, upload_bps: float, ring: bool, bytes_sent: int, seconds: float) -> float:
-    """The bandwidth a peer declares after an all-reduce round (heartbeat, JoinGroup), by which
-    the next leader sizes its shard (protocol/layout.py): its uplink as the owners timed its
-    uploads (``AllReduceResult.upload_bps``). Bytes over the whole round would not do: a round
-    lasts as long as its slowest member's part, so every member of a group with one slow link
-    would declare about the same rate and keep the same share. A ring round says nothing of our
-    own link either (every hop moves at the slowest link's pace), so ``previous`` stays. Owners
+# A peer declares the median of its last few rounds' estimates: one round's estimate can be far
+# off (with two or three uploads per round, one that an owner timed too fast after reading its
+# header late: 185 Mbit/s declared on a 50 Mbit/s link through the real CLI, bench/analysis.md).
+BANDWIDTH_SAMPLES = 5
+
+
+def bandwidth_sample(upload_bps: float, ring: bool, bytes_sent: int, seconds: float) -> float | None:
+    """What an all-reduce round says of this peer's uplink, bytes/s, or None (nothing): its
+    uploads as the owners timed them (``AllReduceResult.upload_bps``). Bytes over the whole round
+    would not do: a round lasts as long as its slowest member's part, so every member of a group
+    with one slow link would declare about the same rate and keep the same share. A ring round
+    says nothing of our own link either (every hop moves at the slowest link's pace). Owners
     that time nothing (an older version): bytes over the round, as before."""
     if upload_bps > 0:
         return upload_bps
     if not ring and bytes_sent and seconds > 0:
         return bytes_sent / seconds
-    return previous
+    return None
+
+
+def declared_bandwidth(samples: Sequence[float]) -> float:
+    """The bandwidth a peer declares (heartbeat, JoinGroup), by which the next leader sizes its
+    shard (protocol/layout.py): the median of its last BANDWIDTH_SAMPLES samples, 0 (unknown)
+    before the first."""
+    recent = list(samples)[-BANDWIDTH_SAMPLES:]
+    return statistics.median(recent) if recent else 0.0

@@ -203,11 +203,15 @@ def test_a_direct_follower_starts_from_the_heartbeats_view_only_while_it_shows_n
     assert averager._direct_follower_view(5) is None
 
 
-def test_the_declared_bandwidth_is_the_timed_uplink_and_a_ring_round_keeps_the_last_one():
-    from lowcomm.node.decisions import declared_bandwidth
+def test_the_declared_bandwidth_is_the_median_of_the_timed_uplinks_and_a_ring_round_adds_nothing():
+    from lowcomm.node.decisions import BANDWIDTH_SAMPLES, bandwidth_sample, declared_bandwidth
 
-    assert declared_bandwidth(5e6, 12e6, ring=False, bytes_sent=1_000_000, seconds=1.0) == 12e6
-    assert declared_bandwidth(5e6, 0.0, ring=True, bytes_sent=1_000_000, seconds=1.0) == 5e6
+    assert bandwidth_sample(12e6, ring=False, bytes_sent=1_000_000, seconds=1.0) == 12e6
+    assert bandwidth_sample(0.0, ring=True, bytes_sent=1_000_000, seconds=1.0) is None
     # Owners that time nothing (an older version): bytes over the round.
-    assert declared_bandwidth(5e6, 0.0, ring=False, bytes_sent=3_000_000, seconds=2.0) == 1.5e6
-    assert declared_bandwidth(5e6, 0.0, ring=False, bytes_sent=0, seconds=2.0) == 5e6
+    assert bandwidth_sample(0.0, ring=False, bytes_sent=3_000_000, seconds=2.0) == 1.5e6
+    assert bandwidth_sample(0.0, ring=False, bytes_sent=0, seconds=2.0) is None
+    assert declared_bandwidth([]) == 0.0
+    # One round timed far too fast does not move what the peer declares.
+    assert declared_bandwidth([6e6, 6.2e6, 23e6, 5.9e6]) == pytest.approx(6.1e6)
+    assert declared_bandwidth([99e6] * 10 + [1e6] * BANDWIDTH_SAMPLES) == 1e6  # only the last few count
