@@ -756,7 +756,8 @@ def heterogeneous_section(records: list[dict]) -> list[str]:
              "(`AllReduceResult.upload_bps`, what a node declares and its leader lays shards out by, protocol/layout.py), "
              "after one round that is not counted. *bound*: the lower of the two schedules' bounds on these links "
              "(bench/transport.py `heterogeneous_bound`): at least S over the slow cap, since every member sends S or more. "
-             "*declared*: the members' estimates in the measured rounds, median over rounds, fast members / the slow one "
+             "*estimated uplink*: the members' estimates in the measured rounds (`upload_bps`; a member declares the "
+             "median of its last five), median over rounds, fast members / the slow one "
              "(the caps' tbf counts what the uplink carries; an upload shares it with the member's result stages, "
              "so an estimate is below the cap).", ""]
     rows = []
@@ -773,7 +774,7 @@ def heterogeneous_section(records: list[dict]) -> list[str]:
                      f(r.get("bound_seconds"), 2), f(r.get("efficiency"), 2),
                      "–" if slow_share is None else f"{slow_share:.3f}", declared, str(len(rounds))])
     lines += table(["schedule", "N", "S MB", "caps Mbit/s (fast / slow)", "round s (min–max)", "bound s", "efficiency",
-                    "slow member's share", "declared (fast / slow)", "rounds"], rows)
+                    "slow member's share", "estimated uplink (fast / slow)", "rounds"], rows)
     return lines
 
 
