@@ -663,7 +663,7 @@ def tcp_note(runs: list[dict]) -> str:
             "which runs before 2026-12-03 inherited: bench/README.md).")
 
 
-SCHEDULE_LABELS = {"staggered": "butterfly", "all": "butterfly, all at once", "ring": "ring"}
+SCHEDULE_LABELS = {"staggered": "butterfly", "all": "butterfly, all at once", "ring": "ring", "auto": "auto"}
 
 
 def impl_label(record: dict) -> str:
@@ -761,7 +761,8 @@ def heterogeneous_section(records: list[dict]) -> list[str]:
              "(the caps' tbf counts what the uplink carries; an upload shares it with the member's result stages, "
              "so an estimate is below the cap).", ""]
     rows = []
-    for r in sorted(runs, key=lambda r: (r["peers"], r["payload_mb"], r["schedule"] == "ring", r.get("layout", ""))):
+    order = {"staggered": 0, "ring": 1, "auto": 2}
+    for r in sorted(runs, key=lambda r: (r["peers"], r["payload_mb"], order.get(r["schedule"], 3), r.get("layout", ""))):
         rounds = r.get("rounds", [])
         slow_share = statistics.median(x["shares"][-1] for x in rounds) if rounds and rounds[0].get("shares") else None
         declared = "–"
@@ -770,6 +771,9 @@ def heterogeneous_section(records: list[dict]) -> list[str]:
             slow = statistics.median(x["upload_bps"][-1] for x in rounds) * 8 / 1e6
             declared = f"{fast:.0f} / {slow:.0f} Mbit/s"
         label = "ring" if r["schedule"] == "ring" else f"butterfly, {r.get('layout', 'equal')} shares"
+        if r["schedule"] == "auto":
+            rings = sum(x.get("ran") == "ring" for x in rounds)
+            label = f"auto (ring in {rings} of {len(rounds)} rounds)"
         rows.append([label, str(r["peers"]), f"{r['payload_mb']:g}", f"{r['mbit']:g} / {r['slow_mbit']:g}", _spread(r),
                      f(r.get("bound_seconds"), 2), f(r.get("efficiency"), 2),
                      "–" if slow_share is None else f"{slow_share:.3f}", declared, str(len(rounds))])

@@ -53,7 +53,7 @@ from common import (BENCH, OUT, PY, Proc, append_jsonl, handle_signals, netns_un
 
 from lowcomm.node.decisions import declared_bandwidth
 from lowcomm.protocol._pb.lowcomm.v1.averaging_pb2 import ALL_REDUCE_SCHEDULE_BUTTERFLY as BUTTERFLY
-from lowcomm.protocol.layout import encoded_size, piece_layout, pieces_per_owner, ring_pieces
+from lowcomm.protocol.layout import choose_schedule, encoded_size, piece_layout, pieces_per_owner, ring_pieces
 from lowcomm.protocol.ring import RING
 
 AGENT = BENCH / "transport_agent.py"
@@ -160,9 +160,13 @@ def lowcomm_round(agents: list[Proc], addresses: list[str], numel: int, codec_id
     """One round of the project's all-reduce; ``pieces`` per owner as the leader cuts them
     (protocol/layout.py) unless given, for members that declared the link's cap as their
     bandwidth (a node declares its last round's measured rate, somewhat less). ``schedule``:
-    the butterfly ``staggered`` or ``all`` at once (protocol/schedule.py), or ``ring`` (protocol/ring.py).
+    the butterfly ``staggered`` or ``all`` at once (protocol/schedule.py), ``ring`` (protocol/ring.py), or
+    ``auto``: either, as a leader with ``[sync] schedule = "auto"`` picks it (the result's ``ran``).
     ``declared``: the members' bandwidths (bytes/s) the shares are cut by; equal shares without."""
     n = len(agents)
+    if schedule == "auto":  # as a leader with [sync] schedule = "auto" picks it (protocol/layout.py)
+        picked = choose_schedule(step, encoded_size(codec_id, numel), declared or [0.0] * n)
+        schedule = "ring" if picked == RING else "staggered"
     if pieces is None:
         pieces = auto_pieces(numel, codec_id, n, mbit, schedule)
     bounds, owners = piece_layout(numel, declared if declared and schedule != "ring" else [0.0] * n, pieces)
@@ -185,7 +189,7 @@ def lowcomm_round(agents: list[Proc], addresses: list[str], numel: int, codec_id
             "bytes_sent": statistics.fmean(d["bytes_sent"] for d in done),
             # What each member measured of its uplink (bytes/s; 0 in a ring) and the share it owned.
             "upload_bps": [d.get("upload_bps", 0.0) for d in done], "shares": [x / numel for x in shares],
-            "upload_rates": [d.get("upload_rates", []) for d in done],
+            "upload_rates": [d.get("upload_rates", []) for d in done], "ran": schedule,
             "skipped_shards": sum(d["skipped"] for d in done),
             # CPU seconds all agents spent in the round per second of it: 2.0 = both cores busy.
             "cpu_cores_busy": sum(d["cpu_seconds"] for d in done) / seconds if seconds > 0 else None,
@@ -253,7 +257,8 @@ def sweep_lowcomm(net, args, out: Path, run_id: str, logdir: Path) -> None:
                 _ask(members, {"cmd": "setup", "numel": WARMUP_NUMEL}, "setup_done", 60)
                 step += 1
                 lowcomm_round(members, addresses, WARMUP_NUMEL, int(codec.id), 30, step, schedule)  # channels up
-                for size, layout in itertools.product(args.sizes_mb, ["equal"] if schedule == "ring" else args.layout):
+                layouts = {"ring": ["equal"], "auto": ["measured"]}.get(schedule, args.layout)
+                for size, layout in itertools.product(args.sizes_mb, layouts):
                     numel = _numel_for(codec, size * 1e6)
                     payload = codec.encoded_size(numel)
                     bound = (heterogeneous_bound(n, payload, mbit, args.slow_mbit) if args.slow_mbit and mbit
@@ -397,7 +402,7 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-SCHEDULES = ("staggered", "all", "ring")
+SCHEDULES = ("staggered", "all", "ring", "auto")
 
 
 def schedules(text: str) -> list[str]:
@@ -436,8 +441,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="pieces per owner (default: as the leader cuts them, protocol/layout.py)")
     parser.add_argument("--schedule", type=schedules, default=["staggered", "ring"],
                         help="comma-separated: lowcomm's butterfly with its staggered upload/result order "
-                             "(protocol/schedule.py), the butterfly with everything at once (all), or the ring "
-                             "(protocol/ring.py, [sync] schedule = \"ring\"); each is measured on every cap")
+                             "(protocol/schedule.py), the butterfly with everything at once (all), the ring "
+                             "(protocol/ring.py, [sync] schedule = \"ring\"), or either one round by round as a "
+                             "leader picks it from the declared bandwidths ([sync] schedule = \"auto\"; shares "
+                             "measured); each is measured on every cap")
     parser.add_argument("--queue", choices=["router", "gso"], default="gso",
                         help="gso: the caps queue whole 64 kB GSO packets (netns_cluster's tbf); router: below "
                              "1 Gbit/s wire-sized packets, as a home router sees them (see set_cap)")

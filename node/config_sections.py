@@ -232,7 +232,7 @@ class SyncSection(ConfigSection):
     """A contribution whose norm exceeds this multiple of the median norm of its shard is rejected."""
     codec: Literal["fp32", "fp16", "bf16", "int8", "int4", "topk", "sparseloco"] = "int8"
     """Encoding of pseudo-gradients on the wire (lossy codecs use error feedback)."""
-    schedule: Literal["butterfly", "ring"] = "butterfly"
+    schedule: Literal["butterfly", "ring", "auto"] = "butterfly"
     """How a group exchanges its parts. butterfly: every member sends each shard owner its part
     and gets the owner's average back; the owner checks every contribution (norm bound, the
     aggregation rule), and a failed owner costs only its shard. ring: the members pass running
@@ -240,7 +240,10 @@ class SyncSection(ConfigSection):
     contribution on its own, so it needs aggregation = "mean", applies no norm bound, and a
     member that fails costs the whole round (every peer carries its part to the next). For
     swarms whose members trust each other. Split steps and groups with a client-mode member
-    run as a butterfly."""
+    run as a butterfly. auto: the leader makes each group a ring or a butterfly, whichever the
+    members' declared bandwidths say is faster (a ring on equal links, a butterfly when one
+    member is several times slower: protocol/layout.py choose_schedule), and a butterfly every
+    10th step, which refreshes the bandwidths; it needs what a ring needs."""
     group_size: int = Field(16, ge=2)
     """Largest group a leader closes."""
     outer_lr: float = Field(1.0, gt=0.0)
@@ -291,17 +294,19 @@ class SyncSection(ConfigSection):
 
     @model_validator(mode="after")
     def _ring_needs_trust_and_a_dense_codec(self) -> "SyncSection":
-        if self.schedule == "ring":
+        if self.schedule in ("ring", "auto"):
+            mine = f"schedule = \"{self.schedule}\"" + (" may run a ring, which" if self.schedule == "auto" else "")
             if self.aggregation != "mean":
-                raise ValueError(f"schedule = \"ring\" sums contributions on the way, so no owner can apply "
+                raise ValueError(f"{mine} sums contributions on the way, so no owner can apply "
                                  f"aggregation = \"{self.aggregation}\"; set aggregation = \"mean\" or "
                                  f"schedule = \"butterfly\"")
             if self.codec in ("topk", "sparseloco"):
-                raise ValueError(f"schedule = \"ring\" re-encodes running sums at every hop, which a sparse codec "
+                raise ValueError(f"{mine} re-encodes running sums at every hop, which a sparse codec "
                                  f"(codec = \"{self.codec}\") would thin out; use fp32, fp16, bf16, int8 or int4, "
                                  f"or schedule = \"butterfly\"")
             if self.mode != "allreduce":
-                raise ValueError("schedule = \"ring\" is an all-reduce schedule; it needs mode = \"allreduce\"")
+                raise ValueError(f"schedule = \"{self.schedule}\" is an all-reduce schedule; it needs "
+                                 "mode = \"allreduce\"")
         return self
 
     @model_validator(mode="after")

@@ -244,8 +244,8 @@ class Node:
             self.dht_client, self.config.run.name, self.identity, "", self.channels,
             self.config.sync.group_size, int(self.codec.id), self.trainer.numel, self.config.sync.reduce_timeout,
             quorum=self.config.sync.quorum, min_straggler_wait=self.config.sync.straggler_wait,
-            schedule=averaging_pb2.ALL_REDUCE_SCHEDULE_RING if self.config.sync.schedule == "ring"
-            else averaging_pb2.ALL_REDUCE_SCHEDULE_BUTTERFLY,
+            schedule={"ring": averaging_pb2.ALL_REDUCE_SCHEDULE_RING, "auto": averaging_pb2.ALL_REDUCE_SCHEDULE_AUTO}.get(
+                self.config.sync.schedule, averaging_pb2.ALL_REDUCE_SCHEDULE_BUTTERFLY),
         )
         link.plan_behind = self.matchmaker.plan_behind
         serve_peers = not cfg.client_mode

@@ -40,6 +40,17 @@ def split_into_groups(members: list[averaging_pb2.Member], group_size: int, step
 BANDWIDTH_NOISE = 2.0
 
 
+def effective_bandwidths(declared: list[float]) -> list[float]:
+    """The bandwidths a leader plans with: what the members declared, where an unknown one (0,
+    infinite, NaN) and one within BANDWIDTH_NOISE of the median count as the median (1.0 each
+    when nobody declared one)."""
+    # A follower's bandwidth is whatever it declared, hence the checks; the weights are scaled
+    # down by shard_layout when their sum overflows (two 1e308 would overflow).
+    default = median_declared(declared) or 1.0
+    weights = [b if b > 0 and math.isfinite(b) else default for b in declared]
+    return [default if default / BANDWIDTH_NOISE <= w <= default * BANDWIDTH_NOISE else w for w in weights]
+
+
 def shard_layout(numel: int, owners_bandwidth: list[float]) -> list[int]:
     """Shard bounds over ``numel`` parameters, sized in proportion to the owners' bandwidth.
 
@@ -48,11 +59,7 @@ def shard_layout(numel: int, owners_bandwidth: list[float]) -> list[int]:
     """
     if not owners_bandwidth:
         return [0, numel]
-    # A follower's bandwidth is whatever it declared: infinite or NaN counts as unknown, and the
-    # weights are scaled down when their sum overflows (two 1e308 would overflow).
-    default = median_declared(owners_bandwidth) or 1.0
-    weights = [b if b > 0 and math.isfinite(b) else default for b in owners_bandwidth]
-    weights = [default if default / BANDWIDTH_NOISE <= w <= default * BANDWIDTH_NOISE else w for w in weights]
+    weights = effective_bandwidths(owners_bandwidth)
     total = sum(weights)
     if not math.isfinite(total):
         top = max(weights)
@@ -104,6 +111,47 @@ def ring_problem_of_members(members: list[averaging_pb2.Member], codec_id: int) 
     if any(not m.address for m in members):
         return "every member of a ring must be reachable (a client-mode member cannot receive)"
     return ""
+
+
+# The share of its bound each schedule reached in the transport grid on links it had to itself
+# (bench/RESULTS.md section 3, reno, 2026-12-03: medians over 18 configurations): a ring's one
+# flow per link against a butterfly's upload and result stages to receivers busy with others.
+RING_EFFICIENCY = 0.93
+BUTTERFLY_EFFICIENCY = 0.78
+# schedule = "auto": every AUTO_PROBE_EVERY-th step is a butterfly whatever the estimates say. Its
+# owners time every upload, which refreshes the members' declared bandwidths; a ring cannot (every
+# hop moves at the slowest link's pace), so a link that got slower during ring rounds shows then.
+AUTO_PROBE_EVERY = 10
+
+
+def predicted_seconds(schedule: int, payload_bytes: int, bandwidths: list[float]) -> float:
+    """Seconds a group's all-reduce of ``payload_bytes`` (each member's encoded Δ) takes over
+    links of ``bandwidths`` (bytes/s, one per member, all known), at the efficiency measured for
+    the schedule. Ring: every link carries 2·(N−1)/N·S, so the slowest sets the pace. Butterfly
+    with shares by bandwidth (``shard_layout``): member i sends S − s_i of parts and N − 1
+    copies of its average of s_i, S + (N − 2)·s_i in all, and receives as much."""
+    n = len(bandwidths)
+    if schedule == averaging_pb2.ALL_REDUCE_SCHEDULE_RING:
+        return 2 * (n - 1) / n * payload_bytes / min(bandwidths) / RING_EFFICIENCY
+    total = sum(bandwidths)
+    return max((payload_bytes + (n - 2) * payload_bytes * b / total) / b for b in bandwidths) / BUTTERFLY_EFFICIENCY
+
+
+def choose_schedule(step: int, payload_bytes: int, declared: list[float]) -> int:
+    """``schedule = "auto"``: a ring or a butterfly for a single group whose members can form a
+    ring, from their declared bandwidths (the figures ``shard_layout`` cuts shares by): the one
+    ``predicted_seconds`` says is faster. A butterfly while any member's bandwidth is unknown
+    (it measures them) and every AUTO_PROBE_EVERY-th step (it refreshes them). With equal links
+    the ring wins (0.93 against 0.78 of the same bound); with one member several times slower the
+    butterfly does, as it gives that member a small share while a ring runs at its pace
+    (bench/RESULTS.md section 3b)."""
+    known = [b for b in declared if b > 0 and math.isfinite(b)]
+    if len(known) < len(declared) or len(declared) < 2 or step % AUTO_PROBE_EVERY == 0:
+        return averaging_pb2.ALL_REDUCE_SCHEDULE_BUTTERFLY
+    bandwidths = effective_bandwidths(declared)
+    ring = predicted_seconds(averaging_pb2.ALL_REDUCE_SCHEDULE_RING, payload_bytes, bandwidths)
+    butterfly = predicted_seconds(averaging_pb2.ALL_REDUCE_SCHEDULE_BUTTERFLY, payload_bytes, bandwidths)
+    return averaging_pb2.ALL_REDUCE_SCHEDULE_RING if ring <= butterfly else averaging_pb2.ALL_REDUCE_SCHEDULE_BUTTERFLY
 
 
 def ring_pieces(payload_bytes: int, members: int, link_bytes_per_second: float) -> int:
@@ -186,8 +234,9 @@ def close_groups(parts: list[list[averaging_pb2.Member]], bandwidth: dict[str, f
 
     ``template`` carries what every group shares (step, codec, reduce timeout, schedule). One
     group: its shard layout by bandwidth over its reachable members, each member's share in
-    pieces (``piece_layout``); as a ring (ring.py) when the template asks for one and the group
-    can be one (``ring_problem_of_members``), with equal shares, else as a butterfly. Several: the same
+    pieces (``piece_layout``); as a ring (ring.py) when the template asks for one (or for AUTO
+    and ``choose_schedule`` picks one) and the group can be one (``ring_problem_of_members``),
+    with equal shares, else as a butterfly. Several: the same
     layout and the step plan in every one of them (``split_step_layout``, crossgroup.py), always
     a butterfly. Group ids are drawn in
     group order, one ``random_bytes(16)`` each.
@@ -201,8 +250,11 @@ def close_groups(parts: list[list[averaging_pb2.Member]], bandwidth: dict[str, f
         group.group_id = ids[0]
         declared = [bandwidth[parts[0][i].peer_id] for i in owners]
         link = median_declared(declared)
-        if template.schedule == averaging_pb2.ALL_REDUCE_SCHEDULE_RING and not ring_problem_of_members(parts[0],
-                                                                                                  template.codec):
+        wanted = template.schedule
+        if wanted == averaging_pb2.ALL_REDUCE_SCHEDULE_AUTO:
+            wanted = choose_schedule(template.step, encoded_size(template.codec, numel), declared)
+        if wanted == averaging_pb2.ALL_REDUCE_SCHEDULE_RING and not ring_problem_of_members(parts[0], template.codec):
+            group.schedule = averaging_pb2.ALL_REDUCE_SCHEDULE_RING
             # Every chunk crosses every link of a ring: equal chunks, whatever the bandwidths.
             bounds, owner_of = piece_layout(numel, [0.0] * len(owners), ring_pieces(encoded_size(template.codec, numel),
                                                                                     len(owners), link))

@@ -261,12 +261,14 @@ def test_ring_schedule_enters_the_fingerprint_and_the_default_keeps_old_ones():
     assert "schedule" not in load_config(environ={}).run_config()["sync"]
     assert fingerprint("sync.schedule=butterfly") == fingerprint()
     assert fingerprint("sync.schedule=ring") != fingerprint()
+    assert fingerprint("sync.schedule=auto") not in (fingerprint(), fingerprint("sync.schedule=ring"))
 
 
+@pytest.mark.parametrize("schedule", ["ring", "auto"])
 @pytest.mark.parametrize("override,needle", [("sync.aggregation=clipped_mean", "aggregation = \"mean\""),
                                              ("sync.codec=sparseloco", "sparse codec"),
                                              ("sync.mode=gossip", "mode = \"allreduce\"")])
-def test_a_ring_needs_the_plain_mean_a_dense_codec_and_allreduce(override, needle):
-    with pytest.raises(ConfigError, match="schedule") as err:
-        load_config(overrides=["sync.schedule=ring", override], environ={})
+def test_a_ring_needs_the_plain_mean_a_dense_codec_and_allreduce(schedule, override, needle):
+    with pytest.raises(ConfigError, match=f"schedule = \"{schedule}\"") as err:
+        load_config(overrides=[f"sync.schedule={schedule}", override], environ={})
     assert needle in str(err.value)

@@ -458,3 +458,42 @@ def test_a_leader_closes_before_its_follower_gives_up():
             await stop_peers([leader, follower])
 
     run(scenario(), 10)
+
+
+# -- schedule = "auto": a ring or a butterfly from the declared bandwidths -----------------------
+
+
+def test_auto_picks_a_ring_on_equal_links_and_a_butterfly_around_a_slow_member():
+    from lowcomm.protocol.layout import AUTO_PROBE_EVERY, choose_schedule, predicted_seconds
+
+    ring, butterfly = averaging_pb2.ALL_REDUCE_SCHEDULE_RING, averaging_pb2.ALL_REDUCE_SCHEDULE_BUTTERFLY
+    payload, fast, slow = 4_000_000, 12.5e6, 2.5e6  # 4 MB; 100 and 20 Mbit/s
+    assert choose_schedule(3, payload, [fast] * 4) == ring
+    assert choose_schedule(3, payload, [fast, fast * 1.6, fast * 0.7, fast]) == ring  # estimates' noise: equal links
+    assert choose_schedule(3, payload, [fast, fast, fast, slow]) == butterfly
+    # Until every member measured its link, and at every probe step: a butterfly, which measures.
+    assert choose_schedule(3, payload, [fast, fast, 0.0, fast]) == butterfly
+    assert choose_schedule(AUTO_PROBE_EVERY * 4, payload, [fast] * 4) == butterfly
+    assert choose_schedule(3, payload, [fast]) == butterfly
+    # The model against bench/RESULTS.md section 3b (4 × 4 MB, one member at 20 Mbit/s, the others
+    # at 100): the ring took 2.58 s, the butterfly with shares by measured bandwidth 2.17 s.
+    assert predicted_seconds(ring, payload, [fast, fast, fast, slow]) == pytest.approx(2.58, rel=0.01)
+    assert predicted_seconds(butterfly, payload, [fast, fast, fast, slow]) == pytest.approx(2.17, rel=0.1)
+
+
+def test_an_auto_leader_sends_a_ring_or_a_butterfly_never_auto():
+    members = [averaging_pb2.Member(peer_id=f"p{i}", address=f"a{i}", weight=1.0) for i in range(4)]
+    template = averaging_pb2.Group(step=3, codec=codecs.get_codec("int8").id,
+                                   schedule=averaging_pb2.ALL_REDUCE_SCHEDULE_AUTO)
+    equal = {m.peer_id: 12.5e6 for m in members}
+    [group] = close_groups([members], equal, 100_000, template, lambda n: bytes(n))
+    assert group.schedule == averaging_pb2.ALL_REDUCE_SCHEDULE_RING
+    assert list(group.shard_bounds) == [0, 25_000, 50_000, 75_000, 100_000]  # a ring's equal chunks
+    [group] = close_groups([members], equal | {"p3": 1.25e6}, 100_000, template, lambda n: bytes(n))
+    assert group.schedule == averaging_pb2.ALL_REDUCE_SCHEDULE_BUTTERFLY
+    sizes = [b - a for a, b in zip(group.shard_bounds, group.shard_bounds[1:])]
+    assert sizes[3] < sizes[0] / 5  # the slow member's small share
+    # A client-mode member cannot be in a ring: a butterfly whatever the figures.
+    client = members[:3] + [averaging_pb2.Member(peer_id="p3", address="", weight=1.0)]
+    [group] = close_groups([client], equal, 100_000, template, lambda n: bytes(n))
+    assert group.schedule == averaging_pb2.ALL_REDUCE_SCHEDULE_BUTTERFLY

@@ -1,6 +1,7 @@
 """The ring schedule (``[sync] schedule = "ring"``, protocol/ring.py) through the real CLI: peers
 average in a ring to the same bits, a killed member costs the survivors one skipped round and
-no more, and a config that a ring cannot honour is a one-line error."""
+no more, and a config that a ring cannot honour is a one-line error. ``schedule = "auto"``: a
+butterfly until the members have measured their links, then a ring on equal links."""
 
 from __future__ import annotations
 
@@ -65,3 +66,21 @@ def test_three_peers_average_in_a_ring_and_a_member_killed_mid_ring_costs_one_sk
 def test_a_ring_config_it_cannot_honour_is_a_one_line_error(tmp_path, extra, needle):
     result = run_join(tmp_path, *RING, *extra)
     assert_one_line_error(result, "schedule = \"ring\"", needle)
+
+
+@pytest.mark.multiprocess
+def test_auto_measures_the_links_in_a_butterfly_then_runs_a_ring_on_equal_links(swarm):
+    auto = ["--set", "sync.schedule=auto"]
+    first = swarm.start(0, extra=auto)
+    first.ready()
+    second = swarm.start(1, [first.multiaddr], extra=auto)
+    # Loopback links are equal: once both have declared a bandwidth, the leader picks the ring
+    # (protocol/layout.py choose_schedule), except at every 10th step.
+    ring = second.wait_for(lambda e: e.get("event") == "round_done" and e["group_size"] == 2
+                           and e.get("schedule") == "ring", ROUND_WAIT * 3)
+    assert hash_at(first, ring["outer_step"]) == ring["params_sha256"]
+    pairs = [e for e in second.rounds() if e["group_size"] == 2]
+    # The pair's first round: nobody had measured a link yet, so a butterfly, whose owners time
+    # the uploads; after it, the bandwidth each declares.
+    assert pairs[0]["schedule"] == "butterfly" and pairs[0]["bandwidth_bps"] > 0, pairs[0]
+    assert 0 < ring["owned_share"] < 1

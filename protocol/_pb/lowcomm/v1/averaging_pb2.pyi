@@ -13,8 +13,10 @@ class AllReduceSchedule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ALL_REDUCE_SCHEDULE_BUTTERFLY: _ClassVar[AllReduceSchedule]
     ALL_REDUCE_SCHEDULE_RING: _ClassVar[AllReduceSchedule]
+    ALL_REDUCE_SCHEDULE_AUTO: _ClassVar[AllReduceSchedule]
 ALL_REDUCE_SCHEDULE_BUTTERFLY: AllReduceSchedule
 ALL_REDUCE_SCHEDULE_RING: AllReduceSchedule
+ALL_REDUCE_SCHEDULE_AUTO: AllReduceSchedule
 
 class JoinRequest(_message.Message):
     __slots__ = ("hello", "step", "address", "weight", "bandwidth_bps", "params_sha256", "wait_s", "direct", "bucket", "closed_bucket", "bucket_members")
