@@ -34,6 +34,8 @@ from soak import soak_section
 GOAL_LOSS = 0.04
 GOAL_BYTES = 190
 GOAL_EFFICIENCY = 0.8
+# A round whose agents keep this share of the machine's cores busy is CPU-bound: its goal line says so.
+CPU_BOUND_SHARE = 0.75
 GOAL_SPEEDUP = 10
 GOAL_UTILIZATION = 0.95
 GOAL_OVERLAP_PENALTY = 0.01
@@ -793,7 +795,8 @@ def transport_goals(capped: list[dict], hivemind: list[dict], label: str, goal: 
                  f"(median {median:.2f}, range {min(r['efficiency'] for r in capped):.2f}–"
                  f"{max(r['efficiency'] for r in capped):.2f} over {len(capped)} configurations"
                  + ("; below 0.8: " + ", ".join(f"N={r['peers']} S={r['payload_mb']:g} MB at {r['mbit']:g} Mbit/s "
-                                               f"({r['efficiency']:.2f})" for r in below) if below else "") + ").")
+                                               f"({r['efficiency']:.2f}{_cpu_profile(r)})" for r in below)
+                    if below else "") + ").")
     both = [(r, h) for h in hivemind for r in capped
             if (r["peers"], r["payload_mb"], r["mbit"]) == (h["peers"], h["payload_mb"], h["mbit"])]
     if both:
@@ -991,6 +994,17 @@ def _median(record: dict, key: str) -> float | None:
 
 def _cores(record: dict) -> float | None:
     return _median(record, "cpu_cores_busy")
+
+
+def _cpu_profile(record: dict) -> str:
+    """How far the agents' CPU alone lets a row get on this machine: their CPU seconds of a round
+    spread over all its cores is a floor under the round's time, so bound / floor is a ceiling on
+    the efficiency that no schedule can pass here (empty where the CPU is not near its limit)."""
+    cores_busy, cores = _cores(record), (record.get("machine") or {}).get("cores")
+    if not cores_busy or not cores or not record.get("bound_seconds") or cores_busy < CPU_BOUND_SHARE * cores:
+        return ""
+    floor = cores_busy * record["seconds"] / cores
+    return f"; {cores_busy:.2f} of {cores} cores busy, CPU ceiling {min(1.0, record['bound_seconds'] / floor):.2f}"
 
 
 def _retrans(record: dict) -> str:
