@@ -51,20 +51,75 @@ def effective_bandwidths(declared: list[float]) -> list[float]:
     return [default if default / BANDWIDTH_NOISE <= w <= default * BANDWIDTH_NOISE else w for w in weights]
 
 
-def shard_layout(numel: int, owners_bandwidth: list[float]) -> list[int]:
-    """Shard bounds over ``numel`` parameters, sized in proportion to the owners' bandwidth.
+# No owner averages more than this many times an equal share: a member that declares a huge
+# bandwidth (by mistake or to see most of the others' parts) still owns at most 2/k of the
+# parameters, and an owner that fails costs the round at most that much.
+MAX_SHARE_FACTOR = 2.0
+
+
+def owner_shares(bandwidths: list[float], members: int | None = None) -> list[float]:
+    """The share of the parameters each owner averages, for owners with these bandwidths (positive,
+    finite: ``effective_bandwidths``) in a butterfly of ``members`` members (default: the owners),
+    chosen to make the round as short as the links allow.
+
+    Member i moves S·(1 + (N−2)·s_i) over its link each way (its parts to the others' shards, S·(1
+    − s_i), and its average of s_i to N − 1 members; a non-owner S), so a round takes at least
+    τ = max_i (1 + (N−2)·s_i)/B_i (in units of S), and owner i may take s_i ≤ (τ·B_i − 1)/(N − 2)
+    without making it longer. The shares are those of the least τ whose caps (each also at most
+    MAX_SHARE_FACTOR equal shares) add up to 1, spread as evenly as the caps allow. So a member
+    so slow that S alone takes it longer than the others' whole round owns nothing (without a
+    share cap the least τ is max(1/min B, (N − 2 + k)/ΣB) for k owners). Equal bandwidths give
+    equal shares; with N ≤ 2 every member moves S whatever the shares, which then follow the
+    bandwidths."""
+    count = len(bandwidths)
+    n = max(members or count, count)
+    if count == 0:
+        return []
+    if len(set(bandwidths)) == 1:
+        return [1.0 / count] * count
+    top = max(bandwidths)
+    rates = [b / top for b in bandwidths]  # in units of the fastest: no overflow, same shares
+    if n <= 2:
+        return [r / sum(rates) for r in rates]
+    most = min(1.0, MAX_SHARE_FACTOR / count)
+
+    def caps(tau: float) -> list[float]:
+        return [min(most, max(0.0, (tau * r - 1.0) / (n - 2))) for r in rates]
+
+    # Bisection on τ: from the least any shares allow to what equal shares take (always feasible).
+    low = max(1.0 / min(rates), (n - 2 + count) / sum(rates))
+    high = max((1.0 + (n - 2) / count) / r for r in rates)
+    if sum(caps(low)) < 1.0:
+        for _ in range(60):
+            middle = (low + high) / 2
+            low, high = (middle, high) if sum(caps(middle)) < 1.0 else (low, middle)
+        low = high
+    limits = caps(low)
+    level, remaining = math.inf, 1.0  # the largest share: fill the caps evenly from below
+    for index, cap in enumerate(sorted(limits)):
+        left = count - index
+        if cap * left >= remaining:
+            level = remaining / left
+            break
+        remaining -= cap
+    shares = [min(cap, level) for cap in limits]
+    total = sum(shares)
+    return [share / total for share in shares]
+
+
+def shard_layout(numel: int, owners_bandwidth: list[float], members: int | None = None) -> list[int]:
+    """Shard bounds over ``numel`` parameters, one shard per owner, sized by ``owner_shares``
+    (a shard may be empty: that owner owns nothing this round).
 
     Owners that report no bandwidth (0) count as the median of the others, or all equal; so do
     owners within BANDWIDTH_NOISE of the median (the estimates' noise, not their links).
     """
     if not owners_bandwidth:
         return [0, numel]
-    weights = effective_bandwidths(owners_bandwidth)
+    bandwidths = effective_bandwidths(owners_bandwidth)
+    # Equal links: whole-number weights, so equal shards come out as exactly as they always did.
+    weights = [1.0] * len(bandwidths) if len(set(bandwidths)) == 1 else owner_shares(bandwidths, members)
     total = sum(weights)
-    if not math.isfinite(total):
-        top = max(weights)
-        weights = [w / top for w in weights]
-        total = sum(weights)
     bounds, acc = [0], 0.0
     for w in weights[:-1]:
         acc += w
@@ -128,13 +183,13 @@ def predicted_seconds(schedule: int, payload_bytes: int, bandwidths: list[float]
     """Seconds a group's all-reduce of ``payload_bytes`` (each member's encoded Δ) takes over
     links of ``bandwidths`` (bytes/s, one per member, all known), at the efficiency measured for
     the schedule. Ring: every link carries 2·(N−1)/N·S, so the slowest sets the pace. Butterfly
-    with shares by bandwidth (``shard_layout``): member i sends S − s_i of parts and N − 1
+    with the leader's shares (``owner_shares``): member i sends S − s_i of parts and N − 1
     copies of its average of s_i, S + (N − 2)·s_i in all, and receives as much."""
     n = len(bandwidths)
     if schedule == averaging_pb2.ALL_REDUCE_SCHEDULE_RING:
         return 2 * (n - 1) / n * payload_bytes / min(bandwidths) / RING_EFFICIENCY
-    total = sum(bandwidths)
-    return max((payload_bytes + (n - 2) * payload_bytes * b / total) / b for b in bandwidths) / BUTTERFLY_EFFICIENCY
+    shares = owner_shares(bandwidths)
+    return max((payload_bytes + (n - 2) * payload_bytes * s) / b for s, b in zip(shares, bandwidths)) / BUTTERFLY_EFFICIENCY
 
 
 def choose_schedule(step: int, payload_bytes: int, declared: list[float]) -> int:
@@ -171,23 +226,28 @@ def median_declared(bandwidths: list[float]) -> float:
     return known[len(known) // 2] if known else 0.0
 
 
-def piece_layout(numel: int, owners_bandwidth: list[float], pieces: int) -> tuple[list[int], list[int]]:
+def piece_layout(numel: int, owners_bandwidth: list[float], pieces: int,
+                 members: int | None = None) -> tuple[list[int], list[int]]:
     """Shard bounds and, per shard, the index of its owner in ``owners_bandwidth``: each owner's
-    share (``shard_layout``, by bandwidth) cut into ``pieces`` near-equal pieces, ordered piece
-    by piece (piece 0 of every owner, then piece 1, ...).
+    share (``shard_layout``, by bandwidth, in a group of ``members``) cut into ``pieces``
+    near-equal pieces, ordered piece by piece (piece 0 of every owner, then piece 1, ...). An
+    owner whose share is empty gets no shard: it takes part as a client-mode member does.
 
     Why pieces (issue 17): an owner averages a shard once every member's part of it is in, and
     sends the average back while the members still upload their next pieces, so the all-gather
     runs under the reduce-scatter instead of after it (schedule.py uploads piece by piece).
     Measured in bench/analysis.md ("Pieces")."""
-    shares = shard_layout(numel, owners_bandwidth)
+    shares = shard_layout(numel, owners_bandwidth, members)
     owners = max(1, len(owners_bandwidth))
+    widths = [shares[k + 1] - shares[k] for k in range(owners)]
     # No empty piece: an owner with a share of a few values (a tiny declared bandwidth) caps them.
-    pieces = max(1, min(pieces, *(shares[k + 1] - shares[k] for k in range(len(shares) - 1))))
-    cuts = [[shares[k] + (shares[k + 1] - shares[k]) * p // pieces for p in range(pieces + 1)] for k in range(owners)]
+    pieces = max(1, min([pieces, *(w for w in widths if w > 0)]))
+    cuts = [[shares[k] + widths[k] * p // pieces for p in range(pieces + 1)] for k in range(owners)]
     bounds, owner_of = [0], []
     for p in range(pieces):
         for k in range(owners):
+            if widths[k] == 0 and numel > 0:
+                continue
             bounds.append(bounds[-1] + cuts[k][p + 1] - cuts[k][p])
             owner_of.append(k)
     return bounds, owner_of
@@ -261,7 +321,7 @@ def close_groups(parts: list[list[averaging_pb2.Member]], bandwidth: dict[str, f
         else:
             group.schedule = averaging_pb2.ALL_REDUCE_SCHEDULE_BUTTERFLY
             bounds, owner_of = piece_layout(numel, declared, pieces_per_owner(encoded_size(template.codec, numel),
-                                                                              len(owners), link))
+                                                                              len(owners), link), len(parts[0]))
         group.shard_bounds.extend(bounds)
         group.members.extend(parts[0])
         group.shard_owners.extend(owners[k] for k in owner_of)

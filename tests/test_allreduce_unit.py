@@ -248,3 +248,26 @@ def test_a_ring_round_times_no_upload():
         return await asyncio.gather(*(m.reduce(group, d) for m, d in zip(members, deltas(3))))
 
     assert [r.upload_bps for r in run_virtual(scenario)] == [0.0, 0.0, 0.0]
+
+
+def test_a_reachable_member_that_owns_nothing_averages_like_the_others():
+    """The leader gives a member too slow to own anything no shard (layout.owner_shares) though it
+    can be called: it uploads all of its parts, gets every average, and ends bit-identical."""
+    async def scenario(loop: VirtualTimeLoop):
+        net = FakeNet()
+        members = [Member(net, loop, f"peer-{i:02d}") for i in range(4)]
+        group = make_group(members, codec="int8")
+        del group.shard_owners[:]
+        group.shard_owners.extend([0, 1, 2])
+        group.shard_bounds[:] = shard_layout(NUMEL, [0.0] * 3)
+        results = await asyncio.gather(*(m.reduce(group, d) for m, d in zip(members, deltas(4))))
+        return loop.time(), results
+
+    elapsed, results = run_virtual(scenario)
+    mean = torch.stack(deltas(4)).mean(0)
+    assert len(results[0].slices) == 3
+    for i, sl in enumerate(results[0].slices):
+        assert all(torch.equal(r.averages[i], results[0].averages[i]) for r in results)
+        assert torch.allclose(results[0].averages[i], mean[sl], atol=2e-3)
+    assert all(r.reports_heard == 3 for r in results)
+    assert elapsed < 0.1

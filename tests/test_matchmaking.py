@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 
@@ -14,7 +15,8 @@ from lowcomm.protocol.handshake import Identity, IncompatiblePeer
 from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
 from lowcomm.protocol.matchmaking import MatchmakingError, round_key, shard_layout, split_into_groups
 from lowcomm.protocol import codecs
-from lowcomm.protocol.layout import MAX_PIECE_OWNERS, MAX_PIECE_STREAMS, MAX_PIECES, MIN_PIECE_BYTES, MIN_PIECE_SECONDS, close_groups, piece_layout, pieces_per_owner
+from lowcomm.protocol.layout import (MAX_PIECE_OWNERS, MAX_PIECE_STREAMS, MAX_PIECES, MAX_SHARE_FACTOR, MIN_PIECE_BYTES,
+                                     MIN_PIECE_SECONDS, close_groups, owner_shares, piece_layout, pieces_per_owner)
 
 from .swarm_harness import MemoryDHT, Peer, start_peers, stop_peers
 
@@ -28,7 +30,7 @@ def run(coro, limit: float):
     return asyncio.run(bounded())
 
 
-def assert_one_group(groups, peer_ids):
+def assert_one_group(groups, peer_ids, owners=None):
     first = groups[0]
     for g in groups:
         assert g.group_id == first.group_id
@@ -37,7 +39,7 @@ def assert_one_group(groups, peer_ids):
         assert list(g.shard_owners) == list(first.shard_owners)
         assert g == first  # the leader sends everybody the same message
     assert first.shard_bounds[0] == 0 and first.shard_bounds[-1] == NUMEL
-    assert list(first.shard_owners) == list(range(len(peer_ids)))
+    assert list(first.shard_owners) == (list(range(len(peer_ids))) if owners is None else owners)
 
 
 # -- shard layout -------------------------------------------------------------------------------
@@ -88,11 +90,67 @@ def test_a_single_groups_leader_cuts_large_rounds_in_pieces_by_their_encoded_siz
     assert list(first.shard_owners) == [0, 1, 2, 3]
 
 
-def test_shard_layout_proportional_to_bandwidth():
-    assert shard_layout(100, [1.0, 3.0]) == [0, 25, 100]
-    assert shard_layout(1000, [1e6, 1e6, 3e6]) == [0, 200, 400, 1000]
+def test_shard_layout_by_bandwidth():
+    assert shard_layout(100, [1.0, 3.0]) == [0, 25, 100]  # two members: by bandwidth (each moves S anyway)
+    # Three: the fast owner takes as much as the share cap allows (2/3), the slow ones the rest.
+    assert shard_layout(1000, [1e6, 1e6, 3e6]) == [0, 167, 333, 1000]
     assert shard_layout(100, [5.0]) == [0, 100]
     assert shard_layout(100, []) == [0, 100]
+
+
+def round_time(shares: list[float], bandwidths: list[float], members: int | None = None) -> float:
+    """The least time of a butterfly round with these shares over these links (units of S)."""
+    n = members or len(shares)
+    return max((1 + (n - 2) * s) / b for s, b in zip(shares, bandwidths))
+
+
+@pytest.mark.parametrize("bandwidths", [[100.0, 100.0, 100.0, 20.0], [100.0, 100.0, 50.0, 50.0], [1.0, 1.0, 3.0],
+                                        [1.0, 1.0, 1.0, 5.0], [1.0] * 7 + [0.1], [9.0, 7.0, 5.0, 3.0, 1.0],
+                                        [1.0, 1.01, 1.0, 1.0]])
+def test_owner_shares_make_the_round_as_short_as_any_shares_within_the_cap(bandwidths):
+    shares = owner_shares(bandwidths)
+    k = len(bandwidths)
+    assert sum(shares) == pytest.approx(1.0) and all(0.0 <= s <= MAX_SHARE_FACTOR / k + 1e-9 for s in shares)
+    best = round_time(shares, bandwidths)
+    # No share vector on a grid of the simplex (within the cap) gives a shorter round.
+    grid = 12
+    for cut in itertools.product(range(grid + 1), repeat=k - 1):
+        if sum(cut) > grid:
+            continue
+        other = [c / grid for c in cut] + [(grid - sum(cut)) / grid]
+        if max(other) <= MAX_SHARE_FACTOR / k:
+            assert best <= round_time(other, bandwidths) + 1e-9
+    proportional = [b / sum(bandwidths) for b in bandwidths]
+    if max(proportional) <= MAX_SHARE_FACTOR / k:
+        assert best <= round_time(proportional, bandwidths) + 1e-9
+
+
+def test_a_volunteer_too_slow_to_own_anything_owns_nothing():
+    """One 20 Mbit/s member among 100 Mbit/s ones: S alone takes it longer than the others need
+    for the whole round, so it owns nothing and the others split the parameters evenly (by
+    bandwidth it would own 1/16 and make the round 12 % longer)."""
+    bandwidths = [100.0, 100.0, 100.0, 20.0]
+    assert owner_shares(bandwidths) == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0])
+    assert round_time(owner_shares(bandwidths), bandwidths) == pytest.approx(1 / 20)
+    assert round_time([b / 320 for b in bandwidths], bandwidths) == pytest.approx(1.125 / 20)
+    assert owner_shares([100.0, 100.0, 50.0, 50.0]) == pytest.approx([0.5, 0.5, 0.0, 0.0])
+    # A client-mode member counts in N (it receives every average) but owns nothing.
+    assert owner_shares([100.0, 100.0, 100.0, 20.0], members=5) == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0])
+    # Equal links: equal shares, exactly; two members: by bandwidth.
+    assert owner_shares([3.0] * 4) == [0.25] * 4
+    assert owner_shares([1.0, 3.0]) == pytest.approx([0.25, 0.75])
+
+
+def test_an_owner_with_an_empty_share_gets_no_shard_and_the_others_keep_their_pieces():
+    bounds, owner_of = piece_layout(1000, [100e6, 100e6, 100e6, 20e6], 2)
+    assert owner_of == [0, 1, 2, 0, 1, 2]
+    assert bounds[0] == 0 and bounds[-1] == 1000 and all(b > a for a, b in zip(bounds, bounds[1:]))
+    members = [averaging_pb2.Member(peer_id=f"p{i}", address=f"a{i}", weight=1.0) for i in range(4)]
+    template = averaging_pb2.Group(step=3, codec=codecs.get_codec("fp32").id)
+    declared = {"p0": 12.5e6, "p1": 12.5e6, "p2": 12.5e6, "p3": 2.5e6}  # 100, 100, 100 and 20 Mbit/s
+    [group] = close_groups([members], declared, 3000, template, lambda n: bytes(n))
+    assert 3 not in group.shard_owners and set(group.shard_owners) == {0, 1, 2}
+    assert [m.peer_id for m in group.members] == ["p0", "p1", "p2", "p3"]  # it still takes part
 
 
 def test_shard_layout_zeros_count_as_the_median():
@@ -100,16 +158,16 @@ def test_shard_layout_zeros_count_as_the_median():
     assert shard_layout(300, [0.0, 1.0, 1.0]) == [0, 100, 200, 300]
     bounds = shard_layout(1000, [1.0, 0.0, 4.0, 4.0])  # the unknown one counts as 4
     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
-    assert sizes == [77, 308, 307, 308]
+    assert sizes == [0, 333, 334, 333]  # the one at a quarter of the others' rate owns nothing
 
 
 def test_shard_layout_takes_bandwidths_near_the_median_for_the_estimates_noise():
     """Members on equal links declare up to ~1.7× apart (layout.BANDWIDTH_NOISE): equal shares;
-    a slow volunteer at a tenth of the others' rate gets a tenth of their share."""
+    a slow volunteer at a tenth of the others' rate owns nothing."""
     assert shard_layout(1000, [1.0, 1.5, 0.8, 1.9]) == [0, 250, 500, 750, 1000]
     bounds = shard_layout(1000, [5.0, 50.0, 60.0, 70.0])
     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
-    assert sizes == [27, 324, 325, 324]  # 50, 60 and 70 count as their median, 60
+    assert sizes == [0, 333, 334, 333]  # 50, 60 and 70 count as their median, 60
 
 
 @pytest.mark.parametrize("numel", [0, 1, 2, 7, 10_001])
@@ -226,10 +284,15 @@ def test_shard_layout_of_a_group_follows_bandwidth():
         peers = await start_peers(3, NUMEL)
         try:
             expected = {p.peer_id for p in peers}
-            bandwidths = [1e6, 0.0, 3e6]
+            bandwidths = [1e6, 0.0, 3e6]  # the unknown counts as 3e6; the member at a third of it owns nothing
             groups = await asyncio.gather(*(p.form(0, expected, bandwidth_bps=b) for p, b in zip(peers, bandwidths)))
+            assert_one_group(groups, expected, owners=[1, 2])
+            assert list(groups[0].shard_bounds) == [0, NUMEL // 2, NUMEL]
+            # Within the estimates' noise: equal shares.
+            groups = await asyncio.gather(*(p.form(1, expected, bandwidth_bps=b)
+                                            for p, b in zip(peers, [2e6, 0.0, 3e6])))
             assert_one_group(groups, expected)
-            assert list(groups[0].shard_bounds) == shard_layout(NUMEL, bandwidths)
+            assert list(groups[0].shard_bounds) == shard_layout(NUMEL, [0.0] * 3)
         finally:
             await stop_peers(peers)
 
@@ -476,7 +539,8 @@ def test_auto_picks_a_ring_on_equal_links_and_a_butterfly_around_a_slow_member()
     assert choose_schedule(AUTO_PROBE_EVERY * 4, payload, [fast] * 4) == butterfly
     assert choose_schedule(3, payload, [fast]) == butterfly
     # The model against bench/RESULTS.md section 3b (4 × 4 MB, one member at 20 Mbit/s, the others
-    # at 100): the ring took 2.58 s, the butterfly with shares by measured bandwidth 2.17 s.
+    # at 100): the ring took 2.58 s, the butterfly with shares by measured bandwidth 2.17 s (the
+    # slow member owning 0.02-0.06; owning nothing, its S alone sets the round at the model's 2.05 s).
     assert predicted_seconds(ring, payload, [fast, fast, fast, slow]) == pytest.approx(2.58, rel=0.01)
     assert predicted_seconds(butterfly, payload, [fast, fast, fast, slow]) == pytest.approx(2.17, rel=0.1)
 
@@ -491,8 +555,7 @@ def test_an_auto_leader_sends_a_ring_or_a_butterfly_never_auto():
     assert list(group.shard_bounds) == [0, 25_000, 50_000, 75_000, 100_000]  # a ring's equal chunks
     [group] = close_groups([members], equal | {"p3": 1.25e6}, 100_000, template, lambda n: bytes(n))
     assert group.schedule == averaging_pb2.ALL_REDUCE_SCHEDULE_BUTTERFLY
-    sizes = [b - a for a, b in zip(group.shard_bounds, group.shard_bounds[1:])]
-    assert sizes[3] < sizes[0] / 5  # the slow member's small share
+    assert set(group.shard_owners) == {0, 1, 2}  # the slow member owns nothing
     # A client-mode member cannot be in a ring: a butterfly whatever the figures.
     client = members[:3] + [averaging_pb2.Member(peer_id="p3", address="", weight=1.0)]
     [group] = close_groups([client], equal, 100_000, template, lambda n: bytes(n))
