@@ -198,7 +198,7 @@ def choose_schedule(step: int, payload_bytes: int, declared: list[float]) -> int
     ``predicted_seconds`` says is faster. A butterfly while any member's bandwidth is unknown
     (it measures them) and every AUTO_PROBE_EVERY-th step (it refreshes them). With equal links
     the ring wins (0.93 against 0.78 of the same bound); with one member several times slower the
-    butterfly does, as it gives that member a small share while a ring runs at its pace
+    butterfly does, as it gives that member a small share or none while a ring runs at its pace
     (bench/RESULTS.md section 3b)."""
     known = [b for b in declared if b > 0 and math.isfinite(b)]
     if len(known) < len(declared) or len(declared) < 2 or step % AUTO_PROBE_EVERY == 0:
