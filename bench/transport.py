@@ -169,7 +169,8 @@ def lowcomm_round(agents: list[Proc], addresses: list[str], numel: int, codec_id
         schedule = "ring" if picked == RING else "staggered"
     if pieces is None:
         pieces = auto_pieces(numel, codec_id, n, mbit, schedule)
-    bounds, owners = piece_layout(numel, declared if declared and schedule != "ring" else [0.0] * n, pieces)
+    bounds, owners = piece_layout(numel, declared if declared and schedule != "ring" else [0.0] * n, pieces,
+                                  drop_empty=schedule != "ring")
     shares = [0] * n
     for k, owner in enumerate(owners):
         shares[owner] += bounds[k + 1] - bounds[k]

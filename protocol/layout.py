@@ -226,12 +226,13 @@ def median_declared(bandwidths: list[float]) -> float:
     return known[len(known) // 2] if known else 0.0
 
 
-def piece_layout(numel: int, owners_bandwidth: list[float], pieces: int,
-                 members: int | None = None) -> tuple[list[int], list[int]]:
+def piece_layout(numel: int, owners_bandwidth: list[float], pieces: int, members: int | None = None,
+                 drop_empty: bool = True) -> tuple[list[int], list[int]]:
     """Shard bounds and, per shard, the index of its owner in ``owners_bandwidth``: each owner's
     share (``shard_layout``, by bandwidth, in a group of ``members``) cut into ``pieces``
     near-equal pieces, ordered piece by piece (piece 0 of every owner, then piece 1, ...). An
-    owner whose share is empty gets no shard: it takes part as a client-mode member does.
+    owner whose share is empty gets no shard: it takes part as a client-mode member does (with
+    ``drop_empty`` false it keeps an empty one, as a ring needs every member to own a chunk).
 
     Why pieces (issue 17): an owner averages a shard once every member's part of it is in, and
     sends the average back while the members still upload their next pieces, so the all-gather
@@ -246,7 +247,7 @@ def piece_layout(numel: int, owners_bandwidth: list[float], pieces: int,
     bounds, owner_of = [0], []
     for p in range(pieces):
         for k in range(owners):
-            if widths[k] == 0 and numel > 0:
+            if widths[k] == 0 and drop_empty and numel > 0:
                 continue
             bounds.append(bounds[-1] + cuts[k][p + 1] - cuts[k][p])
             owner_of.append(k)
@@ -317,7 +318,7 @@ def close_groups(parts: list[list[averaging_pb2.Member]], bandwidth: dict[str, f
             group.schedule = averaging_pb2.ALL_REDUCE_SCHEDULE_RING
             # Every chunk crosses every link of a ring: equal chunks, whatever the bandwidths.
             bounds, owner_of = piece_layout(numel, [0.0] * len(owners), ring_pieces(encoded_size(template.codec, numel),
-                                                                                    len(owners), link))
+                                                                                    len(owners), link), drop_empty=False)
         else:
             group.schedule = averaging_pb2.ALL_REDUCE_SCHEDULE_BUTTERFLY
             bounds, owner_of = piece_layout(numel, declared, pieces_per_owner(encoded_size(template.codec, numel),

@@ -560,3 +560,16 @@ def test_an_auto_leader_sends_a_ring_or_a_butterfly_never_auto():
     client = members[:3] + [averaging_pb2.Member(peer_id="p3", address="", weight=1.0)]
     [group] = close_groups([client], equal, 100_000, template, lambda n: bytes(n))
     assert group.schedule == averaging_pb2.ALL_REDUCE_SCHEDULE_BUTTERFLY
+
+
+def test_a_ring_keeps_a_chunk_for_every_member_even_an_empty_one():
+    """A ring needs every member to own a chunk (ring.py ``ring_problem``): with fewer values than
+    members some chunks are empty, and nobody is left without one as a butterfly's owner would be."""
+    members = [averaging_pb2.Member(peer_id=f"p{i}", address=f"a{i}", weight=1.0) for i in range(3)]
+    template = averaging_pb2.Group(step=3, codec=codecs.get_codec("fp32").id,
+                                   schedule=averaging_pb2.ALL_REDUCE_SCHEDULE_RING)
+    [ring] = close_groups([members], dict.fromkeys(("p0", "p1", "p2"), 12.5e6), 2, template, lambda n: bytes(n))
+    assert list(ring.shard_owners) == [0, 1, 2] and list(ring.shard_bounds) == [0, 1, 1, 2]
+    template.schedule = averaging_pb2.ALL_REDUCE_SCHEDULE_BUTTERFLY
+    [butterfly] = close_groups([members], dict.fromkeys(("p0", "p1", "p2"), 12.5e6), 2, template, lambda n: bytes(n))
+    assert list(butterfly.shard_owners) == [0, 2] and list(butterfly.shard_bounds) == [0, 1, 2]
