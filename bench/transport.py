@@ -53,7 +53,8 @@ from common import (BENCH, OUT, PY, Proc, append_jsonl, handle_signals, netns_un
 
 from lowcomm.node.decisions import declared_bandwidth
 from lowcomm.protocol._pb.lowcomm.v1.averaging_pb2 import ALL_REDUCE_SCHEDULE_BUTTERFLY as BUTTERFLY
-from lowcomm.protocol.layout import choose_schedule, encoded_size, piece_layout, pieces_per_owner, ring_pieces
+from lowcomm.protocol.layout import (choose_schedule, encoded_size, owner_shares, piece_layout, pieces_per_owner,
+                                     ring_pieces)
 from lowcomm.protocol.ring import RING
 
 AGENT = BENCH / "transport_agent.py"
@@ -114,21 +115,14 @@ def heterogeneous_bound(peers: int, payload_bytes: float, mbit: float, slow_mbit
     """Seconds of the faster schedule at its bound, with the last of ``peers`` capped at
     ``slow_mbit``. Ring: every link carries 2·(N−1)/N·S, so the slowest sets the pace. Butterfly:
     member i uploads S − s_i and sends its average of s_i to N − 1 members (and receives as much),
-    S + (N−2)·s_i each way; the best shares make every member with a share finish together
-    (τ·B_i = S + (N−2)·s_i, the slow one owning nothing when even S alone takes it longer)."""
+    S + (N−2)·s_i each way, with the shares a leader cuts for these links (protocol/layout.py
+    ``owner_shares``: the slow one owning nothing when even S alone takes it longer)."""
     caps = [mbit * 1e6 / 8] * (peers - 1) + [slow_mbit * 1e6 / 8]
     ring = 2 * (peers - 1) / peers * payload_bytes / min(caps)
     if peers <= 2:
         return ring  # every member sends S whatever the shares
-
-    def owned(tau: float) -> float:
-        return sum(max(0.0, (tau * b - payload_bytes) / (peers - 2)) for b in caps)
-
-    low, high = payload_bytes / max(caps), 2 * payload_bytes / min(caps)
-    for _ in range(100):  # bisection: the level at which the shares add up to S
-        mid = (low + high) / 2
-        low, high = (mid, high) if owned(mid) < payload_bytes else (low, mid)
-    return min(ring, max(high, payload_bytes / min(caps)))
+    butterfly = max(payload_bytes * (1 + (peers - 2) * share) / cap for share, cap in zip(owner_shares(caps), caps))
+    return min(ring, butterfly)
 
 
 def declare(samples: list[list[float]], upload_bps: list[float]) -> list[float]:
