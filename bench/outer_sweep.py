@@ -3,7 +3,8 @@
 
     nice -n 19 python bench/outer_sweep.py [--lr 0.4,0.7,1.0] [--momentum 0,0.5,0.9] [--H 50]
                                            [--seeds 0] [--inner-lr 1e-3] [--codec int8|...|sparseloco]
-                                           [--overlap-delay none,3,9] [--steps 1000] [--reference single]
+                                           [--overlap-delay none,3,9] [--overlap-stand-in none,own,paper,last]
+                                           [--steps 1000] [--reference single]
                                            [--json-out bench/out/outer_sweep.jsonl] [--eval-every 1] [--validate]
 
 The long benchmark (bench/convergence.py --long) runs 4 real ``lowcomm-node`` processes for
@@ -31,7 +32,8 @@ out of reach that way. This emulator does the same arithmetic in one process, wi
 baseline (one process with the global batch, as bench/baselines/ddp.py does) at those lrs, so
 that a DiLoCo configuration is compared with the reference at its own best lr: the inner lr
 moves both (RESULTS.md section 1d). ``--overlap-delay D`` emulates ``[sync] overlap = "delayed"``
-with each round's result landing D inner steps into the next phase (section 5b).
+with each round's result landing D inner steps into the next phase (section 5b), and
+``--overlap-stand-in`` what the replicas train on from meanwhile (``own``: the node's ``eager``).
 ``--codec sparseloco`` is the node's ``[sync] method = "sparseloco"`` (``--momentum 0``, α as
 ``--lr``).
 
@@ -64,6 +66,15 @@ LONG_JSON = OUT / "convergence_long.jsonl"
 # The plain DiLoCo codecs (Nesterov outer rule), and sparseloco: the node's [sync] method = "sparseloco"
 # (its codec with decayed error feedback, clipped-mean aggregation; --momentum must be 0, --lr is α).
 CODEC_CHOICES = ("fp32", "fp16", "bf16", "int8", "int4", "sparseloco")
+# Where an overlapped replica trains on from at a boundary, until its round's result lands
+# (``--overlap-stand-in``): what stands in for the average that is still on the wire.
+#   none:  its own end point, θ_global − Δ_own (the node's ``overlap = "delayed"``);
+#   own:   the outer step previewed with its own Δ (the node's ``eager``);
+#   paper: the eager-updates paper's mix, Δ_own / P + the last average · (P − 1) / P;
+#   last:  the outer step previewed with the last round's average.
+# Each then gets θ_global − (where it started) when the result lands, as node/overlap.py merges.
+# paper and last use Δ_own in the first round, which has no last average.
+STAND_INS = ("none", "own", "paper", "last")
 
 
 class UsageError(Exception):
@@ -93,15 +104,18 @@ class RunConfig:
     """None: blocking rounds. D: ``[sync] overlap = "delayed"`` with the round's result landing
     after D inner steps of the next phase (0 ≤ D ≤ H; the real node's D is the round's duration
     in inner steps)."""
+    overlap_stand_in: str = "none"
+    """With an overlap delay: where a replica trains on from while its round is on the wire
+    (``STAND_INS``); "none" is ``delayed``, "own" the node's ``eager``."""
 
     def key(self) -> tuple:
         return (round(self.lr, 6), round(self.momentum, 6), self.inner_steps, self.seed, self.steps, self.peers,
                 self.batch_size, self.seq_len, self.preset, self.codec, round(self.inner_lr, 9), self.method,
-                self.overlap_delay)
+                self.overlap_delay, self.overlap_stand_in)
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> "RunConfig":
-        # Records written before inner_lr, method and overlap_delay existed ran their defaults.
+        # Records written before inner_lr, method, overlap_delay and overlap_stand_in existed ran their defaults.
         return cls(**{name: record["config"][name] for name in cls.__dataclass_fields__
                       if name in record["config"]})
 
@@ -120,6 +134,8 @@ class RunConfig:
             return f"emu-single-ilr{self.inner_lr:g}"
         inner = "" if self.inner_lr == RunConfig.inner_lr else f"-ilr{self.inner_lr:g}"
         overlap = "" if self.overlap_delay is None else f"-delayed{self.overlap_delay}"
+        if self.overlap_delay is not None and self.overlap_stand_in != "none":
+            overlap += f"-{self.overlap_stand_in}"
         return f"emu-{self.codec}-H{self.inner_steps}-lr{self.lr:g}-m{self.momentum:g}{inner}{overlap}"
 
 
@@ -159,6 +175,7 @@ class Emulator:
         self.evaluate = self.trainers[0].replica_evaluator()
         self.tokens = 0
         self.shifts: list[torch.Tensor | None] = [None] * len(self.peer_ids)  # delayed overlap's pending merges
+        self.last_average: torch.Tensor | None = None  # the last round's decoded average (stand-ins)
 
     def slices(self) -> list[slice]:
         from lowcomm.protocol.layout import shard_layout
@@ -226,17 +243,40 @@ class Emulator:
 
         deltas, tokens = self.inner_phases()
         delayed = self.run.overlap_delay is not None
-        local_at_send = [trainer.get_params() for trainer in self.trainers] if delayed else []
+        # Where each replica trains on from until the result lands (before the outer step moves θ_global).
+        starts = [self.stand_in_start(i, deltas[i]) for i in range(len(self.trainers))] if delayed else []
         averages = self.allreduce(deltas, tokens)
         apply_averages(self.state, slice(0, self.numel),
                        AllReduceResult(averages=averages, slices=self.slices(), bytes_sent=0, bytes_received=0,
                                        payload_bytes=0))
         self.state.commit()
+        if None not in averages:
+            self.last_average = torch.cat(averages)
         if delayed:  # the replicas train on; the result lands overlap_delay steps into the next phase
-            self.shifts = [self.state.params - local for local in local_at_send]
+            for trainer, start in zip(self.trainers, starts):
+                trainer.set_params(start)
+            self.shifts = [self.state.params - start for start in starts]
         else:  # blocking rounds: every replica restarts from θ_global
             for trainer in self.trainers:
                 trainer.set_params(self.state.params)
+
+    def stand_in_start(self, i: int, delta: torch.Tensor) -> torch.Tensor:
+        """Where replica i trains on from at this boundary (``STAND_INS``), from θ_global and the
+        momentum before this round's outer step; the delta is Δ_i before the residual."""
+        stand_in, local = self.run.overlap_stand_in, self.trainers[i].get_params()
+        if stand_in == "none":
+            return local
+        own = delta + self.residuals[i]  # what the node's eager previews (node/overlap.py)
+        if stand_in == "own" or self.last_average is None:
+            average = own
+        elif stand_in == "paper":
+            peers = len(self.trainers)
+            average = own / peers + self.last_average * ((peers - 1) / peers)
+        else:  # last
+            average = self.last_average
+        start = self.state.params.clone()
+        self.state.outer.preview_slice(start, 0, average)
+        return start
 
     def train(self, eval_every: int = 1, on_point: Callable[[dict], None] | None = None) -> list[dict]:
         """All rounds of the run; the curve (outer step, tokens, eval loss) at the evaluated steps."""
@@ -323,9 +363,9 @@ def plan(args: argparse.Namespace) -> list[RunConfig]:
                 for seed in args.seeds for ilr in args.inner_lr]
     return [RunConfig(lr=lr, momentum=m, inner_steps=h, seed=seed, steps=args.steps, peers=args.peers,
                       batch_size=args.batch_size, seq_len=args.seq_len, preset=args.preset, codec=args.codec,
-                      inner_lr=ilr, overlap_delay=delay)
+                      inner_lr=ilr, overlap_delay=delay, overlap_stand_in=stand_in)
             for seed in args.seeds for h in args.H for ilr in args.inner_lr for lr in args.lr for m in args.momentum
-            for delay in args.overlap_delay]
+            for delay in args.overlap_delay for stand_in in (args.overlap_stand_in if delay is not None else ["none"])]
 
 
 def validation_lines(records: list[dict], long_records: list[dict]) -> list[str]:
@@ -396,6 +436,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overlap-delay", default=None,
                         help="comma-separated D: emulate [sync] overlap = \"delayed\" with each round's result "
                              "landing D inner steps into the next phase ('none': blocking rounds; default none)")
+    parser.add_argument("--overlap-stand-in", default="none",
+                        help="comma-separated, with --overlap-delay: where a replica trains on from while its round "
+                             "is on the wire: none (delayed), own (the node's eager: its own Δ), paper (the "
+                             "eager-updates paper: own Δ / P + the last average · (P−1)/P), last (the last average); "
+                             "default none")
     parser.add_argument("--reference", choices=["single"],
                         help="run the `single` baseline (one process, the global batch) at each --inner-lr and "
                              "seed instead of emulated rounds; evaluated every H steps")
@@ -416,6 +461,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.seeds = _ints(args.seeds, "seeds", 0)
     args.inner_lr = _floats(args.inner_lr, "inner-lr", 0.0, 1.0)
     args.overlap_delay = _delays(args.overlap_delay, args.H)
+    args.overlap_stand_in = [x.strip() for x in args.overlap_stand_in.split(",") if x.strip()]
+    if not args.overlap_stand_in or any(x not in STAND_INS for x in args.overlap_stand_in):
+        raise UsageError(f"--overlap-stand-in: expected comma-separated values of {', '.join(STAND_INS)}")
+    if args.overlap_stand_in != ["none"] and all(d is None for d in args.overlap_delay):
+        raise UsageError("--overlap-stand-in applies to overlapped rounds: give --overlap-delay D as well")
     if args.peers < 2:
         raise UsageError(f"--peers {args.peers}: an all-reduce needs at least 2 peers")
     if args.steps < 1 or args.eval_every < 1:

@@ -150,6 +150,53 @@ def test_delayed_overlap_lands_the_result_after_d_steps_and_at_zero_is_the_block
     assert not torch.allclose(late.state.params, first_global)
 
 
+@pytest.mark.parametrize("stand_in", ["own", "paper", "last"])
+def test_a_stand_in_at_delay_zero_is_the_blocking_round(corpus: Corpus, stand_in: str) -> None:
+    """Whatever a replica trains on from, a result that lands before any step shifts it to
+    θ_global: the run is the blocking one up to float rounding."""
+    torch.set_num_threads(1)
+    run = dataclasses.replace(small(lr=1.0, momentum=0.5), steps=6, codec="fp32")
+    blocking = outer_sweep.Emulator(run, PEERS, corpus)
+    blocking.train()
+    emulator = outer_sweep.Emulator(dataclasses.replace(run, overlap_delay=0, overlap_stand_in=stand_in), PEERS, corpus)
+    emulator.train()
+    assert (emulator.state.params - blocking.state.params).abs().max() < 1e-5
+
+
+def test_stand_ins_start_from_the_previewed_outer_step(corpus: Corpus) -> None:
+    """own: θ_global stepped with the replica's Δ (+ residual), as the node's eager estimate;
+    last: stepped with the last round's average (own Δ in the first round, which has none);
+    paper: own Δ / P + the last average · (P − 1) / P. The momentum buffer is left as it is."""
+    torch.set_num_threads(1)
+    run = dataclasses.replace(small(lr=1.0, momentum=0.5), steps=6, overlap_delay=1)
+
+    def previewed(emulator: outer_sweep.Emulator, grad: torch.Tensor) -> torch.Tensor:
+        expected = emulator.state.params.clone()
+        buf = emulator.state.outer.buffer.mul(0.5).add(grad)
+        return expected.sub(buf.mul(0.5).add(grad).mul(1.0))
+
+    last = outer_sweep.Emulator(dataclasses.replace(run, overlap_stand_in="last"), PEERS, corpus)
+    delta = torch.randn(last.numel) * 1e-3
+    momentum = last.state.outer.buffer.clone()
+    assert torch.allclose(last.stand_in_start(0, delta), previewed(last, delta))  # no last average yet: own Δ
+    assert torch.equal(last.state.outer.buffer, momentum)
+    last.round()
+    assert last.last_average is not None and not torch.equal(last.last_average, torch.zeros(last.numel))
+    assert torch.allclose(last.stand_in_start(1, delta), previewed(last, last.last_average))
+
+    paper = outer_sweep.Emulator(dataclasses.replace(run, overlap_stand_in="paper"), PEERS, corpus)
+    paper.round()
+    mix = (delta + paper.residuals[0]) / 2 + paper.last_average / 2
+    assert torch.allclose(paper.stand_in_start(0, delta), previewed(paper, mix))
+
+    own = outer_sweep.Emulator(dataclasses.replace(run, overlap_stand_in="own"), PEERS, corpus)
+    own.round()
+    assert torch.allclose(own.stand_in_start(1, delta), previewed(own, delta + own.residuals[1]))
+    delayed = outer_sweep.Emulator(run, PEERS, corpus)
+    assert torch.equal(delayed.stand_in_start(0, delta), delayed.trainers[0].get_params())
+    assert dataclasses.replace(run, overlap_stand_in="paper").name().endswith("-delayed1-paper")
+
+
 def test_records_before_the_inner_lr_axis_keep_their_key_and_stay_out_of_the_study() -> None:
     """A record written before inner_lr and method existed is the workload's lr and a DiLoCo run:
     resume still recognises it, and the outer sweep's table takes only such runs."""
@@ -213,6 +260,8 @@ def test_resume_skips_done_configs(tmp_path: Path, corpus: Corpus, capsys: pytes
     (["--inner-lr", "0"], "--inner-lr '0': every value must lie in (0.0, 1.0]"),
     (["--overlap-delay", "60"], "--overlap-delay '60': every delay must lie in [0, H=50]"),
     (["--codec", "sparseloco"], "--codec sparseloco has no outer momentum (its decayed error feedback plays that part)"),
+    (["--overlap-stand-in", "own"], "--overlap-stand-in applies to overlapped rounds: give --overlap-delay D"),
+    (["--overlap-delay", "3", "--overlap-stand-in", "own,mine"], "--overlap-stand-in: expected comma-separated values"),
 ])
 def test_bad_flags_one_error_line(flags: list[str], message: str, tmp_path: Path,
                                   capsys: pytest.CaptureFixture) -> None:
@@ -327,11 +376,13 @@ def test_overlap_delay_section_gives_the_penalty_per_seed_against_the_blocking_r
     records += [study_record(0, 2.20, **other), study_record(0, 2.09, overlap_delay=10, **other)]
     records += [study_record(s, 2.5, **{**common, "inner_steps": 50}) for s in range(2)]  # blocking only: no table
     text = "\n".join(overlap_delay_results.results_section(records))
-    assert f"| {lr:g} / {momentum:g} (node default) | blocking | – | 0, 1 | 2.0500 | – | – | – |" in text
-    assert f"| {lr:g} / {momentum:g} (node default) | 10 | 0.50 | 0, 1 | 2.0652 | +0.75 % | +0.50 … +1.00 % | +0.75 % |" in text
+    assert f"| {lr:g} / {momentum:g} (node default) | blocking | – | – | 0, 1 | 2.0500 | – | – | – |" in text
+    delayed = "own end point (`delayed`)"
+    assert (f"| {lr:g} / {momentum:g} (node default) | 10 | 0.50 | {delayed} | 0, 1 | 2.0652 | +0.75 % | "
+            "+0.50 … +1.00 % | +0.75 % |") in text
     # Another outer setting: its penalty against its own blocking run (−5 %) and the default's (+4.5 %).
-    assert f"| 0.3 / {momentum:g} | 10 | 0.50 | 0 | 2.0900 | -5.00 % | -5.00 … -5.00 % | +4.50 % |" in text
-    assert f"| 0.3 / {momentum:g} | blocking | – | 0 | 2.2000 | – | – | +10.00 % |" in text
+    assert f"| 0.3 / {momentum:g} | 10 | 0.50 | {delayed} | 0 | 2.0900 | -5.00 % | -5.00 … -5.00 % | +4.50 % |" in text
+    assert f"| 0.3 / {momentum:g} | blocking | – | – | 0 | 2.2000 | – | – | +10.00 % |" in text
     assert "H = 50" not in text
     records += [study_record(s, loss, overlap_delay=5, **common) for s, loss in enumerate((2.01, 2.11))]
     assert overlap_delay_results.profile_text(records, 20, 0.007) == (
@@ -339,3 +390,11 @@ def test_overlap_delay_section_gives_the_penalty_per_seed_against_the_blocking_r
         "round's result lands within 5 of the 20 inner steps (+0.75 % at 10)")
     assert overlap_delay_results.profile_text(records, 20, 0.001).endswith("at none of the delays run (+0.49 % at 5)")
     assert overlap_delay_results.profile_text(records, 50, 0.01) is None  # no delayed run at H = 50
+    # A stand-in run gets its own row after delayed's at its D, and stays out of the profile.
+    records += [study_record(s, loss, overlap_delay=10, overlap_stand_in="own", **common)
+                for s, loss in enumerate((2.03, 2.142))]
+    text = "\n".join(overlap_delay_results.results_section(records))
+    eager_row = (f"| {lr:g} / {momentum:g} (node default) | 10 | 0.50 | step with own Δ (`eager`) | 0, 1 | 2.0860 | "
+                 "+1.75 % | +1.50 … +2.00 % | +1.75 % |")
+    assert eager_row in text and text.index(delayed, text.index("| 10 | 0.50 |")) < text.index(eager_row)
+    assert overlap_delay_results.profile_text(records, 20, 0.007).endswith("(+0.75 % at 10)")
