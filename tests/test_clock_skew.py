@@ -133,6 +133,7 @@ def error_lines(node) -> list[str]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # make test-slow (make test stays under 15 min); the offset logic is tested above without sockets
 def test_peers_minutes_and_seconds_off_join_a_secret_run_and_average(swarm, tmp_path):
     ahead, behind = shifted(300), shifted(-4)  # 5 minutes ahead; a few seconds behind
     secret = tmp_path / "run.secret"
@@ -153,6 +154,7 @@ def test_peers_minutes_and_seconds_off_join_a_secret_run_and_average(swarm, tmp_
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # make test-slow (make test stays under 15 min); the offset logic is tested above without sockets
 def test_peers_off_join_an_open_run_and_one_beyond_max_clock_offset_stops_with_one_line(swarm):
     behind, ahead, far = shifted(-420), shifted(5), shifted(300)  # 7 min behind; 5 s ahead; 5 min ahead
     first = swarm.start(0)

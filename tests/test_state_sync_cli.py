@@ -16,6 +16,9 @@ pytestmark = pytest.mark.multiprocess
 ROUNDS = 3  # rounds in which all three peers averaged and synced
 
 
+# make test-slow (make test stays under 15 min): the sync arithmetic is tested without sockets in
+# test_state_sync.py, and the joiner's test below runs a state-syncing swarm in make test.
+@pytest.mark.slow
 @pytest.mark.parametrize("method, first_moment", [("desloc", "exp_avg"), ("mtdao", "exp_avg_slow")])
 def test_method_syncs_its_states_and_trains(swarm, method, first_moment):
     # The method's optimizer with short periods (its default periods are unit-tested in
