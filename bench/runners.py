@@ -408,7 +408,10 @@ def run_hivemind(work: Workload, net: Network, logdir: Path, sync_every: int = 5
                                         "--averaging-timeout", str(averaging_timeout),
                                         *work.cli(), "--steps", str(steps), "--peer-key", peer_key(index),
                                         *[arg for peer in initial for arg in ("--initial-peer", peer)]])
-                proc = Proc(f"peer-{index}", argv, stdin=True, on_event=on_event, log_path=logdir / f"peer-{index}.log")
+                # TMPDIR: the run's own folder, removed below, since hivemind leaves sockets and
+                # multiprocessing folders there when its processes are ended by a signal.
+                proc = Proc(f"peer-{index}", argv, env={"TMPDIR": str(params_dir)}, stdin=True, on_event=on_event,
+                            log_path=logdir / f"peer-{index}.log")
                 procs.append(proc)
                 return proc
 

@@ -45,6 +45,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -339,16 +340,24 @@ def sweep_hivemind(net, args, out: Path, run_id: str, logdir: Path) -> None:
 
 
 def _hivemind_configs(net, args, out: Path, run_id: str, logdir: Path, configs: list, first_number: int) -> None:
+    # hivemind's averager leaves its p2pd client socket in TMPDIR even when it shuts down cleanly
+    # (and a killed agent everything): the agents get a TMPDIR of their own, removed after them.
+    with tempfile.TemporaryDirectory(prefix="lowcomm-bench-hm-") as tmp:
+        _hivemind_agents(net, args, out, run_id, logdir, configs, first_number, {"TMPDIR": tmp})
+
+
+def _hivemind_agents(net, args, out: Path, run_id: str, logdir: Path, configs: list, first_number: int,
+                     env: dict[str, str]) -> None:
     peers_max = max(n for n, _, _ in configs)
     with processes() as agents:
         first = Proc("hm-0", net.wrap(0, [PY, str(AGENT), "hivemind", "--index", "0", "--host", net.host(0)]),
-                     stdin=True, log_path=logdir / f"hm-0-{configs[0][2]}.log")
+                     env=env, stdin=True, log_path=logdir / f"hm-0-{configs[0][2]}.log")
         agents.append(first)
         maddrs = first.wait_event("ready", 120)["maddrs"]
         maddr = next((m for m in maddrs if f"/{net.host(0)}/" in m), maddrs[0])
         for i in range(1, peers_max):
             agents.append(Proc(f"hm-{i}", net.wrap(i, [PY, str(AGENT), "hivemind", "--index", str(i), "--host",
-                                                      net.host(i), "--initial-peer", maddr]), stdin=True,
+                                                      net.host(i), "--initial-peer", maddr]), env=env, stdin=True,
                                log_path=logdir / f"hm-{i}-{configs[0][2]}.log"))
         for agent in agents:
             agent.wait_event("ready", 120)
@@ -391,6 +400,11 @@ def _hivemind_configs(net, args, out: Path, run_id: str, logdir: Path, configs: 
                 f"efficiency {record['efficiency']}")
         for agent in agents:
             agent.send('{"cmd": "quit"}')
+        for agent in agents:  # their own shutdowns stop the DHT and p2pd, before processes() sends SIGTERM
+            try:
+                agent.wait_exit(30)
+            except subprocess.TimeoutExpired:
+                pass  # processes() ends it
 
 
 def ints(text: str) -> list[int]:

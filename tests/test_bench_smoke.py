@@ -16,8 +16,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -51,10 +53,18 @@ def netns_reason() -> str | None:
 
 
 def bench(script: str, *args: str, timeout: float = 270) -> subprocess.CompletedProcess:
-    env = {**os.environ, MARKER: RUN_MARK}
+    """Run one benchmark in a TMPDIR of its own, which it must leave as it found it: p2pd's and
+    hivemind's sockets and multiprocessing folders of its processes (nodes, baselines, agents, the
+    bootstrap DHT) go with them, also when the harness ends them with a signal."""
+    tmpdir = Path(tempfile.mkdtemp(prefix=f"{Path(script).stem}-"))
+    env = {**os.environ, MARKER: RUN_MARK, "TMPDIR": str(tmpdir)}
     proc = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env=env)
     assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    # torch's compile cache (torchinductor_<user>) is a cache that torch keeps there by design.
+    left = sorted(p.name for p in tmpdir.iterdir() if not p.name.startswith("torchinductor_"))
+    assert not left, f"{script} left in TMPDIR: {left}"
+    shutil.rmtree(tmpdir)
     return proc
 
 
