@@ -382,7 +382,7 @@ def run_hivemind(work: Workload, net: Network, logdir: Path, sync_every: int = 5
     """
     steps = steps or work.steps
     logdir.mkdir(parents=True, exist_ok=True)
-    params_dir = Path(tempfile.mkdtemp(prefix="lowcomm-bench-hivemind-"))
+    params_dir = Path(tempfile.mkdtemp(prefix="lc-hm-"))  # short: p2pd's socket paths must fit in 107 bytes
     evaluator = Evaluator(work)
     saved: dict[int, dict[int, dict]] = {}  # step -> peer -> params event (with the wire counter then)
     changed = threading.Condition()

@@ -342,7 +342,7 @@ def sweep_hivemind(net, args, out: Path, run_id: str, logdir: Path) -> None:
 def _hivemind_configs(net, args, out: Path, run_id: str, logdir: Path, configs: list, first_number: int) -> None:
     # hivemind's averager leaves its p2pd client socket in TMPDIR even when it shuts down cleanly
     # (and a killed agent everything): the agents get a TMPDIR of their own, removed after them.
-    with tempfile.TemporaryDirectory(prefix="lowcomm-bench-hm-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="lc-hm-") as tmp:  # short: socket paths must fit in 107 bytes
         _hivemind_agents(net, args, out, run_id, logdir, configs, first_number, {"TMPDIR": tmp})
 
 

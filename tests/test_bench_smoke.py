@@ -56,7 +56,7 @@ def bench(script: str, *args: str, timeout: float = 270) -> subprocess.Completed
     """Run one benchmark in a TMPDIR of its own, which it must leave as it found it: p2pd's and
     hivemind's sockets and multiprocessing folders of its processes (nodes, baselines, agents, the
     bootstrap DHT) go with them, also when the harness ends them with a signal."""
-    tmpdir = Path(tempfile.mkdtemp(prefix=f"{Path(script).stem}-"))
+    tmpdir = Path(tempfile.mkdtemp(prefix="b-"))  # short: p2pd's socket paths below it must fit in 107 bytes
     env = {**os.environ, MARKER: RUN_MARK, "TMPDIR": str(tmpdir)}
     proc = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env=env)
