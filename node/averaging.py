@@ -372,13 +372,17 @@ class Averager:
         def apply() -> int:
             return apply_averages(self.state, fragment, result)
 
+        seconds = time.monotonic() - reduce_started
         skipped = sum(average is None for average in result.averages)
         self.last_contribution = (group.step + 1, contribution)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("round %s from %s: members %s bounds %s averages %s", group.group_id.hex()[:8],
-                      self.state.params_hash[:8], [m.peer_id[-4:] for m in group.members], list(group.shard_bounds),
-                      [None if a is None else params_sha256(a)[:8] for a in result.averages])
-        seconds = time.monotonic() - reduce_started
+            # Hashing every average is codec-pool work, not the loop's; submitted, not awaited, so
+            # that nothing can cancel the round between its all-reduce and its outcome (undo is gone).
+            header = (group.group_id.hex()[:8], self.state.params_hash[:8], [m.peer_id[-4:] for m in group.members],
+                      list(group.shard_bounds))
+            self.codec_executor.submit(lambda: log.debug(
+                "round %s from %s: members %s bounds %s averages %s", *header,
+                [None if a is None else params_sha256(a)[:8] for a in result.averages]))
         self.metrics.allreduce_duration.observe(seconds)
         self.metrics.bytes_sent.inc(sent)
         self.metrics.bytes_received.inc(received)
