@@ -241,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     try:
         with processes() as procs, bootstrap_dht(net) as maddr:
-            peers = [Peer(i, node_argv(net, i, workdir, [maddr], extra), env, logdir) for i in range(args.peers)]
+            # TMPDIR: the run's folder, removed at the end, since a SIGKILLed node leaves p2pd's sockets there.
+            node_env = {**env, "TMPDIR": str(workdir)}
+            peers = [Peer(i, node_argv(net, i, workdir, [maddr], extra), node_env, logdir) for i in range(args.peers)]
             for peer in peers:
                 peer.start(procs)
             say(f"soak: {args.peers} peers, {args.rounds} rounds, a kill every {args.churn_every} rounds; logs in {logdir}")
