@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import logging
 import math
 import os
 import re
+import socket
 import sys
 import time
 from pathlib import Path
@@ -116,7 +118,13 @@ def start_dht(config: Config):
     node = config.node
     host = node.host
     proto = "ip6" if ":" in host else "ip4"
-    config.identity_path.parent.mkdir(parents=True, exist_ok=True)
+    for maddr in node.peers:
+        # p2pd would refuse it with only "invalid p2p multiaddr", naming neither the address nor the fix.
+        if "/p2p/" not in maddr:
+            raise RuntimeError(f"invalid --peers multiaddr {maddr}: it must end in /p2p/<peer id>; copy the whole "
+                               f"address the first peer printed after `--peers`")
+    _check_identity_path(config.identity_path)
+    _check_dht_port_free(host, node.dht_port)
     began = time.monotonic()
     try:
         for attempt, pause in enumerate((*BOOTSTRAP_RETRY_PAUSES, None), start=1):
@@ -156,11 +164,55 @@ def start_dht(config: Config):
         if "address already in use" in text:
             raise RuntimeError(f"DHT port {node.dht_port} on {host} is already in use; "
                                f"choose another with --dht-port (or LOWCOMM_DHT_PORT)") from None
+        if "cannot parse" in text and config.identity_path.exists():  # p2pd read a file that is not a key
+            said = re.sub(r"^.*\d\d:\d\d:\d\d ", "", text.splitlines()[0])  # drop p2pd's log time stamp
+            raise RuntimeError(f"identity file {config.identity_path} is not a peer key (p2pd: {said}); point --identity at the key a node wrote, or at a "
+                               f"new path to make one") from None
         raise RuntimeError(f"the DHT daemon failed to start: {text.splitlines()[0] if text else err}") from None
     except ValueError as err:  # malformed multiaddrs
         raise RuntimeError(f"invalid --peers multiaddr: {err}") from None
+    except OSError as err:  # the DHT process could not write the identity file (a race with the checks above)
+        raise RuntimeError(f"cannot use identity file {config.identity_path}: {err}; choose another with "
+                           f"--identity or --checkpoint-dir") from None
     dht.clock.log_offset()
     return dht
+
+
+def _check_identity_path(path: Path) -> None:
+    """Refuse an identity path hivemind could not read or create, before its DHT process forks
+    (there its OSError would reach the user as a traceback)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RuntimeError(f"cannot create the folder of identity file {path}: {err.strerror}; choose another "
+                           f"with --identity or --checkpoint-dir") from None
+    if path.exists() and not path.is_file():
+        raise RuntimeError(f"identity file {path} is not a file; choose another with --identity")
+    if not path.exists() and not os.access(path.parent, os.W_OK):
+        raise RuntimeError(f"cannot create identity file {path}: its folder is not writable; choose another "
+                           f"with --identity or --checkpoint-dir")
+
+
+def _check_dht_port_free(host: str, port: int) -> None:
+    """Refuse a DHT port another process listens on.
+
+    p2pd listens with SO_REUSEPORT, so a second node on the port of a running one (or of any
+    listener that set it) does not fail: both p2pd share the port, and a peer dialling its
+    multiaddr reaches either at random. A plain bind fails on a port anyone listens on
+    (SO_REUSEADDR only lets it reuse connections in TIME_WAIT that a stopped node left).
+    """
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                return  # another problem (an address not on this machine): p2pd's own message names it
+            raise RuntimeError(f"DHT port {port} on {host} is already in use; choose another with "
+                               f"--dht-port (or LOWCOMM_DHT_PORT)") from None
 
 
 def _read_file(path: Path, what: str) -> bytes:
@@ -259,8 +311,12 @@ def lock_checkpoint_dir(directory: Path):
     """
     import fcntl
 
-    directory.mkdir(parents=True, exist_ok=True)
-    handle = open(directory / ".lock", "a+")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        handle = open(directory / ".lock", "a+")
+    except OSError as err:  # a file of that name, a folder we may not write: a user mistake, no traceback
+        raise RuntimeError(f"cannot use checkpoint directory {directory}: {err.strerror}; choose another with "
+                           f"--checkpoint-dir (or LOWCOMM_CHECKPOINT_DIR)") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -411,6 +467,19 @@ def cmd_init_config(args: argparse.Namespace) -> int:
 # -- entry point ---------------------------------------------------------------------------------
 
 
+def grpc_target(value: str) -> str:
+    """``--target`` as HOST:PORT (an IPv6 host in brackets). gRPC would take a missing port as
+    443 and a port above 65535 modulo 65536, and then report a refused connection elsewhere."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or host.endswith(":") and not host.startswith("["):
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (e.g. 127.0.0.1:7701, [::1]:7701); "
+                                         "the port is the node's --grpc-port")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r}: the port must be a number from 1 to 65535 (the node's "
+                                         "--grpc-port)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowcomm-node", description="Peer-to-peer low-communication training node.")
     parser.add_argument("--version", action="version", version=f"lowcomm {__version__}")
@@ -421,7 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, help_text in (("status", cmd_status, "show a running node and its swarm"),
                                   ("healthcheck", cmd_healthcheck, "exit 0 if the node at --target is serving")):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--target", default="127.0.0.1:7701", metavar="HOST:PORT", help="the node's gRPC address")
+        p.add_argument("--target", type=grpc_target, default="127.0.0.1:7701", metavar="HOST:PORT",
+                       help="the node's gRPC address")
         p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
         p.add_argument("--tls-cert", metavar="PEM", help="the node serves TLS: trust this certificate "
                                                          "(default: LOWCOMM_TLS_CERT if set)")

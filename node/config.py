@@ -167,6 +167,9 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} does not exist (create one with `lowcomm-node init-config > {path}`)")
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+    except UnicodeDecodeError as err:  # tomllib decodes the bytes itself and lets this through
+        raise ConfigError(f"config file {path} is not valid TOML: it is not UTF-8 text ({err.reason} at byte "
+                          f"{err.start})") from None
     except OSError as err:
         raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
 

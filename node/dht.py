@@ -13,15 +13,15 @@ read swarm time from ``clock`` (node/clock.py), which no later step of the wall 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
-import functools
 import os
 import signal
 import sys
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import hivemind
 
@@ -65,6 +65,18 @@ def place_p2pd_sockets(folder: str) -> bool:
     return True
 
 
+def p2pd_sockets(args: Sequence[str]) -> list[str]:
+    """The unix socket paths of a p2pd command line: its own (``-listen``) and hivemind's client's beside it."""
+    paths = []
+    for arg in args:
+        value = str(arg)
+        if value.startswith("-listen=/unix/"):
+            daemon = value.removeprefix("-listen=/unix")
+            folder, _, name = daemon.rpartition("/")
+            paths += [daemon, f"{folder}/{name.replace('-p2pd-', '-p2pclient-', 1)}"]
+    return paths
+
+
 class SupervisedDHT(hivemind.DHT):
     """``hivemind.DHT`` whose process and p2pd daemon die with the node, on swarm time.
 
@@ -86,13 +98,27 @@ class SupervisedDHT(hivemind.DHT):
         die_with_parent()
         place_p2pd_sockets(tempfile.gettempdir())
         spawn = asyncio.subprocess.create_subprocess_exec
+        sockets: list[str] = []
+
+        async def spawn_p2pd(*args, **kwargs):
+            sockets.extend(p2pd_sockets(args))
+            return await spawn(*args, preexec_fn=die_with_parent, **kwargs)
+
         # Only this (forked) process is patched: p2pd, started from here, dies with it.
-        asyncio.subprocess.create_subprocess_exec = functools.partial(spawn, preexec_fn=die_with_parent)
+        asyncio.subprocess.create_subprocess_exec = spawn_p2pd
         # On every node, even one that needs no correction: swarm time ignores steps of the wall clock.
         run_hivemind_on(self.clock.time)
         if self.initial_peers:
             self._measure_clock_before_bootstrap()
-        super().run()
+        try:
+            super().run()
+        finally:
+            # hivemind removes the daemon's socket only when it stops a p2pd that is still running:
+            # one that exited by itself (its bootstrap peers unreachable, a bad --peers address) left
+            # its socket in TMPDIR on every failed start. This process is ending, and p2pd with it.
+            for path in sockets:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
 
     def _measure_clock_before_bootstrap(self) -> None:
         """Wrap hivemind's ``DHTProtocol.create`` (in this process only) so that, once the

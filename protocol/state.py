@@ -127,12 +127,13 @@ async def download_state(
     sync), in their order; ``()`` for a run without state sync (format 1).
 
     Raises ``IncompatiblePeer`` when every donor that answered refused this node's Hello
-    (another protocol version or run config) or serves the state in another layout (another
-    lowcomm version), and ``StateError`` for everything else.
+    (another protocol version or run config), its credentials (a secret run, and this node has
+    no or another run secret) or serves the state in another layout (another lowcomm version),
+    and ``StateError`` for everything else.
     """
     hello = identity.hello()
     infos: list[tuple[Donor, state_pb2.StateInfo]] = []
-    refusals: list[str] = []  # donors that refused our Hello (FAILED_PRECONDITION)
+    refusals: list[str] = []  # donors that refused our Hello or our token (FAILED_PRECONDITION, UNAUTHENTICATED)
     answered = 0  # donors that answered GetStateInfo at all
     expected_bytes = state_bytes(expected_numel, expected_states)
 
@@ -142,7 +143,10 @@ async def download_state(
         try:
             info = await stub.GetStateInfo(state_pb2.StateInfoRequest(hello=hello), timeout=min(10.0, timeout))
         except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:  # used only for incompatibility
+            # FAILED_PRECONDITION is used only for incompatibility. UNAUTHENTICATED: a node without
+            # the secret of a secret run sees its (signed) records but is refused by every donor;
+            # retried, it would download again after every phase and never finish a round.
+            if err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED):
                 answered += 1
                 refusals.append(f"peer {donor.peer_id} at {donor.address} refused this node: {err.details()}")
             log.warning("state donor %s at %s did not answer: %s", donor.peer_id, donor.address, err.details())

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,11 +23,13 @@ pytestmark = pytest.mark.multiprocess
 STRANGER = "QmXRFQRfTWsEXpbA9u6eaaWzmMBrx6k2vW1ppoC8ot9rtN"
 
 
-def run_join(tmp_path: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def run_join(tmp_path: Path, *args: str, timeout: float = 60,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = [*node_command(), "join", "--host", "127.0.0.1", "--dht-port", "0", "--grpc-port", "0",
            "--metrics-port", "0", "--checkpoint-dir", str(tmp_path / "ckpt"), "--torch-threads", "1",
            "--log-format", "json", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> str:
@@ -56,6 +61,46 @@ def test_malformed_multiaddr_is_a_clear_error(tmp_path):
     assert_one_line_error(result, "not-a-multiaddr")
 
 
+def test_multiaddr_without_a_peer_id_names_it_and_the_fix(tmp_path):
+    # p2pd alone said "invalid p2p multiaddr", naming neither the address nor what is missing.
+    maddr = f"/ip4/127.0.0.1/tcp/{free_port()}"
+    assert_one_line_error(run_join(tmp_path, "--peers", maddr), maddr, "/p2p/<peer id>")
+
+
+def test_a_failed_dht_start_leaves_no_p2pd_socket_behind(tmp_path):
+    # p2pd exits by itself when no bootstrap peer answers; hivemind then left its socket in TMPDIR.
+    folder = Path(tempfile.mkdtemp(prefix="f-"))  # short: the session's TMPDIR (tests/conftest.py)
+    try:
+        maddr = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{STRANGER}"
+        assert_one_line_error(run_join(tmp_path, "--peers", maddr, env={"TMPDIR": str(folder)}), maddr)
+        assert not list(folder.glob("hivemind-*.sock")), list(folder.iterdir())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_checkpoint_dir_or_identity_folder_that_is_a_file_is_a_clear_error(tmp_path):
+    (tmp_path / "ckpt").write_text("a file, not a folder")
+    assert_one_line_error(run_join(tmp_path), str(tmp_path / "ckpt"), "--checkpoint-dir")
+    (tmp_path / "ckpt").unlink()
+    (tmp_path / "keys").write_text("a file, not a folder")
+    key = tmp_path / "keys" / "identity.key"
+    assert_one_line_error(run_join(tmp_path, "--identity", str(key)), str(key), "--identity")
+
+
+def test_identity_file_that_is_not_a_key_is_named(tmp_path):
+    key = tmp_path / "identity.key"
+    key.write_text("not a key")
+    assert_one_line_error(run_join(tmp_path, "--identity", str(key)), str(key), "not a peer key", "--identity")
+
+
+def test_config_that_is_not_utf8_is_a_clear_error(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_bytes("[train]\ninner_steps = 5\n".encode("utf-16"))  # as some editors save it
+    result = run_join(tmp_path, "--config", str(config))
+    assert result.returncode == 2
+    assert_one_line_error(result, str(config), "UTF-8")
+
+
 def test_malformed_config_names_file_key_and_expectation(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text('[sync]\ncodec = "int9"\n')
@@ -77,6 +122,18 @@ def test_busy_grpc_port_names_the_port_and_the_flag(tmp_path):
         port = busy.getsockname()[1]
         result = run_join(tmp_path, "--grpc-port", str(port))
     assert_one_line_error(result, str(port), "--grpc-port")
+
+
+def test_dht_port_of_a_running_node_names_the_port_and_the_flag(tmp_path):
+    # p2pd listens with SO_REUSEPORT, as this stand-in does: a second node's p2pd shared the port
+    # with it (a dialled multiaddr reached either) instead of failing.
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_join(tmp_path, "--dht-port", str(port))
+    assert_one_line_error(result, str(port), "--dht-port")
 
 
 def test_busy_metrics_port_names_the_port_and_the_flag(tmp_path):

@@ -40,7 +40,8 @@ def flaky(monkeypatch, tmp_path):
     monkeypatch.setattr(dht, "SupervisedDHT", FlakyDHT)
     monkeypatch.setattr(cli, "_sleep", pauses.append)
     FlakyDHT.made, FlakyDHT.error = 0, RuntimeError(UNANSWERED)
-    config = load_config(None, {"peers": [PEER], "checkpoint_dir": tmp_path / "ckpt"}, [])
+    # dht_port 0: start_dht checks a fixed port is free before it starts the (here fake) DHT.
+    config = load_config(None, {"peers": [PEER], "checkpoint_dir": tmp_path / "ckpt", "dht_port": 0}, [])
     return config, pauses
 
 

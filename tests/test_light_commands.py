@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 PROBE = """
 import asyncio, sys
 from lowcomm.node import cli
@@ -20,3 +22,15 @@ def test_healthcheck_against_nobody_fails_cleanly_without_importing_torch() -> N
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["exit", "1", "heavy", "-"], done.stdout + done.stderr
     assert "no node answered at 127.0.0.1:1" in done.stderr
+
+
+def test_a_target_without_a_usable_port_is_a_usage_error() -> None:
+    # gRPC took a missing port as 443 and 99999 as 34463, and reported a refused connection there.
+    from lowcomm.node import cli
+
+    for target in ("127.0.0.1", "127.0.0.1:99999", "127.0.0.1:0", "node:grpc", "::1"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.build_parser().parse_args(["status", "--target", target])
+        assert exit_info.value.code == 2, target
+    for target in ("127.0.0.1:7701", "[::1]:7701", "node-3.example:65535"):
+        assert cli.build_parser().parse_args(["healthcheck", "--target", target]).target == target

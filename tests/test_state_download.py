@@ -13,6 +13,7 @@ from grpc_health.v1 import health
 
 from lowcomm.node.config import load_config
 from lowcomm.protocol import state
+from lowcomm.protocol.auth import RunAuth, ServerAuthInterceptor
 from lowcomm.protocol.handshake import Identity, IncompatiblePeer
 from lowcomm.protocol.rpc import ChannelPool, NodeInfoServicer, StateServicer, create_server
 from lowcomm.protocol.state import (
@@ -109,12 +110,14 @@ class Swarm:
         self.channels = ChannelPool()
         self.numel: int | None = None  # the run's model size: the first donor's snapshot
 
-    async def add(self, donor: StateDonor, servicer: StateServicer | None = None) -> Donor:
+    async def add(self, donor: StateDonor, servicer: StateServicer | None = None,
+                  interceptors: list[grpc.aio.ServerInterceptor] | None = None) -> Donor:
         async def no_status():
             raise NotImplementedError
 
         server, port = create_server("127.0.0.1", 0, None, servicer or StateServicer(donor),
-                                     NodeInfoServicer(no_status), health.aio.HealthServicer())
+                                     NodeInfoServicer(no_status), health.aio.HealthServicer(),
+                                     interceptors=interceptors)
         await server.start()
         self.servers.append(server)
         if self.numel is None and donor.latest() is not None:
@@ -412,6 +415,29 @@ def test_donors_of_another_run_config_raise_incompatible_peer(caplog):
     assert "'int4'" in message and "'int8'" in message
     # The donors log the refusal too, naming the joiner.
     assert any("refused a state request from joiner" in r.getMessage() for r in caplog.records)
+
+
+def test_donors_of_a_secret_run_refusing_a_node_without_the_secret_raise_incompatible_peer():
+    """A node without the run secret reads a secret swarm's records, and every donor refuses it
+    (UNAUTHENTICATED): that is final, not a download failure to retry after every inner phase
+    (the node then never finished a round, --max-rounds or not)."""
+    params, momentum = make_state(1000)
+    snapshot = Snapshot.build(STEP, params, momentum)
+
+    async def scenario():
+        swarm = Swarm()
+        try:
+            for i in range(2):
+                await swarm.add(donor_with(snapshot, f"donor-{i}"),
+                                interceptors=[ServerAuthInterceptor(RunAuth(b"the run's secret, 16+ bytes"))])
+            with pytest.raises(IncompatiblePeer) as info:
+                await swarm.download(snapshot.params_sha256)
+            return str(info.value)
+        finally:
+            await swarm.close()
+
+    message = run(scenario())
+    assert "donor-0" in message and "donor-1" in message and "--run-secret-file" in message
 
 
 def test_one_compatible_donor_is_enough():
