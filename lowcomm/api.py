@@ -84,6 +84,7 @@ class Swarm:
             raise SwarmError(f"model must be a torch.nn.Module, not {type(model).__name__}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise SwarmError(f"inner_optimizer must be a torch.optim.Optimizer, not {type(inner_optimizer).__name__}")
+        _check_model_and_optimizer(model, inner_optimizer)
         self.config: SwarmConfig = resolve_config(config, peers, model)
         self.model = model
         self._optimizer = inner_optimizer
@@ -363,6 +364,25 @@ class Swarm:
         if self._dht is None:
             raise RuntimeError("the Swarm is not entered yet")
         return self._dht
+
+
+def _check_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """What ``ExternalTrainer`` would refuse after the DHT started, as the documented ``SwarmError``
+    before anything starts; and an optimizer that steps none of the model's parameters (built
+    for another model), which would otherwise average a model that never trains."""
+    from lowcomm.node.models import ModelError, check_float32
+
+    try:
+        check_float32(model, "the model given to lowcomm.Swarm")
+    except ModelError as err:
+        raise SwarmError(str(err)) from None
+    if any(p.is_meta for p in model.parameters()):
+        raise SwarmError("the model given to lowcomm.Swarm has parameters on the meta device, which hold no values: "
+                         "materialize them first (model.to_empty(device=...), then initialize or load weights)")
+    ours = {id(p) for p in model.parameters()}
+    if not any(id(p) in ours for group in optimizer.param_groups for p in group["params"]):
+        raise SwarmError("inner_optimizer holds none of the model's parameters: build it from the model given "
+                         "to lowcomm.Swarm (torch.optim.AdamW(model.parameters(), ...))")
 
 
 def _join(thread: threading.Thread) -> None:

@@ -51,6 +51,12 @@ def build_pair(vocab_size: int = 256, width: int = 32) -> tuple[nn.Module, objec
     return BigramLogits(vocab_size, width), next_token_loss
 
 
+def build_unlabelled(vocab_size: int = 100, width: int = 16) -> tuple[nn.Module, object]:
+    """A model without a ``vocab_size`` attribute, so the node cannot check the data's ids up front."""
+    net = nn.Sequential(nn.Embedding(vocab_size, width), nn.Linear(width, vocab_size))
+    return net, next_token_loss
+
+
 def build_half() -> nn.Module:
     """Breaks the contract: half-precision parameters."""
     return BigramLoss(256, 8).half()
@@ -59,3 +65,8 @@ def build_half() -> nn.Module:
 def build_nothing() -> int:
     """Breaks the contract: not a module."""
     return 3
+
+
+def build_buggy() -> nn.Module:
+    """Breaks the contract: the function itself fails (a bug in the user's code)."""
+    raise ValueError("a bug in the user's factory")

@@ -207,3 +207,20 @@ def test_step_outside_the_block_and_late_load_state_dict_are_refused():
         swarm.load_state_dict({"step": 1})
     with pytest.raises(SwarmError, match="torch.optim.Optimizer"):
         lowcomm.Swarm(model, "adam")  # type: ignore[arg-type]
+
+
+def test_model_and_optimizer_mistakes_are_swarm_errors_before_anything_starts():
+    def swarm(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> lowcomm.Swarm:
+        optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.1)
+        return lowcomm.Swarm(model, optimizer)
+
+    with pytest.raises(SwarmError, match="torch.float16 parameters"):
+        swarm(nn.Linear(2, 2).half())
+    with pytest.raises(SwarmError, match="no parameters to train"):
+        swarm(nn.Identity(), torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))
+    with pytest.raises(SwarmError, match="meta device"):
+        swarm(nn.Linear(2, 2, device="meta"))
+    with pytest.raises(SwarmError, match="inner_optimizer holds none of the model's parameters"):
+        swarm(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    partly_frozen = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    swarm(partly_frozen, torch.optim.SGD(partly_frozen[1].parameters(), lr=0.1))  # a subset is fine

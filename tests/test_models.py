@@ -154,6 +154,30 @@ def test_factories_that_break_the_contract_say_how(factory, message):
         build_model_for(config(f"model.factory={factory}"))
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["model.factory=tests.factory_model:build_buggy"],
+     r"factory 'tests.factory_model:build_buggy' raised ValueError when called with factory_kwargs \{\}: a bug"),
+    (["model.factory=tests.factory_model:build", "model.factory_kwargs={ widht = 48 }"],
+     r"raised TypeError when called with factory_kwargs \{'widht': 48\}: .*unexpected keyword argument 'widht'"),
+])
+def test_a_factory_that_raises_is_one_model_error_naming_the_call(overrides, message):
+    # The run fingerprint (the shapes, on meta then for real) and the build both call the factory:
+    # either way the node ends with one line, not the user's traceback twice.
+    with pytest.raises(ModelError, match=message):
+        build_model_for(config(*overrides))
+    with pytest.raises(ModelError, match=message):
+        config(*overrides).run_fingerprint()
+
+
+def test_token_ids_beyond_an_unlabelled_embedding_name_the_embedding():
+    # No vocab_size attribute: the ids reach the embedding, whose IndexError alone said nothing of why.
+    model = build_model_for(config("model.factory=tests.factory_model:build_unlabelled"))
+    ids = torch.tensor([[3, 255, 7]])
+    with pytest.raises(ModelError, match=r"token id 255, but embedding '0' holds 100 ids.*vocab_size"):
+        model(ids, ids)
+    assert model(ids % 100, ids % 100)[1].ndim == 0  # ids within its vocabulary train
+
+
 def test_a_factory_whose_loss_is_not_a_scalar_is_named():
     cfg = config("model.factory=tests.factory_model:build_pair")
     model = build_model_for(cfg)

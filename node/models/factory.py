@@ -63,16 +63,41 @@ class FactoryModel(nn.Module):
         self.vocab_size = int(vocab) if isinstance(vocab, int) else None
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[None, torch.Tensor]:
-        loss = self.loss_fn(self.net(inputs), targets) if self.loss_fn is not None else self.net(inputs, targets)
+        try:
+            loss = self.loss_fn(self.net(inputs), targets) if self.loss_fn is not None else self.net(inputs, targets)
+        except IndexError:
+            self._check_token_ids(inputs)
+            raise
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
             got = f"a {tuple(loss.shape)} {loss.dtype} tensor" if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ModelError(f"[model] factory {self.spec!r}: the loss must be a scalar float tensor, got {got}")
         return None, loss.reshape(())
 
+    def _check_token_ids(self, inputs: torch.Tensor) -> None:
+        """After an IndexError: name an embedding too small for the data's token ids. Without a
+        ``vocab_size`` attribute the node could not compare them before training."""
+        largest = int(inputs.max())
+        for name, module in self.net.named_modules():
+            if isinstance(module, nn.Embedding) and module.num_embeddings <= largest:
+                raise ModelError(f"[model] factory {self.spec!r}: the data has token id {largest}, but embedding "
+                                 f"{name or 'net'!r} holds {module.num_embeddings} ids; build the model for the "
+                                 f"tokenizer's vocabulary (and give the module a vocab_size attribute, which the "
+                                 f"node checks against the data before training)") from None
+
+
+class FactoryRaised(ModelError):
+    """The user's factory function raised (a bug in it, or ``factory_kwargs`` it does not take)."""
+
 
 def _call(section: "ModelSection") -> tuple[nn.Module, LossFn | None]:
     spec = section.factory or ""
-    result = resolve(spec)(**(section.factory_kwargs or {}))
+    function = resolve(spec)
+    kwargs = section.factory_kwargs or {}
+    try:
+        result = function(**kwargs)
+    except Exception as err:  # noqa: BLE001 - the user's code: one line that names the call, not a traceback
+        raise FactoryRaised(f"[model] factory {spec!r} raised {type(err).__name__} when called with "
+                            f"factory_kwargs {kwargs}: {err}") from err
     if isinstance(result, nn.Module):
         return result, None
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module) and callable(result[1]):
@@ -97,9 +122,7 @@ def factory_definition(section: "ModelSection") -> dict[str, Any]:
     try:
         with torch.device("meta"):
             net, _ = _call(section)
-    except ModelError:
-        raise
-    except Exception:  # noqa: BLE001 - any failure on meta: fall back to a real (seeded) call
+    except FactoryRaised:  # any failure of the function on meta: fall back to a real (seeded) call
         with seeded(0):
             net, _ = _call(section)
     parameters, shapes = shapes_digest((name, tuple(p.shape)) for name, p in net.named_parameters())
