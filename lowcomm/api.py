@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import numbers
 import sys
 import threading
 import time
@@ -262,8 +263,9 @@ class Swarm:
         module docstring). Raises ``SwarmStopped`` when the node is gone."""
         if self._trainer is None or self._exited:
             raise RuntimeError("Swarm.step() works inside `with lowcomm.Swarm(...) as swarm:` only")
-        if tokens <= 0:
-            raise ValueError(f"tokens must be positive, got {tokens}")
+        if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens <= 0:
+            # A fraction would be truncated to a weight of 0: the step would count for nothing.
+            raise ValueError(f"tokens must be a positive whole number (tokens or samples of the step), got {tokens!r}")
         if isinstance(loss, torch.Tensor):
             loss = float(loss.detach())
         self._trainer.handoff.report(int(tokens), math.nan if loss is None else float(loss))
