@@ -323,6 +323,19 @@ def _wait_ready(state: ClusterState, peers: Sequence[PeerState], timeout: float)
     state.save()
 
 
+def prometheus_config(state: ClusterState) -> dict:
+    """The scrape config of the cluster's Prometheus, with deploy/prometheus's alert rules. Peer 0
+    is the bootstrap every other peer joins through: the targets carry the `service` label that
+    the compose file's DNS discovery gives (bootstrap / peer), which the node-down alerts read."""
+    rules = Path(__file__).resolve().parent / "prometheus" / "rules" / "lowcomm-alerts.yml"
+    groups = [("bootstrap", state.peers[:1]), ("peer", state.peers[1:])]
+    return {"global": {"scrape_interval": "5s", "scrape_timeout": "4s", "evaluation_interval": "5s"},
+            "rule_files": [str(rules)] if rules.exists() else [],
+            "scrape_configs": [{"job_name": "lowcomm", "static_configs": [
+                {"targets": [p.metrics_target for p in peers], "labels": {"cluster": state.prefix, "service": service}}
+                for service, peers in groups if peers]}]}
+
+
 def _start_prometheus(state: ClusterState, port: int) -> None:
     binary = shutil.which("prometheus")
     if binary is None:
@@ -330,12 +343,7 @@ def _start_prometheus(state: ClusterState, port: int) -> None:
         return
     prom_dir = Path(state.state_dir) / "prometheus"
     prom_dir.mkdir(parents=True, exist_ok=True)
-    rules = Path(__file__).resolve().parent / "prometheus" / "rules" / "lowcomm-alerts.yml"
-    config = {"global": {"scrape_interval": "5s", "scrape_timeout": "4s", "evaluation_interval": "5s"},
-              "rule_files": [str(rules)] if rules.exists() else [],
-              "scrape_configs": [{"job_name": "lowcomm", "static_configs": [
-                  {"targets": [p.metrics_target for p in state.peers], "labels": {"cluster": state.prefix}}]}]}
-    (prom_dir / "prometheus.yml").write_text(json.dumps(config, indent=2))  # JSON is YAML
+    (prom_dir / "prometheus.yml").write_text(json.dumps(prometheus_config(state), indent=2))  # JSON is YAML
     with open(prom_dir / "prometheus.log", "ab") as log:
         proc = subprocess.Popen([binary, f"--config.file={prom_dir / 'prometheus.yml'}",
                                  f"--storage.tsdb.path={prom_dir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],

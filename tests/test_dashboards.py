@@ -30,7 +30,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from promtool_util import DASHBOARDS_DIR, DEPLOY, PROMETHEUS_DIR, iter_panels  # noqa: E402
 
-from lowcomm.node.metrics import NodeMetrics  # noqa: E402
+from lowcomm.node.metrics import FAILURE_REASONS, REJECTION_REASONS, NodeMetrics  # noqa: E402
 
 DATASOURCE_REF = {"type": "prometheus", "uid": "${datasource}"}
 DATASOURCE_UID = "lowcomm-prometheus"
@@ -353,6 +353,42 @@ def test_dashboard_shows_what_the_issue_asks(name):
         for quantile in ("0.5", "0.95"):
             assert any(f"histogram_quantile({quantile}," in e and "lowcomm_round_duration_seconds_bucket" in e
                        for e in exprs), quantile
+
+
+# The label values a reason-labelled counter can take, as node/metrics.py fixes them. Every place
+# that lists them for a reader (a panel description, the README) must list exactly these: a
+# renamed or added reason otherwise leaves a series nobody can look up.
+REASON_LISTS = {"lowcomm_round_failures_total": set(FAILURE_REASONS),
+                "lowcomm_rejected_contributions_total": set(REJECTION_REASONS)}
+_BY_REASON = re.compile(r"by reason \(([^)]*)\)")
+
+
+def _listed(text: str) -> set[str]:
+    return {item.strip().strip("`") for item in text.split(",") if item.strip()}
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.name)
+def test_panel_descriptions_list_the_reasons_of_the_code(path):
+    checked = 0
+    for panel in iter_panels(_load(path)):
+        exprs = [t.get("expr") or "" for t in panel.get("targets") or []]
+        for metric, reasons in REASON_LISTS.items():
+            if not any(metric in e and re.search(r"by \(\s*reason\s*\)", e) for e in exprs):
+                continue
+            lists = _BY_REASON.findall(panel.get("description") or "")
+            assert len(lists) == 1, f"{panel['title']!r}: describe the reasons as 'by reason (a, b, ...)'"
+            assert _listed(lists[0]) == reasons, (panel["title"], sorted(_listed(lists[0]) ^ reasons))
+            checked += 1
+    if path.name == "sync-health.json":
+        assert checked == 2
+
+
+def test_readme_lists_the_reasons_of_the_code():
+    text = (DEPLOY.parent / "README.md").read_text()
+    found = {what: _listed(items) for what, items in
+             re.findall(r"(round failures|rejected contributions)[^()]*?by reason \(([^)]*)\)", text, re.S)}
+    assert found == {"round failures": REASON_LISTS["lowcomm_round_failures_total"],
+                     "rejected contributions": REASON_LISTS["lowcomm_rejected_contributions_total"]}
 
 
 def test_grafana_provisioning_matches_the_dashboards():

@@ -477,8 +477,9 @@ def test_podman_scripts_pass_shellcheck():
     tool = shutil.which("shellcheck")
     if tool is None:
         pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
-    proc = subprocess.run([tool, *map(str, sorted(PODMAN.glob("*.sh")))], capture_output=True, text=True,
-                          timeout=60)
+    # Every shell script of deploy/, also the netns-cluster wrapper (a bash script without .sh).
+    scripts = [*sorted(PODMAN.glob("*.sh")), DEPLOY / "netns-cluster"]
+    proc = subprocess.run([tool, *map(str, scripts)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -531,6 +532,36 @@ def test_systemd_unit_settings():
     assert unit["ExecStart"][0].split()[1:] == ["join"]
 
 
+def _install_header() -> list[list[str]]:
+    """The commands of the unit's "Install (as root):" comment, each split into words."""
+    lines = UNIT.read_text().split("# Install (as root):\n", 1)[1].split("\n#\n", 1)[0].splitlines()
+    return [line.lstrip("#").split("#", 1)[0].split() for line in lines]
+
+
+def test_systemd_install_steps_let_the_service_user_read_its_config_directory():
+    """The unit's header tells the admin to put the run config and run secret under /etc/lowcomm,
+    readable by the group lowcomm; the directory the header makes must then let that user in
+    (a root:root 0750 directory stops it at the door: the node cannot open LOWCOMM_CONFIG)."""
+    unit = _unit()
+    user, group = unit["User"][0], unit["Group"][0]
+    commands = _install_header()
+    useradd = [c for c in commands if c[:1] == ["useradd"]]
+    assert useradd and useradd[0][-1] == user
+    if group == user:  # Group= must exist: useradd makes it only with --user-group (or the distro default)
+        assert "--user-group" in useradd[0] or "-U" in useradd[0], useradd[0]
+    made = 0
+    for words in commands:
+        if words[:2] != ["install", "-d"]:
+            continue
+        opts = dict(zip(words[2:-1:2], words[3:-1:2]))
+        mode = int(opts.get("-m", "0755"), 8)
+        owner, grp = opts.get("-o", "root"), opts.get("-g", "root")
+        enters = mode & 0o001 or (owner == user and mode & 0o100) or (grp == group and mode & 0o010)
+        assert enters, f"{user} cannot enter {words[-1]} ({' '.join(words)})"
+        made += 1
+    assert made, "the install steps make no directory"
+
+
 def test_systemd_unit_verifies(tmp_path):
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
@@ -553,3 +584,35 @@ def test_netns_cluster_wrapper_runs():
     proc = subprocess.run([str(wrapper), "--help"], capture_output=True, text=True, timeout=60,
                           env=os.environ | {"PYTHON": sys.executable})
     assert proc.returncode == 0 and "up" in proc.stdout and "down" in proc.stdout, proc.stderr
+
+
+def test_netns_cluster_prometheus_labels_targets_as_the_alerts_expect(tmp_path):
+    """The alert rules tell the bootstrap from the peers by the `service` label, which compose's
+    DNS discovery sets (bootstrap / peer); the netns cluster's Prometheus loads the same rules,
+    so its static targets must carry it too (peer 0 is the bootstrap)."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("netns_cluster_static", DEPLOY / "netns_cluster.py")
+    nc = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = nc  # dataclasses look their module up there
+    spec.loader.exec_module(nc)
+    rules_text = (DEPLOY / "prometheus" / "rules" / "lowcomm-alerts.yml").read_text()
+    services = set(re.findall(r'service!?="(\w+)"', rules_text))
+    assert services == {"bootstrap", "peer"}, services
+    for peers in (1, 3):
+        state = nc.ClusterState(prefix="lct", subnet="10.77.1.0/24", bridge="lct-br", bridge_ip="10.77.1.254",
+                                state_dir=str(tmp_path),
+                                peers=[nc.PeerState(i, f"lct-{i}", f"10.77.1.{i + 1}", f"lct-h{i}", 50.0)
+                                       for i in range(peers)])
+        config = nc.prometheus_config(state)
+        [job] = config["scrape_configs"]
+        labelled = {t: group["labels"]["service"] for group in job["static_configs"] for t in group["targets"]}
+        assert labelled == {p.metrics_target: "bootstrap" if p.index == 0 else "peer" for p in state.peers}
+        assert config["rule_files"] == [str(DEPLOY / "prometheus" / "rules" / "lowcomm-alerts.yml")]
+        promtool = shutil.which("promtool")
+        if promtool:
+            path = tmp_path / f"prometheus-{peers}.yml"
+            path.write_text(json.dumps(config))
+            proc = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True, timeout=60)
+            assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -188,7 +188,7 @@ class Harness:
                                   committer=committer, swarm=self.swarm, catch_up=self.swarm.catch_up,
                                   train_thread=self.train_thread,
                                   codec_executor=self.codec_executor, metrics=self.metrics, stats=self.stats,
-                                  faults=Faults(), stops=self.stops)
+                                  faults=Faults(), stops=self.stops, human=bool(settings.get("human", False)))
 
     def close(self) -> None:
         self.train_thread.shutdown()
@@ -224,6 +224,14 @@ def test_blocking_rounds_send_the_phase_delta_and_commit_in_order():
     assert torch.equal(h.trainer.get_params(), h.state.params)
     assert h.stats.tokens_since_round == 0 and h.stats.tokens_total == 3 * 4 * TOKENS
     assert h.swarm.catch_ups == 3  # asked before every phase
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(capsys):
+    """Human log lines (log_format "text", as deploy/lowcomm-node.service sets) may go to a
+    journal: the inner-phase bar is for a terminal only, its \\r-redrawn frames would otherwise
+    pile up there as one endless line per phase."""
+    run_driver(Harness(max_rounds=1, human=True))
+    assert "inner steps" not in capsys.readouterr().err
 
 
 def test_fragments_are_synced_in_turn_and_only_the_synced_one_restarts():
