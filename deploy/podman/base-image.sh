@@ -32,9 +32,16 @@ log="$root.log"
 trap 'rm -rf "$root" "$log"' EXIT
 # Runs a step with its output in the log; shows the log's end when the step fails.
 quiet() { "$@" >> "$log" 2>&1 || { tail -n 20 "$log" >&2; echo "base image: error: $* failed" >&2; exit 1; }; }
+# Runs a command inside the new root with a clean environment: the caller's variables name
+# host paths that do not exist in there (a TMPDIR of the caller's made ca-certificates'
+# post-install script fail in `apt-get upgrade`).
+in_root() {
+    env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive \
+        chroot "$root" "$@"
+}
 
 echo "base image: debootstrap $suite from $mirror"
-quiet debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+quiet env -u TMPDIR debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
     "$suite" "$root" "$mirror"
 
 # The image's later apt installs (the Prometheus image) skip documentation too, like Debian's
@@ -56,9 +63,9 @@ if [ -n "$security" ]; then
 fi
 rm -f "$root/etc/apt/sources.list"
 cp /etc/resolv.conf "$root/etc/resolv.conf"
-quiet chroot "$root" apt-get update
-quiet env DEBIAN_FRONTEND=noninteractive chroot "$root" apt-get upgrade -y
-quiet chroot "$root" apt-get clean
+quiet in_root apt-get update
+quiet in_root apt-get upgrade -y
+quiet in_root apt-get clean
 : > "$root/etc/resolv.conf"
 
 find "$root/usr/share/doc" -mindepth 1 -not -name copyright -not -type d -delete
