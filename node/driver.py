@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import sys
 import threading
 import time
 from concurrent.futures import Executor
@@ -89,10 +88,7 @@ class RoundDriver:
         self.stats = stats
         self.faults = faults
         self.stops = stops
-        # A progress bar of the inner steps on a terminal only: human lines (log_format "text",
-        # as the systemd unit sets) may go to a journal or a file, where the bar's \r-redrawn
-        # frames would pile up into one endless line.
-        self.human = human and sys.stderr.isatty()
+        self.human = human  # a progress bar of the inner steps (InnerProgress: on a terminal only)
         self.committing: asyncio.Task | None = None  # the local part of the last round
         self._nan_injected = False
         # [sync] state_sync (DES-LOC, MT-DAO): optimizer-state rounds after a round's commit.

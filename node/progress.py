@@ -24,10 +24,12 @@ tqdm.set_lock(threading.RLock())
 
 class InnerProgress:
     def __init__(self, steps: int, outer_step: int, enabled: bool) -> None:
+        # On a terminal only: human lines (log_format "text", as the systemd unit sets) may go to
+        # a journal or a file, where the bar's \r-redrawn frames would pile up into one line.
         self._bar = (
             tqdm(total=steps, desc=f"round {outer_step} inner steps", leave=False, file=sys.stderr,
                  dynamic_ncols=True, unit="step")
-            if enabled else None
+            if enabled and sys.stderr.isatty() else None
         )
 
     def update(self, done: int, loss: float) -> None:

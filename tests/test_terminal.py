@@ -49,6 +49,7 @@ def test_log_lines_go_above_the_live_bar(monkeypatch):
     """The handler of human logs and the bar on one terminal, in one process: every line lands
     whole above the bar, which stays on the last line."""
     terminal = io.StringIO()
+    monkeypatch.setattr(terminal, "isatty", lambda: True)  # it stands in for one
     monkeypatch.setattr(sys, "stderr", terminal)  # where InnerProgress draws
     handler = TerminalHandler(terminal)
     handler.setFormatter(HumanFormatter())
