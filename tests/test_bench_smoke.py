@@ -13,7 +13,6 @@ that no namespace of these tests is left.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from .netns_module import load_netns_cluster
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # make test-slow
 
@@ -41,15 +42,7 @@ RUN_MARK = uuid.uuid4().hex
 @pytest.fixture(scope="module")
 def netns_reason() -> str | None:
     """Why network namespaces cannot be used here, or None (deploy/netns_cluster.py's probe)."""
-    name = "netns_cluster_bench_smoke"
-    spec = importlib.util.spec_from_file_location(name, REPO / "deploy" / "netns_cluster.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        return module.unavailable_reason()
-    finally:
-        sys.modules.pop(name, None)
+    return load_netns_cluster().unavailable_reason()
 
 
 def bench(script: str, *args: str, timeout: float = 270) -> subprocess.CompletedProcess:

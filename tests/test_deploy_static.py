@@ -20,6 +20,8 @@ import yaml
 from lowcomm.node import config as node_config
 from lowcomm.node.config import load_config
 
+from .netns_module import load_netns_cluster
+
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
@@ -590,13 +592,9 @@ def test_netns_cluster_prometheus_labels_targets_as_the_alerts_expect(tmp_path):
     """The alert rules tell the bootstrap from the peers by the `service` label, which compose's
     DNS discovery sets (bootstrap / peer); the netns cluster's Prometheus loads the same rules,
     so its static targets must carry it too (peer 0 is the bootstrap)."""
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("netns_cluster_static", DEPLOY / "netns_cluster.py")
-    nc = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = nc  # dataclasses look their module up there
-    spec.loader.exec_module(nc)
+    nc = load_netns_cluster()
     rules_text = (DEPLOY / "prometheus" / "rules" / "lowcomm-alerts.yml").read_text()
     services = set(re.findall(r'service!?="(\w+)"', rules_text))
     assert services == {"bootstrap", "peer"}, services

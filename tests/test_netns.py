@@ -9,7 +9,6 @@ prefix, whatever happened.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import shutil
 import signal
@@ -20,21 +19,15 @@ from pathlib import Path
 
 import pytest
 
+from .netns_module import load_netns_cluster
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "deploy" / "netns_cluster.py"
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]  # make test-slow
 
 
-def _load_module():
-    spec = importlib.util.spec_from_file_location("netns_cluster", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-nc = _load_module()
+nc = load_netns_cluster()
 
 
 @pytest.fixture(scope="module")
