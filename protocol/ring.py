@@ -51,9 +51,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import Executor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Callable, TypeVar
 
 import torch
 
@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from .member import AllReduceResult
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RING = averaging_pb2.ALL_REDUCE_SCHEDULE_RING
 
@@ -326,6 +327,10 @@ class _Exchange:
     encoded: list[bytes | None]  # filled in: their bytes
     sent: int = 0
     received: int = 0
+    # The codec jobs submitted so far. A job that a thread has begun cannot be cancelled, and each
+    # writes into the residual (or the owner residual): ``run`` waits for those still running, or
+    # one could overwrite the x that a skipped shard carries after the round has put it back.
+    jobs: list[Future] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.successor = self.group.members[(self.plan.position + 1) % self.plan.size]
@@ -361,24 +366,28 @@ class _Exchange:
         """An owner's average passing by: its bytes (to forward and keep) and its values."""
         return received.payload(), received.decode(self.codec, self._numel(shard))
 
+    async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` in the executor, remembered in ``jobs``."""
+        job = self.executor.submit(fn, *args)
+        self.jobs.append(job)
+        return await asyncio.wrap_future(job)
+
     async def process(self) -> None:
         """Read the input in order, queue the output in order (the codec work in the executor)."""
-        loop = asyncio.get_running_loop()
         for item in self.plan.outgoing:
             if item.kind == "sum" and item.step == 0:  # needs nothing from the ring
-                self.outgoing.put_nowait(await loop.run_in_executor(self.executor, self.running_sum, item.shard, None))
+                self.outgoing.put_nowait(await self.off_loop(self.running_sum, item.shard, None))
         for item in self.plan.incoming:
             j = item.shard
             received = await self.inbox.read(self.sizes[j])
             self.received += received.size
             if item.kind == "sum" and item.step < self.last:
-                self.outgoing.put_nowait(await loop.run_in_executor(self.executor, self.running_sum, j, received))
+                self.outgoing.put_nowait(await self.off_loop(self.running_sum, j, received))
             elif item.kind == "sum":  # the sum of our own chunk is complete but for our part
-                self.encoded[j], self.averages[j] = await loop.run_in_executor(self.executor, self.average, j,
-                                                                               received)
+                self.encoded[j], self.averages[j] = await self.off_loop(self.average, j, received)
                 self.outgoing.put_nowait(self.encoded[j])
             else:
-                self.encoded[j], self.averages[j] = await loop.run_in_executor(self.executor, self.keep, j, received)
+                self.encoded[j], self.averages[j] = await self.off_loop(self.keep, j, received)
                 if item.step < self.last:
                     self.outgoing.put_nowait(self.encoded[j])
         self.outgoing.put_nowait(None)
@@ -422,3 +431,6 @@ class _Exchange:
             # A failed call leaves gRPC's task that reads ``stream`` waiting for the next payload:
             # the end marker lets it finish instead of being destroyed while pending.
             self.outgoing.put_nowait(None)
+            # Cancelling ``process`` cancelled its queued codec jobs, not one a thread was running.
+            if running := [asyncio.wrap_future(job) for job in self.jobs if not job.done()]:
+                await asyncio.wait(running)

@@ -280,3 +280,70 @@ def test_a_ring_member_stopped_mid_round_breaks_the_ring_for_all_at_once_over_gr
         assert problems == []
 
     run(scenario())
+
+
+def test_a_ring_hop_still_encoding_when_the_ring_breaks_cannot_overwrite_the_x_it_carries(monkeypatch):
+    """A codec job that a thread has begun cannot be cancelled. peer-01 is adding its part to the
+    first sum it received when its successor goes away; that job writes peer-01's residual. The
+    round must not put x back into the residual (for the shards it skips) before the job has
+    ended, or the job's write replaces the x that the next round should carry. The job here stays
+    in its thread until the round has carried x back (so that, were the round not to wait for it,
+    its write would come last), or for 2 s at most."""
+    import threading
+
+    from lowcomm.protocol import ring
+    from lowcomm.protocol.layout import piece_layout
+
+    numel, reduce_timeout = 200_003, 20.0
+    hop_started, carried_back = asyncio.Event(), threading.Event()
+    running_sum = ring._Exchange.running_sum
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        peers = await start_peers(3, numel, "fp32", reduce_timeout=reduce_timeout)
+        once = threading.Lock()
+
+        def held_hop(self, shard, received):
+            if self.peer_id == peers[1].peer_id and received is not None and once.acquire(blocking=False):
+                loop.call_soon_threadsafe(hop_started.set)
+                carried_back.wait(timeout=2.0)
+            return running_sum(self, shard, received)
+
+        monkeypatch.setattr(ring._Exchange, "running_sum", held_hop)
+        submit = peers[1].executor.submit
+
+        def observed_submit(fn, *args, **kwargs):
+            if getattr(fn, "__name__", "") != "carry_skipped":
+                return submit(fn, *args, **kwargs)
+
+            def carry_then_release():
+                fn(*args, **kwargs)
+                carried_back.set()
+
+            return submit(carry_then_release)
+
+        peers[1].executor.submit = observed_submit
+        try:
+            bounds, owners = piece_layout(numel, [0.0] * 3, 4)
+            group = averaging_pb2.Group(
+                group_id=b"h" * 16, step=0, shard_bounds=bounds, shard_owners=owners, codec=1,
+                reduce_timeout_s=reduce_timeout, schedule=ring.RING,
+                members=[averaging_pb2.Member(peer_id=p.peer_id, address=p.matchmaker.address, weight=1.0)
+                         for p in peers])
+            gen = torch.Generator().manual_seed(9)
+            deltas = [torch.randn(numel, generator=gen) * 0.01 for _ in peers]
+            tasks = [asyncio.create_task(p.reduce(group, d)) for p, d in zip(peers, deltas)]
+            await hop_started.wait()
+            tasks[2].cancel()
+            await peers[2].stop()
+            results = await asyncio.gather(*tasks[:2])
+            await asyncio.to_thread(peers[1].executor.shutdown, wait=True)  # every job of the round has ended
+            for p, r, d in zip(peers, results, deltas):
+                assert all(a is None for a in r.averages)  # no sum got round a ring with a hole
+                assert torch.equal(p.residual, d)  # all of x carried, by both survivors
+                assert torch.count_nonzero(p.owner_residual) == 0
+        finally:
+            carried_back.set()
+            await stop_peers(peers)
+
+    run(scenario())
