@@ -100,17 +100,25 @@ class CatchUp:
         await self._download(plan.step, plan.params_hash, donors)
 
     async def _handshake(self, view: SwarmView) -> None:
-        """Refuse to run next to a swarm of another run config, naming the difference."""
+        """Refuse to run next to a swarm of another run config or another run secret, naming
+        the difference. Only when no peer this node can average with is in sight: it would
+        otherwise train alone, of no use to anyone, with nothing but a warning to say why."""
         me = self.identity.peer_id
         candidates = [p for p in (*view.peers.values(), *view.foreign.values()) if p.address and p.peer_id != me]
         if not candidates or view.peers.keys() - {me}:
             return
-        stub = state_pb2_grpc.StateTransferStub(self.channels(candidates[0].address))
+        peer = candidates[0]
+        stub = state_pb2_grpc.StateTransferStub(self.channels(peer.address))
         try:
             await stub.GetStateInfo(state_pb2.StateInfoRequest(hello=self.identity.hello()), timeout=10)
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise FatalError(f"refused by the swarm: {err.details()}") from None
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise FatalError(
+                    f"refused by the swarm: peer {peer.peer_id} refused this node ({err.details()}) and no peer "
+                    f"of the run it can average with is in sight: start it with the swarm's secret in "
+                    f"--run-secret-file") from None
 
     async def _download(self, step: int, digest: str | None, donors: list[Donor]) -> None:
         started = time.monotonic()
