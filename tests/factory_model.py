@@ -67,6 +67,19 @@ def build_nothing() -> int:
     return 3
 
 
+def build_logits_only() -> nn.Module:
+    """Breaks the contract: a module whose forward takes only the inputs, without its loss function."""
+    return BigramLogits(256, 8)
+
+
+def build_unary_loss() -> tuple[nn.Module, object]:
+    """Breaks the contract: a loss function that does not take the targets."""
+    def loss(logits: torch.Tensor) -> torch.Tensor:
+        return logits.mean()
+
+    return BigramLogits(256, 8), loss
+
+
 def build_buggy() -> nn.Module:
     """Breaks the contract: the function itself fails (a bug in the user's code)."""
     raise ValueError("a bug in the user's factory")

@@ -9,6 +9,7 @@ trained here.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -101,14 +102,21 @@ def test_a_factory_model_trains_on_jsonl_through_a_trained_tokenizer(swarm, tmp_
     assert all(e["tokens_total"] > 0 and e["tokens_total"] % (2 * 4 * 64) == 0 for e in first.rounds())
 
 
-def test_a_factory_that_cannot_be_imported_ends_the_node_with_one_line(tmp_path):
+@pytest.mark.parametrize("factory, message", [
+    ("no_such_package.models:build", "cannot import no_such_package.models"),
+    # A module whose forward takes only the inputs, returned without its loss function: named
+    # before the node starts, not a TypeError traceback from inside the user's class.
+    ("tests.factory_model:build_logits_only", "the module's forward(inputs) cannot be called as (inputs, targets)"),
+])
+def test_a_factory_that_cannot_be_used_ends_the_node_with_one_line(tmp_path, factory, message):
     cmd = [*node_command(), "join", "--host", "127.0.0.1", "--dht-port", "0", "--grpc-port", "0",
            "--metrics-port", "0", "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-format", "json",
-           "--set", "model.factory=no_such_package.models:build"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+           "--set", f"model.factory={factory}"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})  # the factory module lives in tests/
     errors = [line for line in result.stderr.splitlines() if line.startswith("lowcomm-node: error:")]
     assert result.returncode != 0 and "Traceback" not in result.stderr + result.stdout
-    assert len(errors) == 1 and "cannot import no_such_package.models" in errors[0], result.stderr
+    assert len(errors) == 1 and message in errors[0], result.stderr
 
 
 def test_a_node_trains_on_a_hugging_face_dataset_saved_to_disk(tmp_path):

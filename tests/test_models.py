@@ -148,6 +148,11 @@ def test_factory_models_are_seeded_and_train(factory, text):
     ("tests.factory_model:build_nothing", "returned int"),
     ("tests.factory_model:missing", "has no function missing"),
     ("tests.no_such_module:build", "cannot import tests.no_such_module"),
+    ("tests.factory_model:build_logits_only",
+     r"the module's forward\(inputs\) cannot be called as \(inputs, targets\).*"
+     r"return \(module, loss_fn\)"),
+    ("tests.factory_model:build_unary_loss",
+     r"loss_fn\(logits\) cannot be called as \(output, targets\)"),
 ])
 def test_factories_that_break_the_contract_say_how(factory, message):
     with pytest.raises(ModelError, match=message):

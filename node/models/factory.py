@@ -20,6 +20,7 @@ The contract (README, "Train your own model"):
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable
@@ -106,9 +107,33 @@ def _call(section: "ModelSection") -> tuple[nn.Module, LossFn | None]:
                      "return a torch.nn.Module or a (module, loss_fn) pair")
 
 
+def _check_calls(net: nn.Module, loss_fn: LossFn | None, spec: str) -> None:
+    """The calls the node will make must fit the signatures: before the DHT starts, one line
+    that says which call and how to fix it, not a TypeError from the first inner step."""
+    calls = [("the module's forward", net.forward, ["inputs", "targets"] if loss_fn is None else ["inputs"])]
+    if loss_fn is not None:
+        calls.append(("loss_fn", loss_fn, ["output", "targets"]))
+    for what, function, arguments in calls:
+        try:
+            signature = inspect.signature(function)
+        except (TypeError, ValueError):  # no signature to read (a builtin): the call itself will tell
+            continue
+        try:
+            signature.bind(*arguments)
+        except TypeError as err:
+            fix = ("return (module, loss_fn) from the factory when forward takes only the inputs, or give forward "
+                   "a targets argument and return the loss" if loss_fn is None else
+                   "the node calls module(inputs), then loss_fn(output, targets)")
+            takes = ", ".join(str(p.replace(annotation=inspect.Parameter.empty, default=inspect.Parameter.empty))
+                              for p in signature.parameters.values())
+            raise ModelError(f"[model] factory {spec!r}: {what}({takes}) cannot be called as "
+                             f"({', '.join(arguments)}): {err}; {fix}") from None
+
+
 def build_factory_model(section: "ModelSection", seed: int) -> FactoryModel:
     with seeded(seed):
         net, loss_fn = _call(section)
+    _check_calls(net, loss_fn, section.factory or "")
     model = FactoryModel(net, loss_fn, section.factory or "")
     check_float32(model, f"the model of factory {section.factory!r}")
     return model
