@@ -118,11 +118,7 @@ def start_dht(config: Config):
     node = config.node
     host = node.host
     proto = "ip6" if ":" in host else "ip4"
-    for maddr in node.peers:
-        # p2pd would refuse it with only "invalid p2p multiaddr", naming neither the address nor the fix.
-        if "/p2p/" not in maddr:
-            raise RuntimeError(f"invalid --peers multiaddr {maddr}: it must end in /p2p/<peer id>; copy the whole "
-                               f"address the first peer printed after `--peers`")
+    _check_peer_multiaddrs(node.peers)
     _check_identity_path(config.identity_path)
     _check_dht_port_free(host, node.dht_port)
     began = time.monotonic()
@@ -176,6 +172,27 @@ def start_dht(config: Config):
                            f"--identity or --checkpoint-dir") from None
     dht.clock.log_offset()
     return dht
+
+
+def _check_peer_multiaddrs(peers: list[str]) -> None:
+    """Each ``--peers`` address parsed before p2pd starts: p2pd's refusal comes as "the DHT daemon
+    failed to start" with its log time stamp, or as "invalid p2p multiaddr", naming neither the
+    address nor the fix."""
+    from hivemind.utils.multiaddr import Multiaddr
+    from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
+
+    fix = "copy the whole address the first peer printed after `--peers`"
+    for maddr in peers:
+        if "/p2p/" not in maddr:
+            raise RuntimeError(f"invalid --peers multiaddr {maddr}: it must end in /p2p/<peer id>; {fix}")
+        try:
+            Multiaddr(maddr)
+        except (MultiaddrError, ValueError) as err:
+            # "Invalid MultiAddr '<maddr>' protocol ip4: base address '1.2.3' is not IPv4": keep the why.
+            why = str(err).split(f"{maddr}' ", 1)[-1]
+            if why.startswith("protocol p2p"):  # "Inconsistent multihash length ...": say what it means
+                why = f"{maddr.split('/p2p/')[1].split('/')[0]!r} is not a peer id ({why})"
+            raise RuntimeError(f"invalid --peers multiaddr {maddr}: {why}; {fix}") from None
 
 
 def _check_identity_path(path: Path) -> None:

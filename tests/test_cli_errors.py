@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from lowcomm.node import cli
 from lowcomm.node.checkpoint import list_checkpoints
 from lowcomm.node.localswarm import node_command
 
@@ -56,9 +57,27 @@ def test_unanswered_peers_fail_fast_naming_the_address(tmp_path):
     assert_one_line_error(result, maddr)
 
 
-def test_malformed_multiaddr_is_a_clear_error(tmp_path):
-    result = run_join(tmp_path, "--peers", "not-a-multiaddr")
-    assert_one_line_error(result, "not-a-multiaddr")
+@pytest.mark.parametrize("maddr, why", [
+    ("not-a-multiaddr", "it must end in /p2p/<peer id>"),
+    # Parsed before p2pd starts: p2pd said "the DHT daemon failed to start: Daemon failed to start:
+    # <its log time stamp> failed to parse multiaddr ...".
+    (f"/ip4/1.2.3/tcp/4001/p2p/{STRANGER}", "protocol ip4: base address '1.2.3' is not IPv4"),
+])
+def test_malformed_multiaddr_is_a_clear_error(tmp_path, maddr, why):
+    line = assert_one_line_error(run_join(tmp_path, "--peers", maddr), maddr, why)
+    assert "daemon" not in line, line
+
+
+@pytest.mark.parametrize("maddr, why", [
+    (f"/ip4/127.0.0.1/tcp/99999/p2p/{STRANGER}", "protocol tcp: Integer not in range(65536)"),
+    ("/ip4/127.0.0.1/tcp/4001/p2p/notapeerid", "'notapeerid' is not a peer id"),
+    (f"/ip4/127.0.0.1/tcp/4001/p2p/{STRANGER}/extra", "protocol extra: Unknown Protocol"),
+])
+def test_peer_multiaddrs_are_parsed_before_the_dht_starts(maddr, why):
+    with pytest.raises(RuntimeError) as raised:
+        cli._check_peer_multiaddrs([f"/ip4/127.0.0.1/tcp/4001/p2p/{STRANGER}", maddr])
+    assert str(raised.value).startswith(f"invalid --peers multiaddr {maddr}: {why}")
+    cli._check_peer_multiaddrs([f"/dns4/peer-0/tcp/4001/p2p/{STRANGER}", f"/ip6/::1/tcp/4001/p2p/{STRANGER}"])
 
 
 def test_multiaddr_without_a_peer_id_names_it_and_the_fix(tmp_path):
