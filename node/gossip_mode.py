@@ -129,15 +129,25 @@ class GossipMode:
 
     # -- helpers --------------------------------------------------------------------------------
 
-    async def _exclusive(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` in the codec pool holding the lock, and keep the lock until it returned."""
+    async def _exclusive(self, fn: Callable[[], T], result_stands: bool = False) -> T:
+        """Run ``fn`` in the codec pool holding the lock, and keep the lock until it returned.
+
+        A thread cannot be interrupted, so a cancellation waits for the job, through every
+        further cancellation (``cancel_and_wait`` repeats them every 0.1 s), before it unlocks
+        and is raised. With ``result_stands`` the finished job's result is returned instead:
+        for ``mix``, which swaps θ_global, the round must end as done so that the swap is
+        committed (a cancelled round would leave θ_global swapped under its old hash)."""
         async with self._lock:
             job = asyncio.get_running_loop().run_in_executor(self.host.executor, fn)
-            try:
-                return await asyncio.shield(job)
-            except asyncio.CancelledError:
-                await asyncio.wait([job])  # a thread cannot be interrupted: wait before unlocking
-                raise
+            cancelled = False
+            while not job.done():
+                try:
+                    await asyncio.wait([job])
+                except asyncio.CancelledError:
+                    cancelled = True
+            if cancelled and not result_stands:
+                raise asyncio.CancelledError
+            return job.result()
 
     async def _reply(self) -> bytes:
         """Our current θ_global for a partner that called us, encoded with error feedback."""
@@ -206,7 +216,7 @@ class GossipMode:
             state.residual.zero_()
             return distance
 
-        distance = await self._exclusive(mix)
+        distance = await self._exclusive(mix, result_stands=True)
 
         m = host.metrics
         m.consensus_distance.set(distance)

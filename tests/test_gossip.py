@@ -524,6 +524,57 @@ def test_a_lone_peer_commits_its_own_outer_step():
     run(scenario())
 
 
+def test_a_round_cancelled_again_while_its_mix_runs_waits_for_it_and_is_reported_done():
+    """The driver abandons a round with ``cancel_and_wait``, which cancels again every 0.1 s. The
+    mix (the swap of θ_global, its momentum and the spent residual) runs in a thread that cannot
+    be stopped: the round must wait for it through every cancellation, keep the lock meanwhile
+    (a partner's reply encodes θ_global with the same residual), and then end as done, so that
+    the daemon commits the swap. It used to end cancelled at the second cancellation with the
+    mix still running: θ_global swapped under its old hash, a checkpoint that fails its hash."""
+    import threading
+
+    async def scenario():
+        theta = random_theta(1)
+        (a,) = await start_nodes([theta])
+        mixing, release = threading.Event(), threading.Event()
+        submit = a.codec_executor.submit
+
+        def held_mix(fn, *args, **kwargs):
+            if getattr(fn, "__name__", "") != "mix":
+                return submit(fn, *args, **kwargs)
+
+            def mix_when_released():
+                mixing.set()
+                release.wait(timeout=30)
+                return fn(*args, **kwargs)
+
+            return submit(mix_when_released)
+
+        a.codec_executor.submit = held_mix
+        try:
+            delta = random_theta(2, 0.01)
+            a.state.residual.copy_(random_theta(3, 0.001))
+            round_task = asyncio.create_task(a.gossip.round(a.state.step, delta, 1.0))
+            await asyncio.to_thread(mixing.wait, 30)
+            for _ in range(3):  # as cancel_and_wait does, each time once the round has run on
+                round_task.cancel()
+                for _ in range(5):
+                    await asyncio.sleep(0)
+                assert not round_task.done()
+                assert a.gossip._lock.locked()
+            release.set()
+            report = await round_task
+            assert report is not None and report.group_size == 1
+            assert torch.allclose(a.state.params, theta - 0.7 * 1.9 * (delta + random_theta(3, 0.001)), atol=1e-6)
+            assert torch.count_nonzero(a.state.residual) == 0  # spent by the swap, which the daemon now commits
+            assert not a.gossip._lock.locked()
+        finally:
+            release.set()
+            await a.stop()
+
+    run(scenario())
+
+
 def test_partners_are_chosen_within_the_step_window():
     async def scenario():
         nodes = await start_nodes([random_theta(i) for i in range(3)], partners=2)
