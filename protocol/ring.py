@@ -327,10 +327,11 @@ class _Exchange:
     encoded: list[bytes | None]  # filled in: their bytes
     sent: int = 0
     received: int = 0
-    # The codec jobs submitted so far. A job that a thread has begun cannot be cancelled, and each
-    # writes into the residual (or the owner residual): ``run`` waits for those still running, or
-    # one could overwrite the x that a skipped shard carries after the round has put it back.
-    jobs: list[Future] = field(default_factory=list)
+    # The codec jobs not yet ended (each leaves when it ends, with its result). A job that a
+    # thread has begun cannot be cancelled, and each writes into the residual (or the owner
+    # residual): ``run`` waits for those still running, or one could overwrite the x that a
+    # skipped shard carries after the round has put it back.
+    jobs: set[Future] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.successor = self.group.members[(self.plan.position + 1) % self.plan.size]
@@ -369,7 +370,8 @@ class _Exchange:
     async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` in the executor, remembered in ``jobs``."""
         job = self.executor.submit(fn, *args)
-        self.jobs.append(job)
+        self.jobs.add(job)
+        job.add_done_callback(self.jobs.discard)
         return await asyncio.wrap_future(job)
 
     async def process(self) -> None:
@@ -432,5 +434,5 @@ class _Exchange:
             # the end marker lets it finish instead of being destroyed while pending.
             self.outgoing.put_nowait(None)
             # Cancelling ``process`` cancelled its queued codec jobs, not one a thread was running.
-            if running := [asyncio.wrap_future(job) for job in self.jobs if not job.done()]:
+            if running := [asyncio.wrap_future(job) for job in list(self.jobs)]:
                 await asyncio.wait(running)
