@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,13 @@ class Config(ConfigSection):
     def _modes_combine(self) -> "Config":
         if self.sync.mode == "gossip" and (self.sync.overlap != "none" or self.sync.fragments > 1):
             raise ValueError("[sync] overlap and fragments work with mode = \"allreduce\" only")
+        if self.sync.fragments > self.train.inner_steps:
+            # A round comes every H/K inner steps, at least one: with more fragments than that,
+            # some would be synced less often than every H steps, or (K beyond the parameter
+            # count) hold nothing at all.
+            raise ValueError(f"[sync] fragments = {self.sync.fragments} is more than [train] inner_steps = "
+                             f"{self.train.inner_steps}: each fragment is synced once every inner_steps steps, "
+                             f"so there can be at most that many")
         self._check_state_sync()
         return self
 
@@ -232,7 +240,12 @@ def describe_validation_error(err: ValidationError, layers: ConfigLayers) -> str
     lines = []
     for problem in err.errors():
         loc = [str(part) for part in problem["loc"]]
-        section = loc[0] if loc else "?"
+        if not loc:  # a rule across sections: its message names the sections and keys
+            message = problem["msg"].removeprefix("Value error, ")
+            named = set(re.findall(r"\[(\w+)\]", message))
+            lines.append(f"{_sources_of(layers, named)}: {message}")
+            continue
+        section = loc[0]
         key = loc[1] if len(loc) > 1 else None
         source = layers.sources.get((section, key), "defaults") if key else "config"
         if problem["type"] == "extra_forbidden":
@@ -245,7 +258,7 @@ def describe_validation_error(err: ValidationError, layers: ConfigLayers) -> str
             continue
         if key is None and isinstance(problem.get("input"), Mapping):  # a rule across keys of one section
             message = problem["msg"].removeprefix("Value error, ")
-            lines.append(f"{_source_of_section(layers, section)}: [{section}] is invalid: {message}")
+            lines.append(f"{_sources_of(layers, {section})}: [{section}] is invalid: {message}")
             continue
         where = f"[{section}] {key}" if key else f"[{section}]"
         got = problem.get("input")
@@ -258,3 +271,10 @@ def _source_of_section(layers: ConfigLayers, section: str) -> str:
         if sec == section:
             return source
     return "config"
+
+
+def _sources_of(layers: ConfigLayers, sections: set[str]) -> str:
+    """Every source (file, variable, flag, --set) that set a key of ``sections``, in order:
+    a rule across keys may be broken by any of them."""
+    sources = list(dict.fromkeys(source for (sec, _), source in layers.sources.items() if sec in sections))
+    return ", ".join(sources) or "defaults"

@@ -218,7 +218,7 @@ class SyncSection(ConfigSection):
     inner phase (DiLoCoX's one-step delay: the whole phase trains on the stale θ_global)."""
     fragments: int = Field(1, ge=1)
     """K: the model is cut into K contiguous fragments synced in turn (Streaming DiLoCo); a round
-    then comes every inner_steps/K steps and carries about 1/K of the bytes."""
+    then comes every inner_steps/K steps and carries about 1/K of the bytes. At most inner_steps."""
     gossip_partners: int = Field(2, ge=1)
     """Gossip mode: partners a peer averages with in each round (k)."""
     aggregation: Literal["mean", "clipped_mean", "trimmed_mean"] = "mean"
@@ -314,6 +314,16 @@ class SyncSection(ConfigSection):
         # Gossip averages parameters, not pseudo-gradients: a sparse top-k of θ would zero most of it.
         if self.mode == "gossip" and self.codec == "sparseloco":
             raise ValueError("codec = \"sparseloco\" (and method = \"sparseloco\") work with mode = \"allreduce\" only")
+        return self
+
+    @model_validator(mode="after")
+    def _robust_aggregation_needs_allreduce(self) -> "SyncSection":
+        # A gossip peer takes the plain mean of the parameters it pulled: asked for a robust
+        # aggregation, it would have run without one and said nothing.
+        if self.mode == "gossip" and self.aggregation != "mean":
+            raise ValueError(f"aggregation = \"{self.aggregation}\" is applied by the shard owners of an all-reduce; "
+                             f"mode = \"gossip\" averages its partners' parameters with the plain mean: set "
+                             f"aggregation = \"mean\" or mode = \"allreduce\"")
         return self
 
 

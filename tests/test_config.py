@@ -272,3 +272,35 @@ def test_a_ring_needs_the_plain_mean_a_dense_codec_and_allreduce(schedule, overr
     with pytest.raises(ConfigError, match=f"schedule = \"{schedule}\"") as err:
         load_config(overrides=[f"sync.schedule={schedule}", override], environ={})
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    # Each fragment is synced once every inner_steps steps: a larger K synced empty fragments
+    # (K beyond the parameter count) and, at K = 1e8, built a list of K bounds every round.
+    (["sync.fragments=51"], "[sync] fragments = 51 is more than [train] inner_steps = 50"),
+    (["train.inner_steps=4", "sync.fragments=8"], "[sync] fragments = 8 is more than [train] inner_steps = 4"),
+    # Gossip takes the plain mean of its partners' parameters: it ran without the robust
+    # aggregation asked for and said nothing.
+    (["sync.mode=gossip", "sync.aggregation=trimmed_mean"], "mode = \"gossip\" averages its partners' parameters"),
+    (["sync.mode=gossip", "sync.aggregation=clipped_mean"], "set aggregation = \"mean\" or mode = \"allreduce\""),
+])
+def test_settings_that_would_be_ignored_or_empty_are_refused(overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=overrides, environ={})
+    assert needle in str(err.value)
+    load_config(overrides=["sync.fragments=50"], environ={})  # K = H: a round after every inner step
+
+
+def test_a_rule_across_keys_names_every_source_that_set_them(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[sync]\nmode = \"gossip\"\n")
+    # Across sections: it used to say "config: [?] is invalid".
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides=["sync.overlap=delayed"], environ={})
+    assert f"{path}, --set sync.overlap=delayed: [sync] overlap and fragments work with" in str(err.value)
+    assert "[?]" not in str(err.value)
+    # Within a section: it named the file only, which held neither value.
+    path.write_text("[sync]\nquorum = 1.0\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides=["sync.schedule=ring", "sync.codec=topk"], environ={})
+    assert f"{path}, --set sync.schedule=ring, --set sync.codec=topk: [sync] is invalid: schedule" in str(err.value)
