@@ -126,6 +126,8 @@ def load_corpus(pattern: str | None, eval_fraction: float, max_bytes: int = 64 *
             data = path.read_bytes()
         except OSError:
             continue  # an unreadable file in a glob is not worth stopping the node for
+        if pattern is not None:  # the user's files (the standard library's own are text)
+            formats.refuse_binary(path, data)
         (eval_parts if _is_eval(_name(path, root), eval_fraction) else train_parts).append(data)
         total += len(data)
         if total >= max_bytes:
@@ -171,9 +173,9 @@ def _split_documents(named: Iterable[tuple[str, list[np.ndarray]]], eval_fractio
 def load_data(section: "DataSection", max_bytes: int = 64 * 2**20) -> Corpus:
     """The corpus of ``[data]``. Text-like formats read at most about ``max_bytes`` of text (or
     ids) into memory; ``tokens`` files are memory-mapped whatever their size."""
-    if section.format == "text" and section.tokenizer == "bytes":
-        return load_corpus(section.path, section.eval_fraction, max_bytes)
     try:
+        if section.format == "text" and section.tokenizer == "bytes":
+            return load_corpus(section.path, section.eval_fraction, max_bytes)
         return _load_formatted(section, max_bytes)
     except formats.FormatError as err:
         raise DataError(str(err)) from None
@@ -217,9 +219,11 @@ def _load_formatted(section: "DataSection", max_bytes: int) -> Corpus:
                 texts = list(formats.jsonl_documents(path, section.field or "text"))
             else:
                 try:
-                    texts = [path.read_text(encoding="utf-8", errors="replace")]
+                    raw = path.read_bytes()
                 except OSError:
                     continue  # as load_corpus: an unreadable file in a glob is skipped
+                formats.refuse_binary(path, raw)
+                texts = [raw.decode("utf-8", errors="replace")]
             yield _name(path, root), tokenizer.encode(texts)
 
     train, held_out = _split_documents(documents(), section.eval_fraction, tokenizer, max_bytes)

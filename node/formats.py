@@ -32,6 +32,25 @@ class FormatError(FatalError):
     with one line too."""
 
 
+# A text file with more of its bytes outside UTF-8 (or NUL) than this is binary: most likely a
+# file of token ids given without ``format = "tokens"``. Text in Latin-1 stays well below it.
+NOT_TEXT_SHARE = 0.1
+
+
+def refuse_binary(path: Path, raw: bytes) -> None:
+    """Raise FormatError when ``raw`` (the content of ``path``, read as text) is not text."""
+    nul = raw.count(0)
+    try:
+        raw.decode("utf-8")
+        invalid = 0
+    except UnicodeDecodeError:
+        invalid = raw.decode("utf-8", errors="replace").count("\ufffd")
+    share = (nul + invalid) / max(1, len(raw))
+    if share > NOT_TEXT_SHARE:
+        raise FormatError(f"{path} is not text: {share:.0%} of its bytes are NUL or not UTF-8; for a file of token "
+                          f"ids set [data] format = \"tokens\" (and token_dtype), or point [data] path at text files")
+
+
 class ByteTokenizer:
     """UTF-8 bytes as tokens: any text trains without a vocabulary file."""
 

@@ -26,6 +26,20 @@ def as_array(tokens) -> np.ndarray:
 DOCS = [stdlib_text(60_000).decode()[i:i + 3000] for i in range(0, 60_000, 3000)]
 
 
+# -- text ---------------------------------------------------------------------------------------------
+
+
+def test_a_file_of_token_ids_given_as_text_is_refused_with_the_fix(tmp_path):
+    # Without format = "tokens" it trained on the bytes of its ids (exit 0, nothing said).
+    (np.arange(50_000) % 1000).astype(np.uint16).tofile(tmp_path / "train.bin")
+    with pytest.raises(DataError, match=r"train.bin is not text: \d+% of its bytes are NUL or not UTF-8; .*"
+                                        r"format = \"tokens\""):
+        load_data(data_section(f"data.path={tmp_path / 'train.bin'}"))
+    # Text with a few bytes outside UTF-8 (Latin-1 accents) still trains, those bytes replaced.
+    (tmp_path / "latin.txt").write_bytes("Le café est prêt; nous partons demain pour la ville. ".encode("latin-1") * 200)
+    assert len(load_data(data_section(f"data.path={tmp_path / 'latin.txt'}")).train) > 0
+
+
 # -- tokens -----------------------------------------------------------------------------------------
 
 
@@ -193,6 +207,7 @@ def test_a_single_file_whose_name_hashes_to_the_held_out_side_is_tail_split(tmp_
     from lowcomm.node.data import _is_eval
 
     name = next(f"corpus-{i}.bin" for i in range(10_000) if _is_eval(f"corpus-{i}.bin", 0.05))
-    (np.arange(40_000) % 200).astype(np.uint16 if fmt == "tokens" else np.uint8).tofile(tmp_path / name)
+    ids = np.arange(40_000) % 200 if fmt == "tokens" else np.arange(40_000) % 95 + 32  # text: printable ASCII
+    ids.astype(np.uint16 if fmt == "tokens" else np.uint8).tofile(tmp_path / name)
     corpus = load_data(data_section(f"data.format={fmt}", f"data.path={tmp_path / name}"))
     assert len(corpus.train) == 38_000 and len(corpus.eval) == 2_000  # not an empty training split
