@@ -28,12 +28,14 @@ once the node is gone (it failed, or ``[node] max_rounds`` was reached), never h
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import math
 import numbers
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -136,6 +138,7 @@ class Swarm:
             self._thread = threading.Thread(target=self._run_node, args=(secret, tls), name="lowcomm-node",
                                             daemon=True)
             self._thread.start()
+            _close_when_the_program_ends(self)
             self._trainer.handoff.wait_started(self._thread.is_alive)
         except BaseException as err:
             self._close(err)
@@ -148,6 +151,11 @@ class Swarm:
         self._close(exc)
         if self._error is not None and exc is None:
             raise SwarmError(_describe_failure(self._error)) from None
+
+    def close(self) -> None:
+        """Leave the swarm as leaving the ``with`` block does, for a loop that cannot sit in one
+        (callbacks, a notebook). Idempotent; raises SwarmError if the node failed."""
+        self.__exit__(None, None, None)
 
     def _run_node(self, secret: bytes | None, tls: Any) -> None:
         """The node's thread: its own event loop, until the node stops."""
@@ -366,6 +374,29 @@ class Swarm:
         if self._dht is None:
             raise RuntimeError("the Swarm is not entered yet")
         return self._dht
+
+
+def _close_when_the_program_ends(swarm: Swarm) -> None:
+    """A Swarm still open when the program ends is left as the ``with`` block would leave it.
+
+    It must happen before Python joins its thread pools at exit: the node's training thread is
+    one of them, waiting inside the Swarm for steps that will not come, and the program hung
+    there. ``atexit`` runs too late; ``threading``'s own exit hooks run first (newest first), the
+    way ``concurrent.futures`` registers its join."""
+    ref = weakref.ref(swarm)
+
+    def close() -> None:
+        open_swarm = ref()
+        if open_swarm is None or open_swarm._exited:
+            return
+        log.warning("the program ended inside a lowcomm.Swarm; leaving it now (use `with` or call close())")
+        try:
+            open_swarm._close(None)
+        except BaseException:  # noqa: BLE001 - at exit: say it, let the interpreter finish
+            log.exception("leaving the swarm at exit failed")
+
+    register = getattr(threading, "_register_atexit", atexit.register)
+    register(close)
 
 
 def _check_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

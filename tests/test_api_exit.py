@@ -1,0 +1,57 @@
+"""A ``lowcomm.Swarm`` left open when the program ends (entered without ``with``, never closed):
+the program still ends, leaving the swarm as the ``with`` block would, with nothing left running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from lowcomm.node.checkpoint import list_checkpoints
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = textwrap.dedent("""
+    import sys, torch, torch.nn as nn, lowcomm
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = {"train": {"inner_steps": 3}, "node": {"host": "127.0.0.1", "checkpoint_dir": sys.argv[1]}}
+    swarm = lowcomm.Swarm(model, optimizer, config=config)
+    swarm.__enter__()  # a loop split across callbacks cannot sit in a with block
+    for _ in range(7):
+        x = torch.randn(32, 16)
+        loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
+        loss.backward(); optimizer.step(); optimizer.zero_grad()
+        swarm.step(tokens=len(x), loss=loss)
+    if sys.argv[2] == "close":
+        swarm.close(); swarm.close()  # idempotent
+    print("end of script", flush=True)
+""")
+
+
+@pytest.mark.parametrize("ending", ["forgotten", "close"])
+def test_a_swarm_left_open_or_closed_by_hand_ends_the_program_with_its_checkpoint(tmp_path, ending):
+    (tmp_path / "loop.py").write_text(SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "loop.py"), str(tmp_path / "ckpt"), ending],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+    try:
+        # It used to hang at exit: Python joined the node's training thread, which waited in the
+        # Swarm for a step. The timeout only bounds that failure.
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-2000:]
+    assert "end of script" in out and "Traceback" not in out + err
+    assert ("the program ended inside a lowcomm.Swarm" in out) == (ending == "forgotten")
+    assert "stopped cleanly at outer step 2" in out  # 7 steps at H = 3: two rounds
+    assert [path.name for path in list_checkpoints(tmp_path / "ckpt")][-1] == "step-000000002.ckpt"
+    with pytest.raises(ProcessLookupError):  # nothing of the node (its DHT process, p2pd) outlived it
+        os.killpg(proc.pid, 0)
