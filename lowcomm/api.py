@@ -88,6 +88,9 @@ class Swarm:
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise SwarmError(f"inner_optimizer must be a torch.optim.Optimizer, not {type(inner_optimizer).__name__}")
         _check_model_and_optimizer(model, inner_optimizer)
+        if eval_fn is not None and not callable(eval_fn):
+            raise SwarmError(f"eval_fn must be a function of the model returning its held-out loss, "
+                             f"not {type(eval_fn).__name__}")
         self.config: SwarmConfig = resolve_config(config, peers, model)
         self.model = model
         self._optimizer = inner_optimizer

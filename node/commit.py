@@ -169,12 +169,13 @@ class Committer:
         tokens_per_second = stats.tokens_per_second
 
         def evaluate_and_save() -> float:
-            eval_loss = self.evaluate_global(frozen["params"])
             try:
-                self.write_checkpoint(frozen, trainer_state, event["tokens_total"])
-            except OSError as err:  # the previous checkpoint stays intact (atomic writes)
-                log.error("could not write the checkpoint of step %d: %s; training goes on", frozen["step"], err)
-            return eval_loss
+                return self.evaluate_global(frozen["params"])
+            finally:  # an evaluation that fails (a user's eval_fn) takes the round's report, not its checkpoint
+                try:
+                    self.write_checkpoint(frozen, trainer_state, event["tokens_total"])
+                except OSError as err:  # the previous checkpoint stays intact (atomic writes)
+                    log.error("could not write the checkpoint of step %d: %s; training goes on", frozen["step"], err)
 
         def log_round(eval_loss: float, skipped: bool) -> None:
             log.info(

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .errors import FatalError
 from .models import ModelError, check_float32, shapes_digest
 from .ports import PhaseStats
 from .trainer import FlatParams, copy_flat_into
@@ -140,6 +141,18 @@ def external_definition(model: nn.Module) -> dict:
     return {"model": {"kind": "external", "parameters": parameters, "shapes_sha256": digest}}
 
 
+class EvalFnFailed(FatalError):
+    """The user's ``eval_fn`` raised or returned no number. Fatal before the first step (the
+    node's first evaluation); later, its round's report says so and the checkpoint is written."""
+
+
+def call_eval_fn(eval_fn: Callable[[nn.Module], float], model: nn.Module) -> float:
+    try:
+        return float(eval_fn(model))
+    except Exception as err:  # noqa: BLE001 - the user's code: one line naming eval_fn, not a bare traceback
+        raise EvalFnFailed(f"eval_fn raised {type(err).__name__}: {err}") from err
+
+
 class ExternalTrainer(FlatParams):
     """The user's model and inner optimizer as a ``TrainerPort``; the inner steps come from the
     user's loop through ``handoff`` (see the module docstring)."""
@@ -182,7 +195,7 @@ class ExternalTrainer(FlatParams):
         self.model.eval()
         try:
             with torch.no_grad():
-                return float(self.eval_fn(self.model))
+                return call_eval_fn(self.eval_fn, self.model)
         finally:
             self.model.train(was_training)
 
@@ -219,6 +232,6 @@ class EvaluatingExternalTrainer(ExternalTrainer):
         @torch.no_grad()
         def evaluate(flat: torch.Tensor) -> float:
             copy_flat_into(params, flat)
-            return float(eval_fn(replica))
+            return call_eval_fn(eval_fn, replica)
 
         return evaluate

@@ -224,3 +224,6 @@ def test_model_and_optimizer_mistakes_are_swarm_errors_before_anything_starts():
         swarm(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
     partly_frozen = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     swarm(partly_frozen, torch.optim.SGD(partly_frozen[1].parameters(), lr=0.1))  # a subset is fine
+    model = nn.Linear(2, 2)
+    with pytest.raises(SwarmError, match="eval_fn must be a function of the model .*, not float"):
+        lowcomm.Swarm(model, torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=3.0)  # type: ignore[arg-type]

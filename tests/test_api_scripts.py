@@ -1,5 +1,6 @@
-"""A ``lowcomm.Swarm`` left open when the program ends (entered without ``with``, never closed):
-the program still ends, leaving the swarm as the ``with`` block would, with nothing left running."""
+"""``lowcomm.Swarm`` in small scripts, one process each: a Swarm left open when the program ends
+(entered without ``with``, never closed) is left as the ``with`` block would leave it, with nothing
+left running; an ``eval_fn`` that fails costs the round its eval, never its checkpoint."""
 
 from __future__ import annotations
 
@@ -55,3 +56,41 @@ def test_a_swarm_left_open_or_closed_by_hand_ends_the_program_with_its_checkpoin
     assert [path.name for path in list_checkpoints(tmp_path / "ckpt")][-1] == "step-000000002.ckpt"
     with pytest.raises(ProcessLookupError):  # nothing of the node (its DHT process, p2pd) outlived it
         os.killpg(proc.pid, 0)
+
+
+EVAL_FAILS = textwrap.dedent("""
+    import os, sys, time, torch, torch.nn as nn, lowcomm
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = {"train": {"inner_steps": 3}, "node": {"host": "127.0.0.1", "checkpoint_dir": sys.argv[1]}}
+    calls = []
+
+    def eval_fn(replica):
+        calls.append(1)
+        if len(calls) > 1:  # the start's evaluation passes, every round's fails: a bug in the user's eval
+            raise RuntimeError("my eval bug")
+        return 1.0
+
+    with lowcomm.Swarm(model, optimizer, config=config, eval_fn=eval_fn) as swarm:
+        for _ in range(7):
+            x = torch.randn(32, 16)
+            loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
+            loss.backward(); optimizer.step(); optimizer.zero_grad()
+            swarm.step(tokens=len(x), loss=loss)
+        wanted = os.path.join(sys.argv[1], "step-000000002.ckpt")
+        deadline = time.monotonic() + 60  # the report thread writes it after the round
+        while not os.path.exists(wanted) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("saved" if os.path.exists(wanted) else "not saved", flush=True)
+        os._exit(9)  # a crash: no stop-time checkpoint, only the rounds' own
+""")
+
+
+def test_an_eval_fn_that_fails_costs_the_rounds_eval_not_its_checkpoint(tmp_path):
+    (tmp_path / "loop.py").write_text(EVAL_FAILS)
+    result = subprocess.run([sys.executable, str(tmp_path / "loop.py"), str(tmp_path / "ckpt")], capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+    assert result.returncode == 9, result.stderr[-2000:]
+    assert "saved" in result.stdout.splitlines()  # it was "not saved": the failing eval skipped the write
+    assert "eval_fn raised RuntimeError: my eval bug" in result.stdout
