@@ -65,6 +65,10 @@ class _ThreadLoop(uvloop.Loop):
         return None
 
 
+_open_swarm: "weakref.ref[Swarm] | None" = None  # the one Swarm of this process that is open
+_open_guard = threading.Lock()
+
+
 class Swarm:
     """A lowcomm peer driven by your training loop; use it as a context manager (module docstring).
 
@@ -118,11 +122,13 @@ class Swarm:
         from lowcomm.node.cli import read_credentials, start_dht, lock_checkpoint_dir
         from lowcomm.node.memory import limit_malloc_arenas, share_tensors_by_descriptor
 
+        self._claim_the_process()  # before the checkpoint folder is locked: the other may hold it
         cfg = self.config
         try:
             secret, tls = read_credentials(cfg.node)
             self._lock = lock_checkpoint_dir(cfg.node.checkpoint_dir)
         except RuntimeError as err:
+            self._release_the_process()  # nothing started
             raise SwarmError(str(err)) from None
         try:
             if self._to_load is not None:
@@ -188,6 +194,23 @@ class Swarm:
         finally:
             self._trainer.handoff.close(reason)
 
+    def _claim_the_process(self) -> None:
+        """One open Swarm per process: hivemind forks the second one's DHT process while the
+        first one's gRPC threads run, and the second node then hung (README, Limits)."""
+        global _open_swarm
+        with _open_guard:
+            other = _open_swarm() if _open_swarm is not None else None
+            if other is not None and other is not self:
+                raise SwarmError("another lowcomm.Swarm is open in this process: leave it first, or run each peer "
+                                 "in its own process (examples/launch.py starts N of them)")
+            _open_swarm = weakref.ref(self)
+
+    def _release_the_process(self) -> None:
+        global _open_swarm
+        with _open_guard:
+            if _open_swarm is not None and _open_swarm() is self:
+                _open_swarm = None
+
     def _close(self, exc: BaseException | None) -> None:
         """Stop the node gracefully (a second KeyboardInterrupt: forced), then the DHT; idempotent."""
         if self._exited:
@@ -211,6 +234,7 @@ class Swarm:
             if self._lock is not None:
                 self._lock.close()
             self._restore_logging()
+            self._release_the_process()
 
     def _request_stop(self) -> None:
         if self._stop_sent or self._thread is None or not self._thread.is_alive():

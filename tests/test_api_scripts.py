@@ -94,3 +94,34 @@ def test_an_eval_fn_that_fails_costs_the_rounds_eval_not_its_checkpoint(tmp_path
     assert result.returncode == 9, result.stderr[-2000:]
     assert "saved" in result.stdout.splitlines()  # it was "not saved": the failing eval skipped the write
     assert "eval_fn raised RuntimeError: my eval bug" in result.stdout
+
+
+TWO_AT_ONCE = textwrap.dedent("""
+    import sys, torch, torch.nn as nn, lowcomm
+
+    def swarm(folder):
+        model = nn.Linear(4, 1)
+        config = {"train": {"inner_steps": 2}, "node": {"host": "127.0.0.1", "checkpoint_dir": folder}}
+        return lowcomm.Swarm(model, torch.optim.SGD(model.parameters(), lr=0.1), config=config, log=False)
+
+    with swarm(sys.argv[1] + "/a") as first:
+        try:
+            with swarm(sys.argv[1] + "/b"):
+                print("second entered", flush=True)
+        except lowcomm.SwarmError as err:
+            print("refused:", err, flush=True)
+    with swarm(sys.argv[1] + "/b"):  # one after the other is fine
+        print("second entered after the first left", flush=True)
+""")
+
+
+def test_a_second_swarm_open_at_once_in_one_process_is_refused_and_one_after_the_other_is_fine(tmp_path):
+    (tmp_path / "two.py").write_text(TWO_AT_ONCE)
+    # The second one's DHT process was forked while the first one's gRPC threads ran: it hung.
+    result = subprocess.run([sys.executable, str(tmp_path / "two.py"), str(tmp_path)], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines() == [
+        "refused: another lowcomm.Swarm is open in this process: leave it first, or run each peer in its own "
+        "process (examples/launch.py starts N of them)",
+        "second entered after the first left"]
