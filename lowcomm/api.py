@@ -32,6 +32,7 @@ import atexit
 import logging
 import math
 import numbers
+import re
 import sys
 import threading
 import time
@@ -129,7 +130,7 @@ class Swarm:
             self._lock = lock_checkpoint_dir(cfg.node.checkpoint_dir)
         except RuntimeError as err:
             self._release_the_process()  # nothing started
-            raise SwarmError(str(err)) from None
+            raise SwarmError(_in_api_terms(str(err))) from None
         try:
             if self._to_load is not None:
                 self._write_loaded_state(self._to_load)
@@ -141,7 +142,7 @@ class Swarm:
             try:
                 self._dht = start_dht(cfg)  # forks the DHT process: before any gRPC object exists
             except RuntimeError as err:
-                raise SwarmError(str(err)) from None
+                raise SwarmError(_in_api_terms(str(err))) from None
             kind = EvaluatingExternalTrainer if self._eval_fn is not None else ExternalTrainer
             self._trainer = kind(self.model, self._optimizer, self._eval_fn)
             self._thread = threading.Thread(target=self._run_node, args=(secret, tls), name="lowcomm-node",
@@ -466,5 +467,25 @@ def _is_user_facing(err: BaseException) -> bool:
 
 def _describe_failure(err: BaseException) -> str:
     if _is_user_facing(err):
-        return str(err)
+        return _in_api_terms(str(err))
     return f"the node failed: {type(err).__name__}: {err}"
+
+
+_FLAG = re.compile(r"--([a-z][a-z-]*)(?: \(or LOWCOMM_[A-Z_]+\))?")
+
+
+def _in_api_terms(message: str) -> str:
+    """The node's messages name its command-line flags (``--checkpoint-dir (or
+    LOWCOMM_CHECKPOINT_DIR)``); a Swarm reads neither flags nor variables: name the config key
+    (``[node] checkpoint_dir``), or the ``peers`` argument."""
+    from lowcomm.node.config import ALIASES
+
+    def key(match: re.Match[str]) -> str:
+        name = match.group(1).replace("-", "_")
+        if name == "peers":
+            return "peers"
+        section, field = ALIASES.get(name, ("node", name))
+        return f"[{section}] {field}"
+
+    message = message.replace("the first peer printed after `--peers`", "a peer's swarm.multiaddrs")
+    return _FLAG.sub(key, message)

@@ -167,6 +167,22 @@ def test_config_mistakes_come_out_as_one_readable_error(tmp_path):
     assert resolve_config(given, None, model).train.inner_steps == 9
 
 
+def test_errors_name_the_config_key_or_argument_not_the_clis_flags(tmp_path):
+    # The node's own checks said "choose another with --checkpoint-dir (or LOWCOMM_CHECKPOINT_DIR)"
+    # and "invalid --peers multiaddr": a Swarm reads neither flags nor variables.
+    model = nn.Linear(2, 2)
+    (tmp_path / "a-file").write_text("")
+    swarm = lowcomm.Swarm(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          config={"node": {"checkpoint_dir": str(tmp_path / "a-file")}})
+    with pytest.raises(SwarmError) as err:
+        swarm.__enter__()
+    assert "[node] checkpoint_dir" in str(err.value) and "--" not in str(err.value) and "LOWCOMM_" not in str(err.value)
+    swarm = lowcomm.Swarm(model, torch.optim.SGD(model.parameters(), lr=0.1), peers=["/ip4/1.2.3/tcp/1/p2p/x"],
+                          config={"node": {"checkpoint_dir": str(tmp_path / "ckpt")}})
+    with pytest.raises(SwarmError, match=r"^invalid peers multiaddr /ip4/1.2.3/tcp/1/p2p/x: .*a peer's swarm.multiaddrs$"):
+        swarm.__enter__()
+
+
 def test_without_a_model_section_the_fingerprint_covers_the_models_names_and_shapes():
     def fingerprint(model: nn.Module) -> str:
         return resolve_config({"train": {"inner_steps": 5}}, None, model).run_fingerprint()
