@@ -299,10 +299,14 @@ class Swarm:
         module docstring). Raises ``SwarmStopped`` when the node is gone."""
         if self._trainer is None or self._exited:
             raise RuntimeError("Swarm.step() works inside `with lowcomm.Swarm(...) as swarm:` only")
+        if isinstance(tokens, torch.Tensor) and tokens.numel() == 1 and not tokens.is_floating_point():
+            tokens = int(tokens.item())  # attention_mask.sum()
         if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens <= 0:
             # A fraction would be truncated to a weight of 0: the step would count for nothing.
             raise ValueError(f"tokens must be a positive whole number (tokens or samples of the step), got {tokens!r}")
         if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(f"loss must be the step's scalar loss, got a tensor of shape {tuple(loss.shape)}")
             loss = float(loss.detach())
         self._trainer.handoff.report(int(tokens), math.nan if loss is None else float(loss))
 

@@ -141,9 +141,11 @@ def test_an_api_peer_and_a_daemon_peer_average_together(swarm, tmp_path, events)
         # Joined and caught up before the first step: the model holds the swarm's θ_global.
         assert params_sha256(parameters_to_vector(model.parameters()).detach()) == api.status()["params_sha256"]
         assert api.status()["swarm_peers"] == 2
-        for wrong in (0.5, 0, True):  # a fraction was truncated to a weight of 0
+        for wrong in (0.5, 0, True, torch.tensor(2.0)):  # a fraction was truncated to a weight of 0
             with pytest.raises(ValueError, match="positive whole number"):
                 api.step(tokens=wrong)
+        with pytest.raises(ValueError, match=r"loss must be the step's scalar loss, got a tensor of shape \(2,\)"):
+            api.step(tokens=1, loss=torch.ones(2))
         for _ in range(MAX_STEPS):  # bounded: a failure must not train forever
             if len([e for e in events.events if e["event"] == "round_done" and e["group_size"] == 2]) >= 2:
                 break
@@ -153,7 +155,7 @@ def test_an_api_peer_and_a_daemon_peer_average_together(swarm, tmp_path, events)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            api.step(tokens=batch.numel(), loss=loss)
+            api.step(tokens=torch.ones_like(batch).sum(), loss=loss)  # an integer tensor, as attention_mask.sum()
     ours = {e["outer_step"]: e["params_sha256"] for e in events.events
             if e["event"] == "round_done" and e["group_size"] == 2}
     for step, digest in ours.items():
