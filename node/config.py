@@ -263,6 +263,8 @@ def describe_validation_error(err: ValidationError, layers: ConfigLayers) -> str
         where = f"[{section}] {key}" if key else f"[{section}]"
         got = problem.get("input")
         lines.append(f"{source}: {where} = {got!r} is invalid: {problem['msg']}")
+    if len(lines) == 1:  # the usual case: one line, as every other error of the CLI
+        return f"invalid configuration: {lines[0]}"
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 

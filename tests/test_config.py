@@ -196,6 +196,16 @@ def test_all_problems_reported_at_once(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path, environ={})
     assert "codec" in str(info.value) and "group_size" in str(info.value)
+    assert str(info.value).startswith("invalid configuration:\n  ")  # one line per problem
+
+
+def test_a_single_problem_is_one_line(tmp_path):
+    # The CLI's error line said only "invalid configuration:", the key on a second line.
+    path = write(tmp_path, '[train]\ninner_steps = 0\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert "\n" not in str(info.value)
+    assert str(info.value).startswith(f"invalid configuration: {path}: [train] inner_steps = 0 is invalid: ")
 
 
 # -- fingerprint --------------------------------------------------------------------------------
