@@ -383,3 +383,16 @@ class NodeSection(ConfigSection):
         if isinstance(value, str):
             return [part for part in value.replace(",", " ").split() if part]
         return value
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> "NodeSection":
+        # The second server to bind a shared port failed with "is it already in use?", which
+        # sent the user looking for another process.
+        fixed = [(name, port) for name, port in (("dht_port", self.dht_port), ("grpc_port", self.grpc_port),
+                                                 ("metrics_port", self.metrics_port)) if port]
+        for i, (name, port) in enumerate(fixed):
+            for other, other_port in fixed[i + 1:]:
+                if port == other_port:
+                    raise ValueError(f"{name} and {other} are both {port}: the DHT, gRPC and metrics servers need "
+                                     f"a port each (0: a free one)")
+        return self

@@ -314,3 +314,11 @@ def test_a_rule_across_keys_names_every_source_that_set_them(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(path, overrides=["sync.schedule=ring", "sync.codec=topk"], environ={})
     assert f"{path}, --set sync.schedule=ring, --set sync.codec=topk: [sync] is invalid: schedule" in str(err.value)
+
+
+def test_two_servers_on_one_port_are_a_config_error():
+    # The second server failed to bind with "is gRPC port 7700 already in use?", sending the user
+    # looking for another process.
+    with pytest.raises(ConfigError, match="dht_port and grpc_port are both 7700: the DHT, gRPC and metrics servers"):
+        load_config(overrides=["node.grpc_port=7700"], environ={})
+    load_config(overrides=["node.grpc_port=0", "node.dht_port=0", "node.metrics_port=0"], environ={})  # free ones
