@@ -45,6 +45,9 @@ def resolve_files(pattern: str | None) -> tuple[Path, list[Path]]:
         return default_corpus_files()
     matches = sorted(Path(p) for p in glob.glob(str(Path(pattern).expanduser()), recursive=True))
     files = [p for p in matches if p.is_file()]
+    if not files and Path(pattern).expanduser().is_dir():
+        folder = pattern.rstrip("/")
+        raise DataError(f"[data] path {pattern!r} is a folder; give a glob of its files, such as '{folder}/**/*.txt'")
     if not files:
         raise DataError(f"[data] path {pattern!r} matches no files; give a glob such as 'corpus/**/*.txt'")
     return Path(pattern).expanduser().parent, files

@@ -35,6 +35,8 @@ def test_a_file_of_token_ids_given_as_text_is_refused_with_the_fix(tmp_path):
     with pytest.raises(DataError, match=r"train.bin is not text: \d+% of its bytes are NUL or not UTF-8; .*"
                                         r"format = \"tokens\""):
         load_data(data_section(f"data.path={tmp_path / 'train.bin'}"))
+    with pytest.raises(DataError, match=r"is a folder; give a glob of its files, such as '.*/\*\*/\*.txt'"):
+        load_data(data_section(f"data.path={tmp_path}"))  # it said "matches no files"
     # Text with a few bytes outside UTF-8 (Latin-1 accents) still trains, those bytes replaced.
     (tmp_path / "latin.txt").write_bytes("Le café est prêt; nous partons demain pour la ville. ".encode("latin-1") * 200)
     assert len(load_data(data_section(f"data.path={tmp_path / 'latin.txt'}")).train) > 0
