@@ -223,13 +223,24 @@ def test_a_ring_led_group_ends_bit_identical_with_the_weighted_mean_over_grpc(co
     run(scenario())
 
 
+def grpc_ring_group(peers, numel: int, reduce_timeout: float, group_id: bytes) -> averaging_pb2.Group:
+    """A RING group of ``peers`` (in-process, over gRPC): four fp32 pieces per member, equal weights."""
+    from lowcomm.protocol import ring
+    from lowcomm.protocol.layout import piece_layout
+
+    bounds, owners = piece_layout(numel, [0.0] * len(peers), 4)
+    return averaging_pb2.Group(
+        group_id=group_id, step=0, shard_bounds=bounds, shard_owners=owners, codec=1,
+        reduce_timeout_s=reduce_timeout, schedule=ring.RING,
+        members=[averaging_pb2.Member(peer_id=p.peer_id, address=p.matchmaker.address, weight=1.0) for p in peers])
+
+
 def test_a_ring_member_stopped_mid_round_breaks_the_ring_for_all_at_once_over_grpc(monkeypatch):
     """The third member's process goes away (task cancelled, server stopped) once the first sum
     from the member before it has arrived: both survivors' streams break, they skip every shard
     they do not all hold, keep all of x there, end long before the ring's deadline, and leave
     no task or stream behind (the loop's exception handler hears nothing)."""
     from lowcomm.protocol import ring
-    from lowcomm.protocol.layout import piece_layout
 
     numel, reduce_timeout = 1_000_003, 20.0
     first_read = asyncio.Event()
@@ -249,12 +260,7 @@ def test_a_ring_member_stopped_mid_round_breaks_the_ring_for_all_at_once_over_gr
         asyncio.get_running_loop().set_exception_handler(lambda loop, context: problems.append(f"{context['message']} {context.get('task') or context.get('future')!r}"))
         peers = await start_peers(3, numel, "fp32", reduce_timeout=reduce_timeout)
         try:
-            bounds, owners = piece_layout(numel, [0.0] * 3, 4)
-            group = averaging_pb2.Group(
-                group_id=b"k" * 16, step=0, shard_bounds=bounds, shard_owners=owners, codec=1,
-                reduce_timeout_s=reduce_timeout, schedule=ring.RING,
-                members=[averaging_pb2.Member(peer_id=p.peer_id, address=p.matchmaker.address, weight=1.0)
-                         for p in peers])
+            group = grpc_ring_group(peers, numel, reduce_timeout, b"k" * 16)
             gen = torch.Generator().manual_seed(8)
             deltas = [torch.randn(numel, generator=gen) * 0.01 for _ in peers]
             started = asyncio.get_running_loop().time()
@@ -292,7 +298,6 @@ def test_a_ring_hop_still_encoding_when_the_ring_breaks_cannot_overwrite_the_x_i
     import threading
 
     from lowcomm.protocol import ring
-    from lowcomm.protocol.layout import piece_layout
 
     numel, reduce_timeout = 200_003, 20.0
     hop_started, carried_back = asyncio.Event(), threading.Event()
@@ -324,12 +329,7 @@ def test_a_ring_hop_still_encoding_when_the_ring_breaks_cannot_overwrite_the_x_i
 
         peers[1].executor.submit = observed_submit
         try:
-            bounds, owners = piece_layout(numel, [0.0] * 3, 4)
-            group = averaging_pb2.Group(
-                group_id=b"h" * 16, step=0, shard_bounds=bounds, shard_owners=owners, codec=1,
-                reduce_timeout_s=reduce_timeout, schedule=ring.RING,
-                members=[averaging_pb2.Member(peer_id=p.peer_id, address=p.matchmaker.address, weight=1.0)
-                         for p in peers])
+            group = grpc_ring_group(peers, numel, reduce_timeout, b"h" * 16)
             gen = torch.Generator().manual_seed(9)
             deltas = [torch.randn(numel, generator=gen) * 0.01 for _ in peers]
             tasks = [asyncio.create_task(p.reduce(group, d)) for p, d in zip(peers, deltas)]
