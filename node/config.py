@@ -251,7 +251,7 @@ def describe_validation_error(err: ValidationError, layers: ConfigLayers) -> str
         if problem["type"] == "extra_forbidden":
             if key is None:
                 known = ", ".join(f"[{name}]" for name in Config.model_fields)
-                lines.append(f"{_source_of_section(layers, section)}: unknown section [{section}] (known: {known})")
+                lines.append(f"{_sources_of(layers, {section})}: unknown section [{section}] (known: {known})")
             else:
                 known = ", ".join(Config.model_fields[section].annotation.model_fields)
                 lines.append(f"{source}: unknown key '{key}' in [{section}] (known keys: {known})")
@@ -266,13 +266,6 @@ def describe_validation_error(err: ValidationError, layers: ConfigLayers) -> str
     if len(lines) == 1:  # the usual case: one line, as every other error of the CLI
         return f"invalid configuration: {lines[0]}"
     return "invalid configuration:\n  " + "\n  ".join(lines)
-
-
-def _source_of_section(layers: ConfigLayers, section: str) -> str:
-    for (sec, _), source in layers.sources.items():
-        if sec == section:
-            return source
-    return "config"
 
 
 def _sources_of(layers: ConfigLayers, sections: set[str]) -> str:

@@ -388,11 +388,11 @@ class NodeSection(ConfigSection):
     def _ports_differ(self) -> "NodeSection":
         # The second server to bind a shared port failed with "is it already in use?", which
         # sent the user looking for another process.
-        fixed = [(name, port) for name, port in (("dht_port", self.dht_port), ("grpc_port", self.grpc_port),
-                                                 ("metrics_port", self.metrics_port)) if port]
-        for i, (name, port) in enumerate(fixed):
-            for other, other_port in fixed[i + 1:]:
-                if port == other_port:
-                    raise ValueError(f"{name} and {other} are both {port}: the DHT, gRPC and metrics servers need "
-                                     f"a port each (0: a free one)")
+        taken: dict[int, str] = {}
+        for name, port in (("dht_port", self.dht_port), ("grpc_port", self.grpc_port),
+                           ("metrics_port", self.metrics_port)):
+            if port and port in taken:
+                raise ValueError(f"{taken[port]} and {name} are both {port}: the DHT, gRPC and metrics servers need "
+                                 f"a port each (0: a free one)")
+            taken[port] = name
         return self

@@ -43,14 +43,14 @@ def default_corpus_files() -> tuple[Path, list[Path]]:
 def resolve_files(pattern: str | None) -> tuple[Path, list[Path]]:
     if pattern is None:
         return default_corpus_files()
-    matches = sorted(Path(p) for p in glob.glob(str(Path(pattern).expanduser()), recursive=True))
-    files = [p for p in matches if p.is_file()]
-    if not files and Path(pattern).expanduser().is_dir():
+    expanded = Path(pattern).expanduser()
+    files = [p for p in sorted(Path(p) for p in glob.glob(str(expanded), recursive=True)) if p.is_file()]
+    if not files and expanded.is_dir():
         folder = pattern.rstrip("/")
         raise DataError(f"[data] path {pattern!r} is a folder; give a glob of its files, such as '{folder}/**/*.txt'")
     if not files:
         raise DataError(f"[data] path {pattern!r} matches no files; give a glob such as 'corpus/**/*.txt'")
-    return Path(pattern).expanduser().parent, files
+    return expanded.parent, files
 
 
 def _is_eval(relative_name: str, eval_fraction: float) -> bool:
@@ -130,7 +130,7 @@ def load_corpus(pattern: str | None, eval_fraction: float, max_bytes: int = 64 *
         except OSError:
             continue  # an unreadable file in a glob is not worth stopping the node for
         if pattern is not None:  # the user's files (the standard library's own are text)
-            formats.refuse_binary(path, data)
+            formats.decode_text(path, data)  # the byte tokenizer takes the bytes: only the check
         (eval_parts if _is_eval(_name(path, root), eval_fraction) else train_parts).append(data)
         total += len(data)
         if total >= max_bytes:
@@ -225,8 +225,7 @@ def _load_formatted(section: "DataSection", max_bytes: int) -> Corpus:
                     raw = path.read_bytes()
                 except OSError:
                     continue  # as load_corpus: an unreadable file in a glob is skipped
-                formats.refuse_binary(path, raw)
-                texts = [raw.decode("utf-8", errors="replace")]
+                texts = [formats.decode_text(path, raw)]
             yield _name(path, root), tokenizer.encode(texts)
 
     train, held_out = _split_documents(documents(), section.eval_fraction, tokenizer, max_bytes)

@@ -37,18 +37,15 @@ class FormatError(FatalError):
 NOT_TEXT_SHARE = 0.1
 
 
-def refuse_binary(path: Path, raw: bytes) -> None:
-    """Raise FormatError when ``raw`` (the content of ``path``, read as text) is not text."""
-    nul = raw.count(0)
-    try:
-        raw.decode("utf-8")
-        invalid = 0
-    except UnicodeDecodeError:
-        invalid = raw.decode("utf-8", errors="replace").count("\ufffd")
-    share = (nul + invalid) / max(1, len(raw))
+def decode_text(path: Path, raw: bytes) -> str:
+    """``raw`` (the content of ``path``) as UTF-8 text, a stray invalid byte replaced; a file that
+    is not text raises FormatError."""
+    text = raw.decode("utf-8", errors="replace")
+    share = (raw.count(0) + text.count("\ufffd")) / max(1, len(raw))
     if share > NOT_TEXT_SHARE:
         raise FormatError(f"{path} is not text: {share:.0%} of its bytes are NUL or not UTF-8; for a file of token "
                           f"ids set [data] format = \"tokens\" (and token_dtype), or point [data] path at text files")
+    return text
 
 
 class ByteTokenizer:
