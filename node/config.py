@@ -262,7 +262,8 @@ def describe_validation_error(err: ValidationError, layers: ConfigLayers) -> str
             continue
         where = f"[{section}] {key}" if key else f"[{section}]"
         got = problem.get("input")
-        lines.append(f"{source}: {where} = {got!r} is invalid: {problem['msg']}")
+        got = str(got).lower() if isinstance(got, bool) else repr(got)  # as TOML writes it
+        lines.append(f"{source}: {where} = {got} is invalid: {problem['msg'].removeprefix('Value error, ')}")
     if len(lines) == 1:  # the usual case: one line, as every other error of the CLI
         return f"invalid configuration: {lines[0]}"
     return "invalid configuration:\n  " + "\n  ".join(lines)

@@ -6,17 +6,34 @@ defaults, the TOML file, the environment and flags.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 CODEC_CHOICES = ("fp32", "fp16", "bf16", "int8", "int4", "topk", "sparseloco")
+
+
+def _numeric_only(annotation: Any) -> bool:
+    """Whether a field's type is a number (int, float, or a union of those with None) that pydantic
+    would take a boolean for."""
+    kinds = set(get_args(annotation)) or {annotation}
+    return bool(kinds & {int, float}) and bool not in kinds
 
 
 class ConfigSection(BaseModel):
     # Unknown keys are errors: a typo in a run config must not silently fall back to a default.
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True,
                               coerce_numbers_to_str=True)  # --set run.name=123 means the string
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads true as 1 and false as 0: `inner_steps = true` would train one
+        # step a round and `--set train.seed=false` pick seed 0. Numbers given as strings (the
+        # LOWCOMM_* variables, flags) still convert.
+        if isinstance(value, bool) and _numeric_only(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, got the boolean {str(value).lower()}")
+        return value
 
 
 class RunSection(ConfigSection):

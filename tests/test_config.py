@@ -153,6 +153,21 @@ def test_wrong_type_names_the_key(tmp_path):
     assert str(path) in str(info.value) and "[train] inner_steps" in str(info.value)
 
 
+def test_a_boolean_for_a_number_is_refused_and_numbers_as_strings_still_convert(tmp_path):
+    # pydantic's lax mode took true as 1 and false as 0: one inner step a round, seed 0.
+    path = write(tmp_path, "[train]\ninner_steps = true\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert str(info.value) == (f"invalid configuration: {path}: [train] inner_steps = true is invalid: "
+                               "expected a number, got the boolean true")
+    for override in ("train.seed=false", "train.lr=true", "node.max_rounds=true"):  # int, float, int | None
+        with pytest.raises(ConfigError, match="got the boolean"):
+            load_config(overrides=[override], environ={})
+    config = load_config(overrides=["node.client_mode=true", "train.inner_steps=50.0"],
+                         environ={"LOWCOMM_METRICS_PORT": "9100"})
+    assert (config.node.client_mode, config.train.inner_steps, config.node.metrics_port) == (True, 50, 9100)
+
+
 def test_out_of_range_value(tmp_path):
     path = write(tmp_path, "[sync]\ngroup_size = 1\n")
     with pytest.raises(ConfigError, match=r"\[sync\] group_size"):
