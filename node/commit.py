@@ -28,6 +28,7 @@ from lowcomm.protocol.missed_rounds import RoundRecord
 from lowcomm.protocol.state import OptimizerStates, Snapshot, StateDonor, params_sha256
 
 from .averaging import RoundOutcome, RoundReport
+from .external_trainer import EvalFnFailed
 from .globalstate import GlobalState, copy_payload
 from .metrics import NodeMetrics
 from .optimizers import capture_served
@@ -61,6 +62,7 @@ class Committer:
         self.codec = codec
         self.evaluate_global = evaluate_global  # report thread: eval loss of a flat θ_global
         self.write_checkpoint = write_checkpoint
+        self.eval_failures = 0  # rounds whose eval the user's eval_fn failed (report thread)
 
     def frozen_trainer_state(self) -> dict[str, Any]:
         """Training thread only: a copy of the trainer's checkpointable state (it keeps training
@@ -171,7 +173,15 @@ class Committer:
         def evaluate_and_save() -> float:
             try:
                 return self.evaluate_global(frozen["params"])
-            finally:  # an evaluation that fails (a user's eval_fn) takes the round's report, not its checkpoint
+            except EvalFnFailed as err:  # the user's bug costs the round its eval: reported as nan
+                self.eval_failures += 1
+                if self.eval_failures == 1:  # its traceback once, then one line a round
+                    log.error("%s; this round's eval is nan, its checkpoint is written, training goes on", err,
+                              exc_info=err.__cause__)
+                else:
+                    log.warning("%s (round of step %d; %d rounds so far)", err, frozen["step"], self.eval_failures)
+                return math.nan
+            finally:  # whatever the evaluation does, the round's checkpoint is written
                 try:
                     self.write_checkpoint(frozen, trainer_state, event["tokens_total"])
                 except OSError as err:  # the previous checkpoint stays intact (atomic writes)

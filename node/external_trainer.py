@@ -143,7 +143,8 @@ def external_definition(model: nn.Module) -> dict:
 
 class EvalFnFailed(FatalError):
     """The user's ``eval_fn`` raised or returned no number. Fatal before the first step (the
-    node's first evaluation); later, its round's report says so and the checkpoint is written."""
+    node's first evaluation); later, that round's eval is nan (node/commit.py) and its checkpoint
+    is written."""
 
 
 def call_eval_fn(eval_fn: Callable[[nn.Module], float], model: nn.Module) -> float:

@@ -1,9 +1,12 @@
 """``lowcomm.Swarm`` in small scripts, one process each: a Swarm left open when the program ends
 (entered without ``with``, never closed) is left as the ``with`` block would leave it, with nothing
-left running; an ``eval_fn`` that fails costs the round its eval, never its checkpoint."""
+left running; an ``eval_fn`` that fails costs the round its eval (nan, its traceback logged once),
+never its checkpoint."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import subprocess
@@ -94,7 +97,13 @@ def test_an_eval_fn_that_fails_costs_the_rounds_eval_not_its_checkpoint(tmp_path
                             text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
     # 8 was "not saved": the failing eval skipped the round's checkpoint write
     assert result.returncode == 9, (result.returncode, result.stderr[-2000:])
-    assert "eval_fn raised RuntimeError: my eval bug" in result.stdout
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    failures = [line for line in lines if "eval_fn raised RuntimeError: my eval bug" in line["msg"]]
+    assert len(failures) == 2, failures  # both rounds' evals failed...
+    assert ["my eval bug" in line.get("exc", "") for line in failures] == [True, False]  # ...its traceback once
+    assert "(round of step 2; 2 rounds so far)" in failures[1]["msg"]
+    step_1 = [line for line in lines if line.get("event") == "round_done" and line["outer_step"] == 1]
+    assert len(step_1) == 1 and math.isnan(step_1[0]["eval_loss"])  # the round is reported, its eval nan
 
 
 TWO_AT_ONCE = textwrap.dedent("""
