@@ -38,7 +38,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -332,6 +332,9 @@ class Swarm:
         if self._thread is not None:
             raise RuntimeError("call load_state_dict before entering the Swarm: a running peer takes its state from "
                                "the swarm, not from a file")
+        if not isinstance(state, Mapping):
+            raise SwarmError(f"load_state_dict takes the dict Swarm.state_dict() returned (or torch.load of a "
+                             f"checkpoint the node wrote), not {type(state).__name__}")
         missing = [key for key in ("step", "params", "momentum", "params_sha256", "trainer") if key not in state]
         if missing:
             raise SwarmError(f"the state given to load_state_dict lacks {', '.join(missing)}: pass what "
@@ -491,5 +494,6 @@ def _in_api_terms(message: str) -> str:
         section, field = ALIASES.get(name, ("node", name))
         return f"[{section}] {field}"
 
-    message = message.replace("the first peer printed after `--peers`", "a peer's swarm.multiaddrs")
+    message = message.replace("copy the whole address the first peer printed after `--peers`",
+                              "copy a whole address from a peer's swarm.multiaddrs")
     return _FLAG.sub(key, message)

@@ -89,6 +89,9 @@ def resolve_config(config: ConfigLike, peers: list[str] | None, model: nn.Module
     if peers is not None:
         if isinstance(peers, str):
             peers = [peers]
+        elif not isinstance(peers, (list, tuple)):
+            raise SwarmError(f"peers must be a list of multiaddrs (or one as a string), not {type(peers).__name__}: "
+                             f"pass [other_swarm.multiaddrs[0]]")
         layers.set("node", "peers", list(peers), "peers=")
     try:
         resolved = SwarmConfig.model_validate(layers.values)

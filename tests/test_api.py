@@ -179,7 +179,8 @@ def test_errors_name_the_config_key_or_argument_not_the_clis_flags(tmp_path):
     assert "[node] checkpoint_dir" in str(err.value) and "--" not in str(err.value) and "LOWCOMM_" not in str(err.value)
     swarm = lowcomm.Swarm(model, torch.optim.SGD(model.parameters(), lr=0.1), peers=["/ip4/1.2.3/tcp/1/p2p/x"],
                           config={"node": {"checkpoint_dir": str(tmp_path / "ckpt")}})
-    with pytest.raises(SwarmError, match=r"^invalid peers multiaddr /ip4/1.2.3/tcp/1/p2p/x: .*a peer's swarm.multiaddrs$"):
+    with pytest.raises(SwarmError, match=r"^invalid peers multiaddr /ip4/1.2.3/tcp/1/p2p/x: .*; copy a whole address "
+                                         r"from a peer's swarm.multiaddrs$"):
         swarm.__enter__()
 
 
@@ -221,6 +222,10 @@ def test_step_outside_the_block_and_late_load_state_dict_are_refused():
                                "params_sha256": "0", "trainer": {}, "config_fingerprint": "another run"})
     with pytest.raises(SwarmError, match="lacks params"):
         swarm.load_state_dict({"step": 1})
+    with pytest.raises(SwarmError, match=r"takes the dict Swarm.state_dict\(\) returned .*, not NoneType$"):
+        swarm.load_state_dict(None)  # type: ignore[arg-type]  # was Python's TypeError
+    with pytest.raises(SwarmError, match=r"^peers must be a list of multiaddrs .*, not int"):
+        lowcomm.Swarm(model, torch.optim.SGD(model.parameters(), lr=0.1), peers=1234)  # type: ignore[arg-type]
     with pytest.raises(SwarmError, match="torch.optim.Optimizer"):
         lowcomm.Swarm(model, "adam")  # type: ignore[arg-type]
 
