@@ -291,8 +291,10 @@ def cmd_join(args: argparse.Namespace) -> int:
     human = setup_logging(config.node.log_format, config.node.log_level)
     from .data import DataError
 
+    directory = config.node.checkpoint_dir
+    made_from = _first_missing(directory)  # the folder this start makes (None: it exists)
     try:
-        lock = lock_checkpoint_dir(config.node.checkpoint_dir)
+        lock = lock_checkpoint_dir(directory)
     except RuntimeError as err:
         return _fail(str(err))
     from .memory import freeze_before_fork, limit_malloc_arenas, share_tensors_by_descriptor
@@ -304,7 +306,9 @@ def cmd_join(args: argparse.Namespace) -> int:
         dht = start_dht(config)
     except RuntimeError as err:
         lock.close()
+        _remove_if_never_used(directory, made_from)
         return _fail(str(err))
+    failed = True
     try:
         import uvloop
 
@@ -312,12 +316,46 @@ def cmd_join(args: argparse.Namespace) -> int:
         from .errors import FatalError
 
         try:
-            return uvloop.run(Node(config, dht, human, run_secret, tls).run())
+            code = uvloop.run(Node(config, dht, human, run_secret, tls).run())
+            failed = code != 0
+            return code
         except (FatalError, DataError) as err:
             return _fail(str(err))
     finally:
         dht.shutdown()
         lock.close()
+        if failed:
+            _remove_if_never_used(directory, made_from)
+
+
+def _first_missing(directory: Path) -> Path | None:
+    """The outermost folder of ``directory``'s path that does not exist yet (None: it exists)."""
+    missing = None
+    for path in (directory, *directory.parents):
+        if path.exists():
+            return missing
+        missing = path
+    return missing
+
+
+def _remove_if_never_used(directory: Path, made_from: Path | None) -> None:
+    """A node that stopped on an error before its first checkpoint, in a checkpoint directory it
+    made, leaves no folder behind: a mistyped data path run without --checkpoint-dir must not
+    leave ./lowcomm-checkpoints with a fresh identity (the next start makes a new one anyway)."""
+    if made_from is None:
+        return
+    try:
+        left = list(directory.iterdir())
+        if not {path.name for path in left} <= {".lock", "identity.key"}:
+            return
+        for path in left:
+            path.unlink()
+        for folder in (directory, *directory.parents):
+            folder.rmdir()  # only empty ones: anything else put there meanwhile stays
+            if folder == made_from:
+                return
+    except OSError:
+        pass
 
 
 def lock_checkpoint_dir(directory: Path):

@@ -97,6 +97,21 @@ def test_a_failed_dht_start_leaves_no_p2pd_socket_behind(tmp_path):
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def test_a_mistake_found_after_the_start_leaves_no_checkpoint_folder_it_made(tmp_path):
+    # Found once the DHT ran, a data mistake left ./lowcomm-checkpoints/{identity.key,.lock} behind.
+    cmd = [*node_command(), "join", "--host", "127.0.0.1", "--dht-port", "0", "--grpc-port", "0",
+           "--metrics-port", "0", "--torch-threads", "1", "--data", str(tmp_path / "no-such-corpus.txt")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, cwd=tmp_path)
+    assert_one_line_error(result, "no-such-corpus.txt")
+    assert list(tmp_path.iterdir()) == []
+    result = run_join(tmp_path, "--checkpoint-dir", str(tmp_path / "new" / "ckpt"), "--set", "model.factory=nope:make")
+    assert_one_line_error(result, "nope:make")
+    assert list(tmp_path.iterdir()) == []  # the folders above it that it made went too
+    (tmp_path / "ckpt").mkdir()  # a folder the user made is theirs: the identity made in it stays
+    assert_one_line_error(run_join(tmp_path, "--data", str(tmp_path / "no-such-corpus.txt")), "no-such-corpus.txt")
+    assert sorted(path.name for path in (tmp_path / "ckpt").iterdir()) == [".lock", "identity.key"]
+
+
 def test_checkpoint_dir_or_identity_folder_that_is_a_file_is_a_clear_error(tmp_path):
     (tmp_path / "ckpt").write_text("a file, not a folder")
     assert_one_line_error(run_join(tmp_path), str(tmp_path / "ckpt"), "--checkpoint-dir")
