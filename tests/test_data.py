@@ -65,3 +65,13 @@ def test_eval_batches_are_fixed():
     tokens = np.arange(5000, dtype=np.int64) % 251
     first, second = eval_batches(tokens, SEQ, 4, 3), eval_batches(tokens, SEQ, 4, 3)
     assert len(first) == 3 and all((a[0] == b[0]).all() for a, b in zip(first, second))
+
+
+def test_the_held_out_set_of_a_split_past_2_to_the_24_tokens_ends_at_its_last_token():
+    # 2**25 + 3 usable starts: float32 (torch.linspace's default) rounds the last start up to
+    # 2**25 + 4, past the split's end (an IndexError for the held-out split of a large tokens file).
+    tokens = np.zeros(2**25 + 3 + SEQ + 1, dtype=np.uint8)
+    tokens[-1] = 7
+    batches = eval_batches(tokens, SEQ, 4, 2)
+    assert len(batches) == 2 and all(inputs.shape == (4, SEQ) for inputs, _ in batches)
+    assert int(batches[-1][1][-1, -1]) == 7  # the last window ends exactly at the split's last token

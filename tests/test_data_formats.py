@@ -106,6 +106,18 @@ def test_jsonl_reads_the_configured_field(tmp_path):
         load_data(data_section("data.format=jsonl", f"data.path={tmp_path / 'bad.jsonl'}"))
 
 
+def test_text_and_jsonl_read_no_more_than_the_cap_of_a_file_larger_than_it(tmp_path):
+    # The cap applied after a whole file was read: a 600 MB file cost 1.5 GB at start.
+    text = "\n".join(DOCS)
+    (tmp_path / "big.txt").write_text(text)
+    corpus = load_data(data_section(f"data.path={tmp_path / 'big.txt'}"), max_bytes=10_000)
+    assert bytes(as_array(corpus.train)) + bytes(as_array(corpus.eval)) == text.encode()[:10_000]
+    (tmp_path / "big.jsonl").write_text("\n".join(json.dumps({"text": doc}) for doc in DOCS))
+    corpus = load_data(data_section("data.format=jsonl", f"data.path={tmp_path / 'big.jsonl'}"), max_bytes=10_000)
+    held = bytes(as_array(corpus.train)) + bytes(as_array(corpus.eval))
+    assert held == "\n".join(DOCS[:4]).encode()  # whole records, up to the first that reaches the cap
+
+
 def test_formats_other_than_text_need_a_path():
     with pytest.raises(ConfigError, match='format = "jsonl" needs path'):
         data_section("data.format=jsonl")
