@@ -22,7 +22,7 @@ $(BIN)/.installed: pyproject.toml
 
 install: $(BIN)/.installed
 
-# A local swarm of $(PEERS) peers through the real CLI; Ctrl-C stops it, ROUNDS=N exits after N rounds.
+# A local swarm of $(PEERS) peers through the real CLI; Ctrl-C stops it, ROUNDS=N exits once every peer did N rounds.
 demo: install
 	$(BIN)/python -m lowcomm.node.localswarm --peers $(PEERS) $(if $(ROUNDS),--rounds $(ROUNDS),)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +22,18 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 Event = dict[str, Any]
+
+
+class NodeExited(TimeoutError):
+    """The awaited event can no longer come: the node process has ended. A ``TimeoutError`` for
+    the callers that give up on an event either way; ``code`` and ``error`` (the node's own error
+    line) say why."""
+
+    def __init__(self, message: str, name: str, code: int, error: str) -> None:
+        super().__init__(message)
+        self.name = name
+        self.code = code
+        self.error = error
 
 
 def node_command() -> list[str]:
@@ -93,11 +106,31 @@ class NodeProcess:
                         return self.events[index]
                     index += 1
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
-                    tail = "\n".join(self.raw_lines[-15:])
+                code = self.proc.poll()
+                if code is not None and not self._reader.is_alive():
+                    error = self._error_line()
+                    raise NodeExited(f"{self.name} exited with code {code} before the expected event: {error}\n"
+                                     f"last lines:\n{self._tail()}", self.name, code, error)
+                if remaining <= 0:
                     raise TimeoutError(f"{self.name}: expected event did not come within {timeout:.0f}s; "
-                                       f"exit code {self.proc.poll()}; last lines:\n{tail}")
+                                       f"exit code {code}; last lines:\n{self._tail()}")
                 self._cond.wait(min(remaining, 1.0))
+
+    def _tail(self) -> str:
+        return "\n".join(self.raw_lines[-15:])
+
+    def _error_line(self) -> str:
+        """The node's own account of its failure: its last error (a JSON error record or a plain
+        ``...: error: ...`` line from the CLI or argparse), else its last line. Under ``_cond``."""
+        for event in reversed(self.events):
+            msg = str(event.get("msg", ""))
+            if event.get("level") in ("error", "critical") or (event.get("level") == "raw" and "error" in msg.lower()):
+                return msg
+        return self.raw_lines[-1] if self.raw_lines else "(no output)"
+
+    def error_line(self) -> str:
+        with self._cond:
+            return self._error_line()
 
     def wait_event(self, name: str, timeout: float, start: int = 0, **fields: Any) -> Event:
         return self.wait_for(lambda e: e.get("event") == name and all(e.get(k) == v for k, v in fields.items()),
@@ -159,37 +192,114 @@ def _print_event(name: str, event: Event) -> None:
         print(f"[{name}] {event.get('msg')}", flush=True)
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+# What the demo makes in its workdir: one checkpoint folder per peer (``peer_args``).
+PEER_FOLDER = re.compile(r"peer-[0-9]+")
+
+
+def clear_workdir(workdir: Path) -> str | None:
+    """Start the demo afresh: remove the peer folders a previous demo left in ``workdir``, and
+    nothing else. A workdir that holds anything the demo did not make is left alone; the
+    returned message says why (None: cleared)."""
+    if not workdir.exists():
+        return None
+    if not workdir.is_dir():
+        return f"--workdir {workdir} is a file, not a folder; pick an empty or new folder"
+    entries = sorted(workdir.iterdir())
+    foreign = [p.name for p in entries if not (PEER_FOLDER.fullmatch(p.name) and p.is_dir() and not p.is_symlink())]
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        return (f"--workdir {workdir} holds {foreign[0]!r}{more}, which the demo did not make (it starts "
+                f"afresh by removing only its own peer-N folders); pick an empty or new folder, or pass --keep "
+                f"to resume from the checkpoints there")
+    for path in entries:
+        shutil.rmtree(path)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Start a local swarm of lowcomm nodes on loopback.")
-    parser.add_argument("--peers", type=int, default=3, help="number of peers (default 3)")
-    parser.add_argument("--rounds", type=int, default=None, help="stop after this many rounds (default: until Ctrl-C)")
-    parser.add_argument("--workdir", type=Path, default=Path("runs/demo"), help="checkpoints of the peers")
+    parser = argparse.ArgumentParser(prog="python -m lowcomm.node.localswarm",
+                                     description="Start a local swarm of lowcomm nodes on loopback.")
+    parser.add_argument("--peers", type=_at_least_one, default=3, help="number of peers, at least 1 (default 3)")
+    parser.add_argument("--rounds", type=_at_least_one, default=None,
+                        help="stop once every peer has completed this many rounds (default: until Ctrl-C)")
+    parser.add_argument("--workdir", type=Path, default=Path("runs/demo"),
+                        help="checkpoints of the peers, in peer-N folders, removed at the start unless --keep "
+                             "(default runs/demo; a folder holding anything else is refused)")
     parser.add_argument("--keep", action="store_true", help="resume from the checkpoints of a previous demo")
     parser.add_argument("extra", nargs="*", help="extra `join` flags for every peer (after --)")
     args = parser.parse_args(argv)
-    if args.workdir.exists() and not args.keep:
-        shutil.rmtree(args.workdir)
-    extra = list(args.extra) + (["--max-rounds", str(args.rounds)] if args.rounds else [])
+    if not args.keep:
+        try:
+            refused = clear_workdir(args.workdir)
+        except OSError as err:
+            refused = f"cannot clear --workdir {args.workdir}: {err}"
+        if refused:
+            print(f"{parser.prog}: error: {refused}", file=sys.stderr)
+            return 2
+    extra = list(args.extra)
     nodes: list[NodeProcess] = []
     stopping = threading.Event()
+    news = threading.Event()  # an event was logged: look again
 
     def stop(*_: Any) -> None:
         stopping.set()
+        news.set()
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    print(f"starting {args.peers} peers on loopback (checkpoints in {args.workdir}); Ctrl-C stops them", flush=True)
+    def echo(name: str, event: Event) -> None:
+        _print_event(name, event)
+        news.set()
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    print(f"starting {args.peers} peers on loopback (checkpoints in {args.workdir}); "
+          + (f"they stop once every peer has completed {args.rounds} round(s); " if args.rounds else "")
+          + "Ctrl-C stops them", flush=True)
+    reported: set[str] = set()  # peers whose failure is told already
+    start_failed = False
     try:
-        first = NodeProcess("peer-0", peer_args(args.workdir, 0, extra=extra), echo=_print_event)
+        # With --rounds, the joiners stop by themselves after their rounds (--max-rounds). The first
+        # peer, which the others bootstrap from and round with, is not limited: alone, it could
+        # finish its rounds before the others have started and leave them nobody to join. The demo
+        # stops it once every joiner is done and it has completed its own rounds too.
+        first = NodeProcess("peer-0", peer_args(args.workdir, 0, extra=extra), echo=echo)
         nodes.append(first)
         maddr = first.multiaddr
+        joiner_extra = extra + (["--max-rounds", str(args.rounds)] if args.rounds else [])
         for index in range(1, args.peers):
-            nodes.append(NodeProcess(f"peer-{index}", peer_args(args.workdir, index, [maddr], extra), echo=_print_event))
-        while not stopping.is_set() and any(n.proc.poll() is None for n in nodes):
-            stopping.wait(0.5)
+            nodes.append(NodeProcess(f"peer-{index}", peer_args(args.workdir, index, [maddr], joiner_extra),
+                                     echo=echo))
+        while not stopping.is_set():
+            news.clear()
+            if all(n.proc.poll() is not None for n in nodes):
+                break
+            if args.rounds:
+                broken = [n for n in nodes if n.proc.poll() not in (None, 0)]
+                if broken:
+                    for node in broken:
+                        print(f"{node.name} exited with code {node.proc.poll()}: {node.error_line()}",
+                              file=sys.stderr, flush=True)
+                        reported.add(node.name)
+                    break
+                if all(n.proc.poll() == 0 for n in nodes[1:]) and len(first.rounds()) >= args.rounds:
+                    print(f"every peer completed {args.rounds} round(s)", flush=True)
+                    break
+            news.wait(0.5)  # and look at the processes again: an exit logs nothing
+    except NodeExited as err:
+        print(f"local swarm failed to start: {err.name} exited with code {err.code}: {err.error}", file=sys.stderr)
+        reported.add(err.name)
+        start_failed = True
     except TimeoutError as err:
         print(f"local swarm failed to start: {err}", file=sys.stderr)
-        stopping.set()
+        start_failed = True
     finally:
         for node in nodes:
             node.signal(signal.SIGTERM)
@@ -200,9 +310,12 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 node.kill_all()
                 codes.append(-9)
-    failed = [f"{n.name}={c}" for n, c in zip(nodes, codes) if c != 0]
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    failed = [f"{n.name}={c}" for n, c in zip(nodes, codes) if c != 0 and n.name not in reported]
     if failed:
         print(f"some peers did not exit cleanly: {', '.join(failed)}", file=sys.stderr)
+    if failed or reported or start_failed:
         return 1
     print("all peers stopped cleanly", flush=True)
     return 0

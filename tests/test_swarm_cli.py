@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
+import sys
+from pathlib import Path
 
 import psutil
 import pytest
 
+from lowcomm.node import localswarm
 from lowcomm.node.checkpoint import list_checkpoints
 from lowcomm.node.localswarm import node_command
+
+from .conftest import FAST
 
 pytestmark = pytest.mark.multiprocess
 
@@ -133,3 +140,106 @@ def test_killed_peer_does_not_stall_the_round_and_rejoins_after_restart(swarm):
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], f"children outlived their node: {alive}"
     for index in range(3):
         assert list_checkpoints(swarm.workdir / f"peer-{index}"), "no checkpoint written"
+
+
+# -- the demo launcher (`make demo`: python -m lowcomm.node.localswarm) ------------------------------
+
+DEMO_ROUND = re.compile(r"^\[(peer-\d+)\] step \d+ \|.*\| group (\d+) \|")
+
+
+def run_demo(tmp_path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """The demo as `make demo` runs it; whatever it started is killed if it outlives ``timeout``."""
+    proc = subprocess.Popen([sys.executable, "-m", "lowcomm.node.localswarm", *args], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:  # each node runs in its own session: kill them one by one
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                try:
+                    os.killpg(child.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    child.kill()
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture
+def no_nodes(monkeypatch):
+    """localswarm.main in this process with NodeProcess replaced: the list records each start
+    as (name, the workdir's entries at that moment), then the start fails as a timeout would."""
+    started = []
+
+    def fake(name, args, *_, **__):
+        workdir = Path(args[args.index("--checkpoint-dir") + 1]).parent
+        started.append((name, sorted(p.name for p in workdir.iterdir()) if workdir.is_dir() else None))
+        raise TimeoutError(f"{name}: no real node in this test")
+
+    monkeypatch.setattr(localswarm, "NodeProcess", fake)
+    return started
+
+
+def test_demo_refuses_a_workdir_holding_files_it_did_not_make(tmp_path, no_nodes, capsys):
+    workdir = tmp_path / "important"
+    (workdir / "peer-0").mkdir(parents=True)
+    (workdir / "thesis.txt").write_text("years of work")
+    assert localswarm.main(["--workdir", str(workdir), "--rounds", "1"]) == 2
+    assert (workdir / "thesis.txt").read_text() == "years of work"
+    assert (workdir / "peer-0").is_dir()  # nothing removed, not even what looks like the demo's
+    assert no_nodes == []
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "--workdir" in err[0] and "thesis.txt" in err[0] and "--keep" in err[0], err
+    # --keep resumes in it: nothing is removed either.
+    assert localswarm.main(["--workdir", str(workdir), "--rounds", "1", "--keep"]) == 1
+    assert no_nodes == [("peer-0", ["peer-0", "thesis.txt"])]
+
+
+def test_demo_rerun_removes_the_peer_folders_of_the_last_demo_only(tmp_path, no_nodes):
+    workdir = tmp_path / "demo"
+    for name in ("peer-0", "peer-4"):  # a previous demo, with more peers
+        (workdir / name).mkdir(parents=True)
+        (workdir / name / "step-000000001.ckpt").write_bytes(b"old")
+    assert localswarm.main(["--workdir", str(workdir), "--rounds", "1"]) == 1  # fails at the fake start
+    assert no_nodes == [("peer-0", [])]  # started afresh in the same folder, without asking
+
+
+@pytest.mark.parametrize("flag, value", [("--peers", "0"), ("--peers", "-2"), ("--rounds", "0"),
+                                         ("--rounds", "-1"), ("--peers", "three")])
+def test_demo_refuses_fewer_than_one_peer_or_round(tmp_path, no_nodes, capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_info:
+        localswarm.main(["--workdir", str(tmp_path / "demo"), flag, value])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {flag}:" in error and "at least 1" in error and value in error, error
+    assert no_nodes == []
+
+
+def test_demo_reports_a_peers_own_error_not_a_timeout(tmp_path):
+    result = run_demo(tmp_path, "--peers", "2", "--rounds", "1", "--workdir", str(tmp_path / "demo"),
+                      "--", "--no-such-flag")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "did not come" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "peer-0 exited with code 2" in lines[0] and "unrecognized arguments: --no-such-flag" in lines[0]
+
+
+def test_demo_rounds_with_short_inner_phases_every_peer_takes_part(tmp_path):
+    # Two inner steps: the first peer finishes rounds alone in a fraction of a second, long before
+    # the others have started (once it stopped after its 2 rounds and they found nobody to join).
+    flags = [*FAST, "--set", "train.inner_steps=2"]
+    workdir = tmp_path / "demo"
+    result = run_demo(tmp_path, "--peers", "3", "--rounds", "2", "--workdir", str(workdir), "--", *flags)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all peers stopped cleanly" in result.stdout
+    rounds: dict[str, list[int]] = {}
+    for line in result.stdout.splitlines():
+        if match := DEMO_ROUND.match(line):
+            rounds.setdefault(match.group(1), []).append(int(match.group(2)))
+    assert sorted(rounds) == ["peer-0", "peer-1", "peer-2"], result.stdout
+    assert all(len(sizes) >= 2 for sizes in rounds.values()), rounds
+    assert all(max(rounds[name]) >= 2 for name in ("peer-1", "peer-2")), rounds  # with another peer
+    for index in range(3):
+        assert list_checkpoints(workdir / f"peer-{index}")
