@@ -22,7 +22,10 @@ def _numeric_only(annotation: Any) -> bool:
 
 class ConfigSection(BaseModel):
     # Unknown keys are errors: a typo in a run config must not silently fall back to a default.
+    # inf and nan are refused everywhere: an outer_lr of inf committed a NaN model to the
+    # checkpoint, and no rate, factor or timeout means anything at infinity.
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False,
                               coerce_numbers_to_str=True)  # --set run.name=123 means the string
 
     @field_validator("*", mode="before")
@@ -146,8 +149,9 @@ class TrainSection(ConfigSection):
     """H: inner optimizer steps between two outer rounds."""
     batch_size: int = Field(16, ge=1)
     """Sequences per forward pass; an inner step sees batch_size × micro_batches of them."""
-    lr: float = Field(1e-3, gt=0.0)
-    """Peak learning rate of the inner AdamW optimizer."""
+    lr: float = Field(1e-3, gt=0.0, le=10.0)
+    """Peak learning rate of the inner AdamW optimizer. At most 10: Adam moves every weight by
+    about lr a step, so far less than 1 is what trains (beyond ~1e37 torch's step overflows)."""
     weight_decay: float = Field(0.1, ge=0.0)
     """AdamW weight decay."""
     warmup_steps: int = Field(20, ge=0)
@@ -167,6 +171,15 @@ class TrainSection(ConfigSection):
     """mtdao: decay of the slow first moment (0.99..0.999: a horizon longer than an inner phase)."""
     mtdao_slow_weight: float = Field(0.5, ge=0.0, le=1.0)
     """mtdao: weight of the slow moment in the step (1 − it is the fast moment's)."""
+
+    @model_validator(mode="after")
+    def _decay_keeps_the_weights(self) -> "TrainSection":
+        # Decoupled weight decay scales every weight by 1 − lr·weight_decay each step: at 1 or
+        # more it zeroes or flips them, and the local model diverged every round, forever.
+        if self.lr * self.weight_decay >= 1.0:
+            raise ValueError(f"lr × weight_decay is {self.lr * self.weight_decay:g}: each step scales the weights by "
+                             f"1 − lr·weight_decay, so it must stay below 1 (e.g. weight_decay = 0.1 with lr = 1e-3)")
+        return self
 
 
 # ``[sync] method``: a named sync algorithm sets several keys together (README, "Sync options").
@@ -263,9 +276,10 @@ class SyncSection(ConfigSection):
     10th step, which refreshes the bandwidths; it needs what a ring needs."""
     group_size: int = Field(16, ge=2)
     """Largest group a leader closes."""
-    outer_lr: float = Field(1.0, gt=0.0)
+    outer_lr: float = Field(1.0, gt=0.0, le=10.0)
     """Learning rate of the outer Nesterov SGD step. 1.0 with momentum 0.5 measured best at 4 peers and
-    H=50 (bench/RESULTS.md section 1c; the DiLoCo paper's 0.7 / 0.9 ended 1.4 % higher)."""
+    H=50 (bench/RESULTS.md section 1c; the DiLoCo paper's 0.7 / 0.9 ended 1.4 % higher). At most
+    10: the step moves θ_global by outer_lr times the averaged change of the inner steps."""
     outer_momentum: float = Field(0.5, ge=0.0, lt=1.0)
     """Momentum of the outer step (see outer_lr)."""
     matchmaking_buckets: bool = True

@@ -47,9 +47,14 @@ from .progress import InnerProgress
 from .runstats import RunStats
 from .state_sync import OptimizerStateHolding, StateSync
 from .train_thread import TrainThread
+from .trainer import Trainer
 
 log = logging.getLogger("lowcomm.node")
 T = TypeVar("T")
+
+# A local model that diverges this many rounds in a row, each time from θ_global, will not train
+# at these settings: the node stops and says what to lower instead of resetting forever.
+DIVERGED_ROUNDS_LIMIT = 3
 # A watcher of an inner phase: sets the event to end the phase early (node/overlap.py).
 PhaseWatch = Callable[[threading.Event], Awaitable[None]]
 
@@ -91,6 +96,7 @@ class RoundDriver:
         self.human = human  # a progress bar of the inner steps (InnerProgress: on a terminal only)
         self.committing: asyncio.Task | None = None  # the local part of the last round
         self._nan_injected = False
+        self._diverged_in_a_row = 0  # rounds whose local model diverged since the last that did not
         # [sync] state_sync (DES-LOC, MT-DAO): optimizer-state rounds after a round's commit.
         self.state_sync: StateSync | None = None
         if config.sync.state_sync:
@@ -269,8 +275,21 @@ class RoundDriver:
             await self.in_train_thread(self.trainer.reset_to, self.state.params)
             self.stats.tokens_since_round = 0
             self.metrics.round_failures.labels(reason="diverged").inc()
+            self._diverged_in_a_row += 1
+            if self._diverged_in_a_row >= DIVERGED_ROUNDS_LIMIT:
+                raise FatalError(self._unstable_training())
             return None
+        self._diverged_in_a_row = 0
         return fragment, delta, local
+
+    def _unstable_training(self) -> str:
+        """Why the node stops after DIVERGED_ROUNDS_LIMIT divergences in a row, and what to change."""
+        train = self.config.train
+        knobs = (f"lower [train] lr (now {train.lr:g}) or grad_clip (now {train.grad_clip:g})"
+                 if isinstance(self.trainer, Trainer) else "lower your optimizer's learning rate")
+        return (f"the local model diverged (non-finite weights) in {self._diverged_in_a_row} rounds in a row, each "
+                f"time restarted from the global parameters of step {self.state.step}: the inner training is unstable "
+                f"at these settings; {knobs}. The checkpoint of step {self.state.step} is kept")
 
     def local_params_now(self) -> torch.Tensor:
         """Training thread: the local parameters, after whatever the inbox still had for them."""

@@ -83,3 +83,15 @@ def build_unary_loss() -> tuple[nn.Module, object]:
 def build_buggy() -> nn.Module:
     """Breaks the contract: the function itself fails (a bug in the user's code)."""
     raise ValueError("a bug in the user's factory")
+
+
+class Exploding(BigramLoss):
+    """Trains to non-finite weights within one inner step, every time: its loss is infinite."""
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return super().forward(inputs, targets) * torch.tensor(float("inf"))
+
+
+def build_exploding() -> nn.Module:
+    """An unstable model: a local model that diverges in every round (the node stops, saying so)."""
+    return Exploding(256, 8)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lowcomm.node import cli
-from lowcomm.node.checkpoint import list_checkpoints
+from lowcomm.node.checkpoint import list_checkpoints, read
 from lowcomm.node.localswarm import node_command
 
 from .conftest import FAST
@@ -191,6 +191,17 @@ def test_corrupted_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert second.returncode == 0, second.stderr
     assert "skipping checkpoint step-000000002.ckpt" in second.stdout
     assert "resumed from checkpoint" in second.stdout and "step-000000001.ckpt" in second.stdout
+
+
+def test_a_local_model_that_diverges_every_round_stops_the_node_naming_what_to_lower(tmp_path):
+    # It reset to θ_global and diverged again, one error line a round, forever.
+    result = run_join(tmp_path, *FAST, "--set", "train.inner_steps=2", "--set", "model.factory=tests.factory_model:build_exploding",
+                      "--max-rounds", "10")
+    error = assert_one_line_error(result, "diverged (non-finite weights) in 3 rounds in a row", "lower [train] lr (now 0.001)")
+    assert result.returncode == 1, error
+    assert result.stdout.count('"event": "diverged"') == 3
+    (newest,) = list_checkpoints(tmp_path / "ckpt")  # the stop's, of step 0: the global parameters, finite
+    assert newest.name == "step-000000000.ckpt" and bool(read(newest)["params"].isfinite().all())
 
 
 def test_peer_with_another_run_config_is_refused_on_both_sides(swarm, tmp_path):

@@ -168,6 +168,24 @@ def test_a_boolean_for_a_number_is_refused_and_numbers_as_strings_still_convert(
     assert (config.node.client_mode, config.train.inner_steps, config.node.metrics_port) == (True, 50, 9100)
 
 
+@pytest.mark.parametrize("override", ["sync.outer_lr=inf", "train.lr=nan", "sync.reduce_timeout=inf",
+                                      "train.weight_decay=inf", "sync.quorum=nan"])
+def test_inf_and_nan_are_refused(override):
+    # sync.outer_lr=inf committed NaN global parameters to the checkpoint; train.lr=nan trained NaN.
+    with pytest.raises(ConfigError, match=r"= (inf|nan) is invalid: Input should be a finite number"):
+        load_config(overrides=[override], environ={})
+
+
+def test_learning_rates_that_can_only_blow_up_are_refused_and_say_why():
+    # lr=1e308 was a traceback from torch's Adam step; weight_decay=1e308 diverged every round, forever.
+    for override in ("train.lr=1e308", "sync.outer_lr=11"):
+        with pytest.raises(ConfigError, match="less than or equal to 10"):
+            load_config(overrides=[override], environ={})
+    with pytest.raises(ConfigError, match=r"lr × weight_decay is 1\.5: each step scales the weights by 1 − lr·weight_decay"):
+        load_config(overrides=["train.lr=0.5", "train.weight_decay=3"], environ={})
+    assert load_config(overrides=["train.lr=0.5", "train.weight_decay=1.9"], environ={}).train.weight_decay == 1.9
+
+
 def test_out_of_range_value(tmp_path):
     path = write(tmp_path, "[sync]\ngroup_size = 1\n")
     with pytest.raises(ConfigError, match=r"\[sync\] group_size"):
