@@ -71,7 +71,8 @@ def setup_logging(fmt: str, level: str, stream=None) -> bool:
         use_hivemind_log_handler("nowhere")  # hivemind records propagate to our root handler
     except ImportError:  # pragma: no cover - hivemind is a hard dependency
         pass
-    # hivemind and gRPC are chatty at INFO; their warnings still come through.
-    for noisy in ("hivemind", "grpc", "asyncio"):
+    # hivemind and gRPC are chatty at INFO (torch too: "FakeTensor cache stats" on a Ctrl-C
+    # during its first compile); their warnings still come through.
+    for noisy in ("hivemind", "grpc", "asyncio", "torch"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
     return human

@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from ..protocol.handshake import describe_difference
 from . import checkpoint
 from .config import Config
 from .errors import FatalError
@@ -41,8 +42,11 @@ def restore(config: Config, trainer: TrainerPort) -> Restored:
 
     def parse(payload: dict[str, Any]) -> tuple[GlobalState, dict[str, Any]]:
         if payload.get("config_fingerprint") != cfg.run_fingerprint():
+            made_with = payload.get("run_config")  # checkpoints from before it was kept lack it
+            differs = (f" ({describe_difference(made_with, cfg.run_config_json(), 'checkpoint', 'now')})"
+                       if isinstance(made_with, str) else "")
             raise FatalError(
-                f"a checkpoint in {cfg.node.checkpoint_dir} belongs to another run config; use another "
+                f"a checkpoint in {cfg.node.checkpoint_dir} belongs to another run config{differs}; use another "
                 f"--checkpoint-dir or the run config it was made with"
             )
         if not isinstance(payload.get("trainer"), dict):
@@ -83,6 +87,7 @@ def save(config: Config, state: dict[str, Any], trainer_state: dict[str, Any], t
     """Write the checkpoint of ``state`` (``GlobalState.to_checkpoint`` or a frozen copy of it)."""
     payload = state | {
         "config_fingerprint": config.run_fingerprint(),
+        "run_config": config.run_config_json(),  # so that a mismatch can name the keys that differ
         "trainer": trainer_state,
         "tokens_total": tokens_total,
     }

@@ -204,6 +204,16 @@ def test_a_local_model_that_diverges_every_round_stops_the_node_naming_what_to_l
     assert newest.name == "step-000000000.ckpt" and bool(read(newest)["params"].isfinite().all())
 
 
+def test_a_checkpoint_of_another_run_config_names_the_keys_that_differ(tmp_path):
+    assert run_join(tmp_path, *FAST, "--max-rounds", "1").returncode == 0
+    kept = {path: path.read_bytes() for path in list_checkpoints(tmp_path / "ckpt")}
+    result = run_join(tmp_path, *FAST, "--set", "train.lr=0.002", "--max-rounds", "1")
+    error = assert_one_line_error(result, "belongs to another run config ([train] lr: checkpoint 0.001, now 0.002)",
+                                  "use another --checkpoint-dir")
+    assert result.returncode == 1, error
+    assert {path: path.read_bytes() for path in list_checkpoints(tmp_path / "ckpt")} == kept  # nothing written
+
+
 def test_peer_with_another_run_config_is_refused_on_both_sides(swarm, tmp_path):
     first = swarm.start(0)
     first.ready()
