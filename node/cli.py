@@ -535,6 +535,18 @@ def grpc_target(value: str) -> str:
     return value
 
 
+def seconds(value: str) -> float:
+    """``--timeout``: a finite number of seconds above 0 (a negative one failed at once with a
+    misleading "no node answered")."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not (0 < number < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {value}")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowcomm-node", description="Peer-to-peer low-communication training node.")
     parser.add_argument("--version", action="version", version=f"lowcomm {__version__}")
@@ -547,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--target", type=grpc_target, default="127.0.0.1:7701", metavar="HOST:PORT",
                        help="the node's gRPC address")
-        p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+        p.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for an answer")
         p.add_argument("--tls-cert", metavar="PEM", help="the node serves TLS: trust this certificate "
                                                          "(default: LOWCOMM_TLS_CERT if set)")
         if name == "status":

@@ -34,3 +34,15 @@ def test_a_target_without_a_usable_port_is_a_usage_error() -> None:
         assert exit_info.value.code == 2, target
     for target in ("127.0.0.1:7701", "[::1]:7701", "node-3.example:65535"):
         assert cli.build_parser().parse_args(["healthcheck", "--target", target]).target == target
+
+
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_a_usage_error(capsys) -> None:
+    # --timeout -1 failed at once with "no node answered", as if the node were down.
+    from lowcomm.node import cli
+
+    for timeout in ("-1", "0", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.build_parser().parse_args(["status", "--timeout", timeout])
+        assert exit_info.value.code == 2, timeout
+        assert "argument --timeout:" in capsys.readouterr().err
+    assert cli.build_parser().parse_args(["healthcheck", "--timeout", "0.5"]).timeout == 0.5
