@@ -128,11 +128,17 @@ class Config(ConfigSection):
         return json.dumps(self.run_config(), sort_keys=True, separators=(",", ":"))
 
     def run_fingerprint(self) -> str:
-        return hashlib.sha256(self.run_config_json().encode()).hexdigest()
+        return fingerprint_of(self.run_config_json())
 
     @property
     def identity_path(self) -> Path:
         return self.node.identity or self.node.checkpoint_dir / "identity.key"
+
+
+def fingerprint_of(run_config_json: str) -> str:
+    """The run fingerprint of a ``Config.run_config_json()`` (for a caller that keeps the JSON
+    too: building it reads the tokenizer's and the model config's files)."""
+    return hashlib.sha256(run_config_json.encode()).hexdigest()
 
 
 class ConfigError(Exception):

@@ -52,7 +52,7 @@ from .averaging import Averager
 from .cancel import cancel_and_wait
 from .catchup import CatchUp
 from .commit import Committer
-from .config import Config
+from .config import Config, fingerprint_of
 from .dht import swarm_clock
 from .driver import RoundDriver, StopSignals
 from .errors import FatalError
@@ -88,7 +88,8 @@ class Node:
         self.dht = dht
         self.human = human
         self.peer_id = str(dht.peer_id)
-        self.identity = Identity(self.peer_id, config.run_fingerprint(), config.run_config_json())
+        run_config = config.run_config_json()
+        self.identity = Identity(self.peer_id, fingerprint_of(run_config), run_config)
         self.codec = codecs.get_codec(config.sync.codec)
         self.metrics = NodeMetrics()
         self.metrics.set_build_info(config.sync.codec, config.sync.mode)

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..protocol.handshake import describe_difference
 from . import checkpoint
-from .config import Config
+from .config import Config, fingerprint_of
 from .errors import FatalError
 from .globalstate import GlobalState
 from .optimizers import capture_served, served_state_names
@@ -85,9 +85,10 @@ def restore(config: Config, trainer: TrainerPort) -> Restored:
 
 def save(config: Config, state: dict[str, Any], trainer_state: dict[str, Any], tokens_total: int) -> None:
     """Write the checkpoint of ``state`` (``GlobalState.to_checkpoint`` or a frozen copy of it)."""
+    run_config = config.run_config_json()
     payload = state | {
-        "config_fingerprint": config.run_fingerprint(),
-        "run_config": config.run_config_json(),  # so that a mismatch can name the keys that differ
+        "config_fingerprint": fingerprint_of(run_config),
+        "run_config": run_config,  # so that a mismatch can name the keys that differ
         "trainer": trainer_state,
         "tokens_total": tokens_total,
     }
