@@ -56,7 +56,7 @@ def _add_join_flags(parser: argparse.ArgumentParser) -> None:
              "so a run shares one certificate or a CA appended to each peer's certificate")
     add("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
     add("--client-mode", action="store_const", const=True, default=None,
-        help="no inbound connections: own no shard, serve no state (behind NAT)")
+        help="no inbound connections: own no shard, serve no state (behind NAT; needs --peers)")
     add("--max-rounds", type=int, metavar="N", help="exit 0 after N completed outer rounds")
     add("--max-clock-offset", type=float, metavar="S",
         help="largest offset (seconds) of this machine's clock from the swarm's that is corrected "
@@ -286,6 +286,13 @@ def cmd_join(args: argparse.Namespace) -> int:
     except RuntimeError as err:
         return _fail(str(err), EXIT_USAGE)
 
+    from .errors import FatalError
+    from .trainer import pick_device
+
+    try:
+        pick_device(config.node.device)  # before the DHT starts and the checkpoint folder is made
+    except FatalError as err:
+        return _fail(str(err))
     from .logs import setup_logging
 
     human = setup_logging(config.node.log_format, config.node.log_level)
@@ -313,7 +320,6 @@ def cmd_join(args: argparse.Namespace) -> int:
         import uvloop
 
         from .daemon import Node
-        from .errors import FatalError
 
         try:
             code = uvloop.run(Node(config, dht, human, run_secret, tls).run())

@@ -15,17 +15,29 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from .config import Config
+from .errors import FatalError
 from .data import Corpus, DataError, ShardSampler, eval_batches, load_data
 from .models import build_model_for, vocab_size_of
 from .ports import PhaseStats  # noqa: F401 (re-exported: part of this module's API)
 
 
 def pick_device(choice: str) -> torch.device:
+    """The device ``[node] device`` names; ``cuda`` without a usable CUDA device is a FatalError
+    that says why (a CPU-only torch build, or no GPU visible) and what to do instead."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda was asked for but torch sees no CUDA device")
+            raise FatalError(f"--device cuda: {_why_no_cuda()}, or use --device auto (CUDA where "
+                             "there is a GPU, else CPU) or --device cpu")
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+def _why_no_cuda() -> str:
+    if torch.version.cuda is None:
+        return (f"this torch ({torch.__version__}) is built without CUDA: install a CUDA build of "
+                "torch in its place")
+    return (f"torch (built for CUDA {torch.version.cuda}) sees no CUDA device: check the driver "
+            "(nvidia-smi) and CUDA_VISIBLE_DEVICES")
 
 
 def copy_flat_into(params: list[torch.Tensor], flat: torch.Tensor) -> None:
