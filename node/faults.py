@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
+from .errors import FatalError
+
 PREFIX = "LOWCOMM_FAULT_"
 # Handled outside the node's own code (tests/faultinject/sitecustomize.py patches the process).
 EXTERNAL = frozenset({"DIE_SERVING", "DIE_IN_RING"})
@@ -36,13 +38,16 @@ class Faults:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Faults":
+        """The faults ``env`` (default: this process's environment) asks for; a variable with the
+        prefix that is not one of them, or a value that is not a number, is a FatalError (one line
+        from the CLI, not a traceback)."""
         env = os.environ if env is None else env
         names = {"NAN_ROUND": "nan_round", "SLOW_STEP": "slow_step", "HOLD_ROUND": "hold_round",
                  "HOLD_AS_LEADER": "hold_as_leader", "BUSY_CODEC_ROUND": "busy_codec_round",
                  "MISS_ROUND": "miss_round"}
         unknown = sorted(k for k in env if k.startswith(PREFIX) and k[len(PREFIX):] not in names.keys() | EXTERNAL)
         if unknown:
-            raise ValueError(f"unknown fault injection variable(s) {', '.join(unknown)}; known: "
+            raise FatalError(f"unknown fault injection variable(s) {', '.join(unknown)}; known: "
                              f"{', '.join(PREFIX + n for n in names)}")
         values: dict[str, float | int] = {}
         for suffix, field in names.items():
@@ -51,5 +56,5 @@ class Faults:
                 try:
                     values[field] = float(raw) if field == "slow_step" else int(raw)
                 except ValueError:
-                    raise ValueError(f"{PREFIX}{suffix}={raw!r} is not a number") from None
+                    raise FatalError(f"{PREFIX}{suffix}={raw!r} is not a number") from None
         return cls(**values)

@@ -220,3 +220,17 @@ def test_peer_with_another_run_config_is_refused_on_both_sides(swarm, tmp_path):
     result = run_join(tmp_path, *FAST, "--set", "sync.codec=int4", "--peers", first.multiaddr, timeout=120)
     assert_one_line_error(result, "[sync] codec", "int4", "int8")
     first.wait_for(lambda e: e.get("level") == "warning" and "[sync] codec" in e.get("msg", ""), 30)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a CUDA device")
+def test_device_cuda_without_cuda_is_one_line_before_anything_starts(tmp_path):
+    # It was a traceback from the training thread, after the DHT had started.
+    result = run_join(tmp_path, "--device", "cuda")
+    assert_one_line_error(result, "--device cuda", "without CUDA", "--device auto")
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_mistyped_fault_injection_variable_is_one_line(tmp_path):
+    # It was a traceback out of the node's constructor.
+    result = run_join(tmp_path, env={"LOWCOMM_FAULT_HOLD_RUOND": "2"})
+    assert_one_line_error(result, "LOWCOMM_FAULT_HOLD_RUOND", "LOWCOMM_FAULT_HOLD_ROUND")
