@@ -383,7 +383,7 @@ class NodeSection(ConfigSection):
     tls_key: Path | None = None
     """PEM private key matching tls_cert."""
     client_mode: bool = False
-    """No inbound connections: own no shard, serve no state (for peers behind NAT)."""
+    """No inbound connections: own no shard, serve no state (for peers behind NAT; needs peers)."""
     max_rounds: int | None = Field(None, ge=1)
     """Exit 0 after this many outer rounds of this process."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -426,4 +426,13 @@ class NodeSection(ConfigSection):
                 raise ValueError(f"{taken[port]} and {name} are both {port}: the DHT, gRPC and metrics servers need "
                                  f"a port each (0: a free one)")
             taken[port] = name
+        return self
+
+    @model_validator(mode="after")
+    def _client_has_peers(self) -> "NodeSection":
+        # A client owns no shard and accepts no connection, so nobody can average with it until it
+        # reaches a listening peer: without peers it waited at step 0 forever.
+        if self.client_mode and not self.peers:
+            raise ValueError("client_mode needs peers: a client-mode node only connects out, so it cannot start a "
+                             "swarm; give --peers the multiaddr of a reachable node (one started without --client-mode)")
         return self

@@ -10,6 +10,8 @@ import pytest
 from lowcomm.node.cli import render_default_config
 from lowcomm.node.config import CODEC_CHOICES, Config, ConfigError, load_config, parse_override
 
+A_PEER = "/ip4/127.0.0.1/tcp/7700/p2p/QmXRFQRfTWsEXpbA9u6eaaWzmMBrx6k2vW1ppoC8ot9rtN"  # client mode needs one
+
 
 def write(tmp_path: Path, text: str, name: str = "run.toml") -> Path:
     path = tmp_path / name
@@ -52,7 +54,7 @@ log_level = "warning"
 def test_set_overrides_file_and_parses_toml_values(tmp_path):
     path = write(tmp_path, '[sync]\ncodec = "int4"\n[train]\ninner_steps = 3\n')
     cfg = load_config(path, overrides=["sync.codec=fp16", "train.inner_steps=11", "train.lr=0.5",
-                                       "node.client_mode=true"], environ={})
+                                       "node.client_mode=true", f"node.peers=['{A_PEER}']"], environ={})
     assert cfg.sync.codec == "fp16"  # bare word: a string
     assert cfg.train.inner_steps == 11
     assert cfg.train.lr == 0.5
@@ -69,7 +71,7 @@ def test_config_file_from_environment(tmp_path):
 
 def test_env_values_are_typed_and_empty_is_unset():
     cfg = load_config(environ={
-        "LOWCOMM_CLIENT_MODE": "true", "LOWCOMM_GRPC_PORT": "0", "LOWCOMM_HEARTBEAT_INTERVAL": "0.5",
+        "LOWCOMM_CLIENT_MODE": "true", "LOWCOMM_PEERS": A_PEER, "LOWCOMM_GRPC_PORT": "0", "LOWCOMM_HEARTBEAT_INTERVAL": "0.5",
         "LOWCOMM_CHECKPOINT_DIR": "/tmp/x", "LOWCOMM_DATA": "corpus/*.txt", "LOWCOMM_MAX_ROUNDS": "",
     })
     assert cfg.node.client_mode is True
@@ -164,7 +166,7 @@ def test_a_boolean_for_a_number_is_refused_and_numbers_as_strings_still_convert(
         with pytest.raises(ConfigError, match="got the boolean"):
             load_config(overrides=[override], environ={})
     config = load_config(overrides=["node.client_mode=true", "train.inner_steps=50.0"],
-                         environ={"LOWCOMM_METRICS_PORT": "9100"})
+                         environ={"LOWCOMM_METRICS_PORT": "9100", "LOWCOMM_PEERS": A_PEER})
     assert (config.node.client_mode, config.train.inner_steps, config.node.metrics_port) == (True, 50, 9100)
 
 
@@ -250,7 +252,8 @@ def fingerprint(*overrides: str) -> str:
 
 def test_fingerprint_ignores_node_and_sync_timeouts():
     base = fingerprint()
-    assert fingerprint("node.grpc_port=1", "node.client_mode=true", "node.log_level=debug") == base
+    assert fingerprint("node.grpc_port=1", "node.client_mode=true", f"node.peers=['{A_PEER}']",
+                       "node.log_level=debug") == base
     assert fingerprint("sync.matchmaking_timeout=3", "sync.reduce_timeout=4") == base
     assert load_config(environ={"LOWCOMM_METRICS_PORT": "0"}).run_fingerprint() == base
 
@@ -355,3 +358,12 @@ def test_two_servers_on_one_port_are_a_config_error():
     with pytest.raises(ConfigError, match="dht_port and grpc_port are both 7700: the DHT, gRPC and metrics servers"):
         load_config(overrides=["node.grpc_port=7700"], environ={})
     load_config(overrides=["node.grpc_port=0", "node.dht_port=0", "node.metrics_port=0"], environ={})  # free ones
+
+
+def test_client_mode_without_peers_is_refused_saying_what_to_give():
+    # A client accepts no connection: alone it waited at step 0 forever ("no group formed").
+    for source in ({"overrides": ["node.client_mode=true"], "environ": {}},
+                   {"environ": {"LOWCOMM_CLIENT_MODE": "1"}}):
+        with pytest.raises(ConfigError, match="client_mode needs peers: .* give --peers the multiaddr of a reachable node"):
+            load_config(**source)
+    assert load_config(environ={"LOWCOMM_CLIENT_MODE": "1", "LOWCOMM_PEERS": A_PEER}).node.client_mode
