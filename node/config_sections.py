@@ -79,8 +79,8 @@ class ModelSection(ConfigSection):
                 raise ValueError(f"{value!r} holds no config.json; give the directory that save_pretrained wrote")
             raise ValueError(
                 f"{value!r} is not a local directory: lowcomm loads models from local files only (no hub "
-                f"access at run time). Download it first, e.g. `huggingface-cli download {value} --local-dir DIR`, "
-                "and set hf_pretrained = \"DIR\"")
+                f"access at run time). Download it first with huggingface_hub's CLI, e.g. "
+                f"`hf download {value} --local-dir DIR`, and set hf_pretrained = \"DIR\"")
         return value
 
     @model_validator(mode="after")

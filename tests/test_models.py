@@ -81,7 +81,8 @@ def test_a_hub_name_instead_of_a_path_is_one_clear_error(tmp_path, capsys):
     code = main(["join", "--checkpoint-dir", str(tmp_path / "c"), "--set", "model.hf_pretrained=someone/some-model"])
     err = capsys.readouterr().err
     assert code != 0 and "Traceback" not in err
-    assert err.startswith("lowcomm-node: error:") and "someone/some-model" in err and "--local-dir" in err
+    # The command it names is the one huggingface_hub installs now (`huggingface-cli` was retired).
+    assert err.startswith("lowcomm-node: error:") and "`hf download someone/some-model --local-dir DIR`" in err
 
 
 def test_only_one_kind_of_model_at_a_time(tmp_path):
