@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import logging
 import math
 import numbers
@@ -316,13 +317,34 @@ class Swarm:
         """This peer's newest checkpoint, as the node writes it: ``step``, ``params`` (θ_global),
         ``momentum`` (outer optimizer), ``residual``/``owner_residual`` (error feedback),
         ``params_sha256``, ``config_fingerprint``, ``trainer`` (the inner optimizer's state) and
-        ``tokens_total``. Inside the block: as of the last round whose checkpoint is written (what
-        a crash would resume from); after it: as of the stop, local progress folded in."""
+        ``tokens_total``. Inside the block: as of the last committed round (its checkpoint, what a
+        crash would resume from); after it: as of the stop, local progress folded in."""
+        self._wait_for_pending_checkpoints()
         found = checkpoint.load_latest(self.config.node.checkpoint_dir)
         if found is None:
             raise SwarmError(f"no checkpoint in {self.config.node.checkpoint_dir} yet: the node writes one after "
                              f"each round and when it stops")
         return found[0]
+
+    def _wait_for_pending_checkpoints(self) -> None:
+        """Inside the block, wait until the report thread wrote the checkpoints of the rounds
+        committed so far: it writes each just after its round commits, so right after ``step()``
+        returned from a round the newest file on disk was still the one before (or none)."""
+        node, loop, thread = self._node, self._loop, self._thread
+        if self._exited or node is None or loop is None or thread is None:
+            return
+        try:
+            written = asyncio.run_coroutine_threadsafe(node.reports.flush(), loop)
+        except RuntimeError:  # the loop closed meanwhile: the stop has written the last checkpoint
+            return
+        while True:
+            try:
+                written.result(PEER_POLL)
+                return
+            except concurrent.futures.TimeoutError:
+                if not thread.is_alive():  # a loop that ended never runs the flush
+                    written.cancel()
+                    return
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state`` (what ``state_dict`` returned, or a checkpoint the node wrote):

@@ -106,6 +106,41 @@ def test_an_eval_fn_that_fails_costs_the_rounds_eval_not_its_checkpoint(tmp_path
     assert len(step_1) == 1 and math.isnan(step_1[0]["eval_loss"])  # the round is reported, its eval nan
 
 
+STATE_RIGHT_AFTER_A_ROUND = textwrap.dedent("""
+    import os, sys, time, torch, torch.nn as nn, lowcomm
+    from lowcomm.protocol.snapshot import params_sha256
+    from torch.nn.utils import parameters_to_vector
+    model = nn.Linear(4, 1)
+    config = {"train": {"inner_steps": 2}, "node": {"host": "127.0.0.1", "checkpoint_dir": sys.argv[1]}}
+    evals = []
+
+    def eval_fn(replica):  # a slow held-out eval: the round's checkpoint is written after it
+        evals.append(1)
+        if len(evals) > 1:
+            time.sleep(1.0)
+        return 1.0
+
+    with lowcomm.Swarm(model, torch.optim.SGD(model.parameters(), lr=0.1), config=config, eval_fn=eval_fn,
+                       log=False) as swarm:
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            swarm.step(tokens=2)
+        try:
+            state = swarm.state_dict()  # right after the first round
+        except lowcomm.SwarmError:
+            os._exit(4)  # "no checkpoint yet": the round's write was still pending
+        current = params_sha256(parameters_to_vector(model.parameters()).detach())
+    sys.exit(0 if (state["step"], state["params_sha256"]) == (1, current) else 3)
+""")
+
+
+def test_state_dict_right_after_a_round_waits_for_that_rounds_checkpoint(tmp_path):
+    (tmp_path / "state.py").write_text(STATE_RIGHT_AFTER_A_ROUND)
+    result = subprocess.run([sys.executable, str(tmp_path / "state.py"), str(tmp_path / "ckpt")], capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+
+
 TWO_AT_ONCE = textwrap.dedent("""
     import sys, torch, torch.nn as nn, lowcomm
 
