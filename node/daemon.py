@@ -216,6 +216,9 @@ class Node:
                 if training:  # also after a failure: what the node learnt is saved
                     await self._stop_rounds()
                     await self._reports_written()
+                    if self.driver is not None and self.driver.reached_max_rounds():
+                        # Here, not when the loop saw it: the last round's line comes first.
+                        log.info("completed %d round(s) (--max-rounds); stopping", self.stats.rounds_completed)
                     await self._shutdown(link)
             return 0
         finally:

@@ -152,11 +152,11 @@ class RoundDriver:
             await self.settle_state()
 
     def should_stop(self) -> bool:
+        return self.reached_max_rounds() or self.stops.requested.is_set()
+
+    def reached_max_rounds(self) -> bool:
         max_rounds = self.config.node.max_rounds
-        if max_rounds is not None and self.stats.rounds_completed >= max_rounds:
-            log.info("completed %d round(s) (--max-rounds); stopping", self.stats.rounds_completed)
-            return True
-        return self.stops.requested.is_set()
+        return max_rounds is not None and self.stats.rounds_completed >= max_rounds
 
     # -- stopping within the grace period ---------------------------------------------------------
 

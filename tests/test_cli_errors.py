@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -182,6 +183,10 @@ def test_busy_metrics_port_names_the_port_and_the_flag(tmp_path):
 def test_corrupted_checkpoint_falls_back_to_the_previous_one(tmp_path):
     first = run_join(tmp_path, *FAST, "--max-rounds", "2")
     assert first.returncode == 0, first.stderr
+    # The stop is logged after the last round's line (it came before it, while its eval ran).
+    messages = [json.loads(line)["msg"] for line in first.stdout.splitlines() if line.startswith("{")]
+    last_round = max(i for i, msg in enumerate(messages) if msg.startswith("step 2 |"))
+    assert "completed 2 round(s) (--max-rounds); stopping" in messages[last_round + 1:]
     files = list_checkpoints(tmp_path / "ckpt")
     assert [f.name for f in files] == ["step-000000001.ckpt", "step-000000002.ckpt"]
     newest = files[-1]
