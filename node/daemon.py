@@ -324,7 +324,12 @@ class Node:
 
     def _announce(self, metrics_port: int) -> None:
         maddrs = self.multiaddrs
-        join_line = f"lowcomm-node join --peers {maddrs[0]}" if maddrs else ""
+        if not maddrs:
+            join_line = ""
+        elif self._injected_trainer is not None:  # a lowcomm.Swarm: its peers run the same script
+            join_line = f"lowcomm.Swarm(..., peers=[\"{maddrs[0]}\"])"
+        else:
+            join_line = f"lowcomm-node join --peers {maddrs[0]}"
         log.info(
             "node %s ready: gRPC %s, metrics :%d; others join with: %s", self.peer_id,
             self.address or f"(client mode, local :{self.grpc_port})", metrics_port, join_line,
