@@ -45,11 +45,12 @@ test-tools:
 test: install test-tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The slower suites `make test` leaves out (marker "slow", about 8–9 min): the benchmarks' smoke
+# The slower suites `make test` leaves out (marker "slow", about 9–10 min): the benchmarks' smoke
 # runs (bench/*.py end to end on tiny settings), the network-namespace clusters (root, ip, tc;
 # they skip with the reason elsewhere) and the longest CLI swarms (buckets, cross-group, gossip,
-# Hugging Face models, CPU kernels, run secret, clock skew, state-syncing methods), whose logic
-# also has socket-free tests in `make test`. CI runs it after `make test`.
+# Hugging Face models, CPU kernels, run secret, clock skew, state-syncing methods, SparseLoCo,
+# stragglers, a failed overlapped round, a busy codec pool at shutdown), whose logic also has
+# socket-free tests in `make test`. CI runs it after `make test`.
 test-slow: install test-tools
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 

@@ -118,6 +118,9 @@ def test_damaged_checkpoints_fall_back_to_the_previous_one_then_to_one_clear_err
     assert not any(e.get("event") == "round_done" for e in last.events)
 
 
+# make test-slow (make test stays under 15 min); settling a busy codec pool is tested above
+# without sockets
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_round_abandoned_at_shutdown_with_a_busy_codec_pool_restarts_consistently(swarm):
     grace = ["--set", "node.grace_period=1"]

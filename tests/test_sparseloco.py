@@ -247,6 +247,9 @@ def test_method_refuses_contradicting_keys_in_one_line(sets, message):
 ROUND_WAIT = 90
 
 
+# make test-slow (make test stays under 15 min); the codec and the outer rule are tested above
+# without sockets
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_three_sparseloco_peers_train_in_sync(swarm):
     method = ["--set", "sync.method=sparseloco"]
