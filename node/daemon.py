@@ -14,6 +14,7 @@ shutdown fold and checkpoint, the status RPC.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import math
 import os
@@ -271,6 +272,8 @@ class Node:
                 extra_services=self.gossip.services() if self.gossip is not None and serve_peers else [],
             )
         except BindError as err:
+            if err.errno not in (errno.EADDRINUSE, None):  # e.g. a port below 1024 without root
+                raise FatalError(f"{err}: choose another --host or --grpc-port") from None
             raise FatalError(f"{err}: is gRPC port {cfg.grpc_port} already in use? "
                              f"choose another with --grpc-port (or LOWCOMM_GRPC_PORT)") from None
         await server.start()

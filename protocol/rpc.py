@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import socket
 from collections import OrderedDict
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
@@ -40,7 +41,27 @@ log = logging.getLogger(__name__)
 
 
 class BindError(OSError):
-    """The gRPC server could not listen on the requested address."""
+    """The gRPC server could not listen on the requested address (``errno`` says why, where known)."""
+
+
+def _probe_bind(host: str, port: int, address: str) -> None:
+    """Bind ``host:port`` with a plain socket first, as the server will (address reuse, no port
+    sharing): a busy or foreign address then raises BindError with the system's reason, and
+    gRPC's core never logs its own error line for it on stderr."""
+    if port == 0:
+        return  # any free port: nothing to probe
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise BindError(f"cannot listen on {address}: {err.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no obstacle
+        try:
+            probe.bind(sockaddr)
+        except OSError as err:
+            error = BindError(f"cannot listen on {address} ({err.strerror})")
+            error.errno = err.errno
+            raise error from None
 
 
 class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
@@ -273,6 +294,7 @@ def create_server(
     for add_service in extra_services:  # e.g. gossip mode's own service
         add_service(server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    _probe_bind(host, port, address)
     try:
         bound = server.add_insecure_port(address) if tls is None else server.add_secure_port(
             address, tls.server_credentials())

@@ -156,7 +156,8 @@ def test_busy_grpc_port_names_the_port_and_the_flag(tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         result = run_join(tmp_path, "--grpc-port", str(port))
-    assert_one_line_error(result, str(port), "--grpc-port")
+    assert_one_line_error(result, str(port), "(Address already in use)", "--grpc-port")
+    assert "add_port" not in result.stderr  # gRPC core's own error line came before ours
 
 
 def test_dht_port_of_a_running_node_names_the_port_and_the_flag(tmp_path):
