@@ -120,7 +120,7 @@ def start_dht(config: Config):
     proto = "ip6" if ":" in host else "ip4"
     _check_peer_multiaddrs(node.peers)
     _check_identity_path(config.identity_path)
-    _check_dht_port_free(host, node.dht_port)
+    _check_dht_address(host, node.dht_port)
     began = time.monotonic()
     try:
         for attempt, pause in enumerate((*BOOTSTRAP_RETRY_PAUSES, None), start=1):
@@ -210,24 +210,27 @@ def _check_identity_path(path: Path) -> None:
                            f"with --identity or --checkpoint-dir")
 
 
-def _check_dht_port_free(host: str, port: int) -> None:
-    """Refuse a DHT port another process listens on.
+def _check_dht_address(host: str, port: int) -> None:
+    """Refuse a --host that is not this machine's and a DHT port another process listens on.
 
     p2pd listens with SO_REUSEPORT, so a second node on the port of a running one (or of any
     listener that set it) does not fail: both p2pd share the port, and a peer dialling its
     multiaddr reaches either at random. A plain bind fails on a port anyone listens on
-    (SO_REUSEADDR only lets it reuse connections in TIME_WAIT that a stopped node left).
+    (SO_REUSEADDR only lets it reuse connections in TIME_WAIT that a stopped node left). A
+    foreign address would fail in p2pd too, but its message is a Go log line.
     """
-    if port == 0:
-        return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as err:
-            if err.errno != errno.EADDRINUSE:
-                return  # another problem (an address not on this machine): p2pd's own message names it
+            if err.errno == errno.EADDRNOTAVAIL:
+                raise RuntimeError(f"--host {host} is not an address of this machine ({err.strerror}): give one of "
+                                   f"its own, or 0.0.0.0 for every interface (--announce-host sets the address "
+                                   f"peers are told)") from None
+            if err.errno != errno.EADDRINUSE or port == 0:
+                return  # another problem: p2pd's own message names it
             raise RuntimeError(f"DHT port {port} on {host} is already in use; choose another with "
                                f"--dht-port (or LOWCOMM_DHT_PORT)") from None
 

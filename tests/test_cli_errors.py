@@ -160,6 +160,13 @@ def test_busy_grpc_port_names_the_port_and_the_flag(tmp_path):
     assert "add_port" not in result.stderr  # gRPC core's own error line came before ours
 
 
+def test_a_host_address_that_is_not_this_machines_names_the_flag(tmp_path):
+    # It was p2pd's Go log line: "failed to listen on any addresses: [listen tcp4 ...]".
+    result = run_join(tmp_path, "--host", "192.0.2.1")  # TEST-NET-1: never a local address
+    assert_one_line_error(result, "--host 192.0.2.1 is not an address of this machine", "0.0.0.0")
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_dht_port_of_a_running_node_names_the_port_and_the_flag(tmp_path):
     # p2pd listens with SO_REUSEPORT, as this stand-in does: a second node's p2pd shared the port
     # with it (a dialled multiaddr reached either) instead of failing.
