@@ -152,8 +152,11 @@ class Node:
         if self.stop_requested.is_set():
             self._force_stop()
             return
-        log.info("stop requested: finishing or abandoning the round in flight (grace %.0fs)",
-                 self.config.node.grace_period)
+        if self.driver is None:
+            log.info("stop requested during start-up: stopping before joining the swarm")
+        else:
+            log.info("stop requested: finishing or abandoning the round in flight (grace %.0fs)",
+                     self.config.node.grace_period)
         self.stop_requested.set()
         self.stop_training.set()
 
@@ -195,6 +198,9 @@ class Node:
             link = self.link = SwarmLink(self.config, self.identity, self.state, dht_client=self.dht_client,
                                          reconnector=self.reconnector, metrics=self.metrics, stats=self.stats)
             server = await self._start_server(link)
+            if self.stop_requested.is_set():  # while the model loaded or evaluated: nothing to save yet
+                log.info("stopped during start-up, before joining the swarm (outer step %d)", self.state.step)
+                return 0
             self.driver = self._build_rounds(link)
             metrics_server, metrics_port = self._start_metrics()
             self.donor.publish(await self.in_codec_pool(self.state.snapshot))

@@ -7,6 +7,9 @@ factory contract asks, so every peer builds the same weights from the run's seed
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -95,3 +98,16 @@ class Exploding(BigramLoss):
 def build_exploding() -> nn.Module:
     """An unstable model: a local model that diverges in every round (the node stops, saying so)."""
     return Exploding(256, 8)
+
+
+def build_held(marker: str, release: str, timeout: float = 60.0) -> nn.Module:
+    """``build``'s model, whose real build (not the meta-device one the run's fingerprint makes)
+    writes ``marker`` and then waits until ``release`` exists (at most ``timeout`` seconds): a
+    start-up that lasts as long as the test wants (tests/test_cli_errors.py)."""
+    model = build()
+    if torch.empty(0).device.type != "meta":
+        Path(marker).touch()
+        deadline = time.monotonic() + timeout
+        while not Path(release).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return model

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -25,13 +26,16 @@ pytestmark = pytest.mark.multiprocess
 STRANGER = "QmXRFQRfTWsEXpbA9u6eaaWzmMBrx6k2vW1ppoC8ot9rtN"
 
 
+def join_command(tmp_path: Path, *args: str) -> list[str]:
+    return [*node_command(), "join", "--host", "127.0.0.1", "--dht-port", "0", "--grpc-port", "0",
+            "--metrics-port", "0", "--checkpoint-dir", str(tmp_path / "ckpt"), "--torch-threads", "1",
+            "--log-format", "json", *args]
+
+
 def run_join(tmp_path: Path, *args: str, timeout: float = 60,
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [*node_command(), "join", "--host", "127.0.0.1", "--dht-port", "0", "--grpc-port", "0",
-           "--metrics-port", "0", "--checkpoint-dir", str(tmp_path / "ckpt"), "--torch-threads", "1",
-           "--log-format", "json", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                          env=None if env is None else {**os.environ, **env})
+    return subprocess.run(join_command(tmp_path, *args), capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL, env=None if env is None else {**os.environ, **env})
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> str:
@@ -215,6 +219,38 @@ def test_a_local_model_that_diverges_every_round_stops_the_node_naming_what_to_l
     assert result.stdout.count('"event": "diverged"') == 3
     (newest,) = list_checkpoints(tmp_path / "ckpt")  # the stop's, of step 0: the global parameters, finite
     assert newest.name == "step-000000000.ckpt" and bool(read(newest)["params"].isfinite().all())
+
+
+def test_a_stop_during_start_up_ends_the_node_before_it_joins(tmp_path):
+    # It went on to say "ready: others join with ...", joined the swarm, then stopped.
+    marker, release = tmp_path / "building", tmp_path / "release"
+    kwargs = f"model.factory_kwargs={{marker = '{marker}', release = '{release}'}}"
+    proc = subprocess.Popen(join_command(tmp_path, "--set", "model.factory=tests.factory_model:build_held",
+                                         "--set", kwargs),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)  # the model's build began: the node's signal handlers are in place
+        assert marker.exists(), proc.communicate(timeout=10)
+        proc.send_signal(signal.SIGINT)
+        seen = []
+        for line in proc.stdout:  # the build waits (at most 60 s) until the node has taken the stop
+            seen.append(line)
+            if "stop requested" in line:
+                break
+        release.touch()
+        out, err = proc.communicate(timeout=60)
+        out = "".join(seen) + out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    messages = [json.loads(line)["msg"] for line in out.splitlines() if line.startswith("{")]
+    assert "stop requested during start-up: stopping before joining the swarm" in messages
+    assert any(msg.startswith("stopped during start-up, before joining the swarm") for msg in messages)
+    assert not [msg for msg in messages if " ready: " in msg or msg.startswith("stopped cleanly")]
 
 
 def test_a_checkpoint_of_another_run_config_names_the_keys_that_differ(tmp_path):
