@@ -290,12 +290,14 @@ def cmd_join(args: argparse.Namespace) -> int:
         return _fail(str(err), EXIT_USAGE)
 
     from .errors import FatalError
-    from .trainer import pick_device
 
-    try:
-        pick_device(config.node.device)  # before the DHT starts and the checkpoint folder is made
-    except FatalError as err:
-        return _fail(str(err))
+    if config.node.device == "cuda":  # before the DHT starts and the checkpoint folder is made
+        from .trainer import pick_device
+
+        try:
+            pick_device("cuda")
+        except FatalError as err:
+            return _fail(str(err))
     from .logs import setup_logging
 
     human = setup_logging(config.node.log_format, config.node.log_level)
