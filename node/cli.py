@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import re
-import socket
 import sys
 import time
 from pathlib import Path
@@ -219,20 +218,18 @@ def _check_dht_address(host: str, port: int) -> None:
     (SO_REUSEADDR only lets it reuse connections in TIME_WAIT that a stopped node left). A
     foreign address would fail in p2pd too, but its message is a Go log line.
     """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as err:
-            if err.errno == errno.EADDRNOTAVAIL:
-                raise RuntimeError(f"--host {host} is not an address of this machine ({err.strerror}): give one of "
-                                   f"its own, or 0.0.0.0 for every interface (--announce-host sets the address "
-                                   f"peers are told)") from None
-            if err.errno != errno.EADDRINUSE or port == 0:
-                return  # another problem: p2pd's own message names it
-            raise RuntimeError(f"DHT port {port} on {host} is already in use; choose another with "
-                               f"--dht-port (or LOWCOMM_DHT_PORT)") from None
+    from lowcomm.protocol.bindprobe import bind_probe_error
+
+    err = bind_probe_error(host, port)
+    if err is None:
+        return
+    if err.errno == errno.EADDRNOTAVAIL:
+        raise RuntimeError(f"--host {host} is not an address of this machine ({err.strerror}): give one of its "
+                           f"own, or 0.0.0.0 for every interface (--announce-host sets the address peers are told)")
+    if err.errno == errno.EADDRINUSE and port != 0:
+        raise RuntimeError(f"DHT port {port} on {host} is already in use; choose another with --dht-port "
+                           f"(or LOWCOMM_DHT_PORT)")
+    # Another problem: p2pd's own message names it.
 
 
 def _read_file(path: Path, what: str) -> bytes:

@@ -15,8 +15,8 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from .config import Config
-from .errors import FatalError
 from .data import Corpus, DataError, ShardSampler, eval_batches, load_data
+from .errors import FatalError
 from .models import build_model_for, vocab_size_of
 from .ports import PhaseStats  # noqa: F401 (re-exported: part of this module's API)
 

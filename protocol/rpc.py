@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import socket
 from collections import OrderedDict
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
@@ -23,6 +22,7 @@ from ._pb.lowcomm.v1 import (
 )
 from .allreduce import ReduceRegistry
 from .auth import TLSConfig
+from .bindprobe import bind_probe_error
 # Re-exported: the daemon and tests import them from here.
 from .channels import (  # noqa: F401
     CHANNEL_OPTIONS, HEALTH_SERVICE, MAX_MESSAGE_BYTES, check_health, fetch_status, open_channel,
@@ -42,26 +42,6 @@ log = logging.getLogger(__name__)
 
 class BindError(OSError):
     """The gRPC server could not listen on the requested address (``errno`` says why, where known)."""
-
-
-def _probe_bind(host: str, port: int, address: str) -> None:
-    """Bind ``host:port`` with a plain socket first, as the server will (address reuse, no port
-    sharing): a busy or foreign address then raises BindError with the system's reason, and
-    gRPC's core never logs its own error line for it on stderr."""
-    if port == 0:
-        return  # any free port: nothing to probe
-    try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as err:
-        raise BindError(f"cannot listen on {address}: {err.strerror}") from None
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no obstacle
-        try:
-            probe.bind(sockaddr)
-        except OSError as err:
-            error = BindError(f"cannot listen on {address} ({err.strerror})")
-            error.errno = err.errno
-            raise error from None
 
 
 class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
@@ -274,6 +254,12 @@ def create_server(
     A secret run passes an ``auth.ServerAuthInterceptor`` in ``interceptors`` (after any that
     should see its refusals, e.g. a counter of status codes); ``tls`` serves TLS only.
     """
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    refused = bind_probe_error(host, port) if port else None  # port 0: any free one
+    if refused is not None:  # gRPC's core would log its own error line on stderr first
+        error = BindError(f"cannot listen on {address} ({refused.strerror})")
+        error.errno = refused.errno
+        raise error
     # Interceptors run outermost first. Request bytes are parsed by StrictDecodeInterceptor, placed
     # before the first interceptor that reads messages (``reads_messages``, e.g. auth's sender
     # check) and after those that only observe calls (e.g. the status-code counter, which then
@@ -293,8 +279,6 @@ def create_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for add_service in extra_services:  # e.g. gossip mode's own service
         add_service(server)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    _probe_bind(host, port, address)
     try:
         bound = server.add_insecure_port(address) if tls is None else server.add_secure_port(
             address, tls.server_credentials())
