@@ -333,6 +333,8 @@ class Swarm:
         node, loop, thread = self._node, self._loop, self._thread
         if self._exited or node is None or loop is None or thread is None:
             return
+        if threading.current_thread().name.startswith("lowcomm"):
+            return  # called from the node's own threads (an eval_fn runs in the report thread): it would wait on itself
         try:
             written = asyncio.run_coroutine_threadsafe(node.reports.flush(), loop)
         except RuntimeError:  # the loop closed meanwhile: the stop has written the last checkpoint

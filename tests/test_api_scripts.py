@@ -115,12 +115,16 @@ STATE_RIGHT_AFTER_A_ROUND = textwrap.dedent("""
     from torch.nn.utils import parameters_to_vector
     model = nn.Linear(4, 1)
     config = {"train": {"inner_steps": 2}, "node": {"host": "127.0.0.1", "checkpoint_dir": sys.argv[1]}}
-    evals = []
+    evals, from_eval = [], []
 
     def eval_fn(replica):  # a slow held-out eval: the round's checkpoint is written after it
         evals.append(1)
         if len(evals) > 1:
             time.sleep(1.0)
+            try:  # from the report thread: must not wait for the report it is part of
+                from_eval.append(swarm.state_dict()["step"])
+            except lowcomm.SwarmError:
+                from_eval.append(None)  # no checkpoint on disk yet
         return 1.0
 
     with lowcomm.Swarm(model, torch.optim.SGD(model.parameters(), lr=0.1), config=config, eval_fn=eval_fn,
@@ -133,14 +137,15 @@ STATE_RIGHT_AFTER_A_ROUND = textwrap.dedent("""
         except lowcomm.SwarmError:
             os._exit(4)  # "no checkpoint yet": the round's write was still pending
         current = params_sha256(parameters_to_vector(model.parameters()).detach())
-    sys.exit(0 if (state["step"], state["params_sha256"]) == (1, current) else 3)
+    sys.exit(0 if (state["step"], state["params_sha256"], len(from_eval)) == (1, current, 1) else 3)
 """)
 
 
 def test_state_dict_right_after_a_round_waits_for_that_rounds_checkpoint(tmp_path):
+    # Also called from the eval_fn, in the report thread: waiting there for the reports hung.
     (tmp_path / "state.py").write_text(STATE_RIGHT_AFTER_A_ROUND)
     result = subprocess.run([sys.executable, str(tmp_path / "state.py"), str(tmp_path / "ckpt")], capture_output=True,
-                            text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+                            text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
 
 
