@@ -152,10 +152,14 @@ class Trainer(FlatParams):
                             f"more than the model's {vocab}: use the model's tokenizer, or a model with "
                             f"vocab_size >= {corpus.vocab_size}")
         # Ids of tokens files (whose vocabulary nothing states) are checked batch by batch.
-        self.sampler = ShardSampler(corpus.train, config.data.seq_len, config.train.batch_size,
-                                    config.data.shards, peer_key, config.train.seed, vocab_limit=vocab)
-        self.eval_set = eval_batches(corpus.eval, config.data.seq_len, config.train.batch_size,
-                                     config.data.eval_batches, vocab_limit=vocab)
+        try:
+            self.sampler = ShardSampler(corpus.train, config.data.seq_len, config.train.batch_size,
+                                        config.data.shards, peer_key, config.train.seed, vocab_limit=vocab)
+            self.eval_set = eval_batches(corpus.eval, config.data.seq_len, config.train.batch_size,
+                                         config.data.eval_batches, vocab_limit=vocab)
+        except DataError as err:  # name the data the split came from
+            source = f"[data] path {config.data.path!r}" if config.data.path else "the bundled corpus"
+            raise DataError(f"{source}: {err}") from None
         self.optimizer = build_optimizer(config, self.params)
         self.inner_steps_done = 0
         # bf16 autocast on CUDA: the usual speed-up for transformer training, weights stay fp32.

@@ -57,8 +57,22 @@ def test_small_corpora_still_work_and_too_small_ones_say_why():
     assert sampler.shards == 1
     inputs, targets = sampler.next_batch()
     assert inputs.shape == (4, SEQ) and (inputs[:, 1:] == targets[:, :-1]).all()
-    with pytest.raises(DataError, match="too little for seq_len"):
+    with pytest.raises(DataError, match=r"too few for \[data\] seq_len = \d+ \(at least \d+\): give more text"):
         ShardSampler(np.zeros(20, dtype=np.uint8), SEQ, 4, shards=1, peer_key="p", seed=0)
+
+
+def test_a_corpus_too_small_for_seq_len_names_its_path_and_the_fixes(tmp_path):
+    # It said "training split has 0 tokens, too little for seq_len 128; add files", naming no file.
+    from lowcomm.node.config import load_config
+    from lowcomm.node.trainer import Trainer
+
+    (tmp_path / "small.txt").write_text("hello world " * 30)
+    config = load_config(overrides=[f"data.path='{tmp_path / 'small.txt'}'"], environ={})
+    with pytest.raises(DataError) as info:
+        Trainer(config, "peer-a")
+    assert str(info.value) == (f"[data] path '{tmp_path / 'small.txt'}': its held-out split has 18 tokens, too few for "
+                               "[data] seq_len = 128 (at least 130): give more text, a larger [data] eval_fraction, "
+                               "or a smaller seq_len")
 
 
 def test_eval_batches_are_fixed():
