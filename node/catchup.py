@@ -29,6 +29,7 @@ from lowcomm.protocol.state import Donor, OptimizerStates, Snapshot, StateDonor,
 
 from . import decisions
 from .averaging import Averager
+from .cancel import cancel_and_wait
 from .config import Config
 from .errors import FatalError
 from .globalstate import GlobalState
@@ -49,7 +50,7 @@ class CatchUp:
     def __init__(self, config: Config, identity: Identity, trainer: TrainerPort, state: GlobalState, *,
                  swarm: SwarmPort, averager: Averager, channels: ChannelPool, donor: StateDonor,
                  train_thread: TrainThread, codec_executor: Executor, metrics: NodeMetrics, stats: RunStats,
-                 gossip: bool, must_download: bool) -> None:
+                 gossip: bool, must_download: bool, stop_requested: asyncio.Event | None = None) -> None:
         self.config = config
         self.identity = identity
         self.trainer = trainer
@@ -64,6 +65,9 @@ class CatchUp:
         self.stats = stats
         self.gossip = gossip
         self.must_download = must_download
+        # A stop abandons a download in flight (a large model's takes minutes): the node then
+        # stops from the state it had, which its checkpoint already holds.
+        self.stop_requested = stop_requested or asyncio.Event()
 
     async def run(self, initial: bool = False) -> None:
         """Download the swarm's state when it is ahead of us or we are in a minority at our step.
@@ -122,11 +126,22 @@ class CatchUp:
 
     async def _download(self, step: int, digest: str | None, donors: list[Donor]) -> None:
         started = time.monotonic()
+        download = asyncio.ensure_future(download_state(
+            donors, step, digest, self.identity, self.channels, timeout=max(60.0, self.config.sync.reduce_timeout),
+            expected_numel=self.trainer.numel,  # the run config's size, not a donor's
+            expected_states=served_state_names(self.config)))
+        stop = asyncio.ensure_future(self.stop_requested.wait())
         try:
-            got = await download_state(donors, step, digest, self.identity, self.channels,
-                                       timeout=max(60.0, self.config.sync.reduce_timeout),
-                                       expected_numel=self.trainer.numel,  # the run config's size, not a donor's
-                                       expected_states=served_state_names(self.config))
+            await asyncio.wait({download, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this task is cancelled: nothing of the download runs on
+            abandoned = not download.done()
+            await cancel_and_wait(stop, download)
+        if abandoned:
+            log.info("stop requested: the state download of step %d is abandoned (staying at step %d)", step,
+                     self.state.step)
+            return
+        try:
+            got = download.result()
         except StateError as err:
             log.warning("state download of step %d failed: %s; training on from step %d", step, err, self.state.step)
             return

@@ -301,7 +301,8 @@ class Node:
         self.catchup = CatchUp(self.config, self.identity, self.trainer, self.state, swarm=link, averager=averager,
                                channels=self.channels, donor=self.donor, train_thread=self.train_thread,
                                codec_executor=self.codec_executor, metrics=self.metrics, stats=self.stats,
-                               gossip=self.gossip is not None, must_download=self._must_download)
+                               gossip=self.gossip is not None, must_download=self._must_download,
+                               stop_requested=self.stop_requested)
         committer = Committer(self.state, self.trainer, swarm=link, donor=self.donor, train_thread=self.train_thread,
                               codec_executor=self.codec_executor, reports=self.reports, metrics=self.metrics,
                               stats=self.stats, codec=self.codec, evaluate_global=self.evaluate_global,
