@@ -50,7 +50,7 @@ class CatchUp:
     def __init__(self, config: Config, identity: Identity, trainer: TrainerPort, state: GlobalState, *,
                  swarm: SwarmPort, averager: Averager, channels: ChannelPool, donor: StateDonor,
                  train_thread: TrainThread, codec_executor: Executor, metrics: NodeMetrics, stats: RunStats,
-                 gossip: bool, must_download: bool, stop_requested: asyncio.Event | None = None) -> None:
+                 gossip: bool, must_download: bool, stop_requested: asyncio.Event) -> None:
         self.config = config
         self.identity = identity
         self.trainer = trainer
@@ -67,7 +67,7 @@ class CatchUp:
         self.must_download = must_download
         # A stop abandons a download in flight (a large model's takes minutes): the node then
         # stops from the state it had, which its checkpoint already holds.
-        self.stop_requested = stop_requested or asyncio.Event()
+        self.stop_requested = stop_requested
 
     async def run(self, initial: bool = False) -> None:
         """Download the swarm's state when it is ahead of us or we are in a minority at our step.

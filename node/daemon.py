@@ -152,7 +152,7 @@ class Node:
         if self.stop_requested.is_set():
             self._force_stop()
             return
-        if self.driver is None:
+        if self.link is None:  # run() checks before it makes the link: the node never joins
             log.info("stop requested during start-up: stopping before joining the swarm")
         else:
             log.info("stop requested: finishing or abandoning the round in flight (grace %.0fs)",
@@ -195,12 +195,12 @@ class Node:
             self.stats.last_eval = await self.in_train_thread(self.trainer.evaluate)
             self.metrics.eval_loss.set(self.stats.last_eval)
             self.metrics.outer_step.set(self.state.step)
-            link = self.link = SwarmLink(self.config, self.identity, self.state, dht_client=self.dht_client,
-                                         reconnector=self.reconnector, metrics=self.metrics, stats=self.stats)
-            server = await self._start_server(link)
             if self.stop_requested.is_set():  # while the model loaded or evaluated: nothing to save yet
                 log.info("stopped during start-up, before joining the swarm (outer step %d)", self.state.step)
                 return 0
+            link = self.link = SwarmLink(self.config, self.identity, self.state, dht_client=self.dht_client,
+                                         reconnector=self.reconnector, metrics=self.metrics, stats=self.stats)
+            server = await self._start_server(link)
             self.driver = self._build_rounds(link)
             metrics_server, metrics_port = self._start_metrics()
             self.donor.publish(await self.in_codec_pool(self.state.snapshot))
