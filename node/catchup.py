@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
 from concurrent.futures import Executor
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -41,6 +43,7 @@ from .runstats import RunStats
 from .swarm import SwarmView
 from .train_thread import TrainThread
 
+T = TypeVar("T")
 log = logging.getLogger("lowcomm.node")
 
 
@@ -126,17 +129,11 @@ class CatchUp:
 
     async def _download(self, step: int, digest: str | None, donors: list[Donor]) -> None:
         started = time.monotonic()
-        download = asyncio.ensure_future(download_state(
+        download = await self._unless_stopped(download_state(
             donors, step, digest, self.identity, self.channels, timeout=max(60.0, self.config.sync.reduce_timeout),
             expected_numel=self.trainer.numel,  # the run config's size, not a donor's
             expected_states=served_state_names(self.config)))
-        stop = asyncio.ensure_future(self.stop_requested.wait())
-        try:
-            await asyncio.wait({download, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:  # also when this task is cancelled: nothing of the download runs on
-            abandoned = not download.done()
-            await cancel_and_wait(stop, download)
-        if abandoned:
+        if download is None:
             log.info("stop requested: the state download of step %d is abandoned (staying at step %d)", step,
                      self.state.step)
             return
@@ -161,16 +158,22 @@ class CatchUp:
     async def _apply_missed_rounds(self, step: int, digest: str | None, donors: list[Donor]) -> bool:
         """Catch up with the swarm at (``step``, ``digest``) by the averages of the rounds we
         missed (protocol/missed_rounds.py) when our state is the one those rounds started from;
-        False (nothing changed) when that cannot be done, and the caller downloads the state."""
+        False (nothing changed) when that cannot be done, and the caller downloads the state;
+        True too when a stop abandoned the fetch (nothing changed, nothing more to do)."""
         from_step, base = self.state.published()
         if (self.gossip or served_state_names(self.config) or digest is None
                 or not 0 < step - from_step <= KEPT_ROUNDS or self.must_download):
             return False
         started = time.monotonic()
+        fetch = await self._unless_stopped(fetch_missed_rounds(
+            donors, from_step, base, step, digest, self.identity, self.channels,
+            timeout=max(60.0, self.config.sync.reduce_timeout), numel=self.trainer.numel))
+        if fetch is None:
+            log.info("stop requested: fetching the missed rounds of steps %d-%d is abandoned (staying at step %d)",
+                     from_step, step - 1, self.state.step)
+            return True  # nothing more to do: the caller must not download the state instead
         try:
-            fetched = await fetch_missed_rounds(donors, from_step, base, step, digest, self.identity, self.channels,
-                                                timeout=max(60.0, self.config.sync.reduce_timeout),
-                                                numel=self.trainer.numel)
+            fetched = fetch.result()
             params, momentum = await asyncio.get_running_loop().run_in_executor(
                 self.codec_executor, apply_missed_rounds, self.state.params, self.state.outer, fetched.records)
         except MissedRoundsError as err:
@@ -190,6 +193,18 @@ class CatchUp:
                         "donor": fetched.donor})
         await self.swarm.publish_record()
         return True
+
+    async def _unless_stopped(self, fetch: Coroutine[Any, Any, T]) -> asyncio.Future[T] | None:
+        """Run a fetch from the swarm until it ends (its finished future, to read its result or
+        error from) or a stop is requested (None: the fetch is cancelled at once)."""
+        task = asyncio.ensure_future(fetch)
+        stop = asyncio.ensure_future(self.stop_requested.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this task is cancelled: nothing of the fetch runs on
+            abandoned = not task.done()
+            await cancel_and_wait(stop, task)
+        return None if abandoned else task
 
     async def _adopt(self, step: int, params: torch.Tensor, momentum: torch.Tensor,
                      optimizer: OptimizerStates | None) -> dict[str, str]:
