@@ -41,7 +41,7 @@ def _add_join_flags(parser: argparse.ArgumentParser) -> None:
     add("--peers", "--initial-peers", dest="peers", nargs="+", action="extend", metavar="MADDR",
         help="multiaddr(s) of peers already in the swarm; none: start a new swarm")
     add("--config", type=Path, help="run config TOML (see `lowcomm-node init-config`)")
-    add("--host", help="interface to listen on (default 0.0.0.0)")
+    add("--host", help="IP address of the interface to listen on (default 0.0.0.0: every interface)")
     add("--announce-host", help="host other peers use to reach this node's gRPC server")
     add("--grpc-port", type=int, metavar="P", help="gRPC port (default 7701; 0: any free port)")
     add("--dht-port", type=int, metavar="P", help="DHT (libp2p) port (default 7700; 0: any free port)")

@@ -5,8 +5,9 @@ defaults, the TOML file, the environment and flags.
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
-from typing import Any, Literal, Mapping, get_args
+from typing import Any, Literal, Mapping, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -18,6 +19,12 @@ def _numeric_only(annotation: Any) -> bool:
     would take a boolean for."""
     kinds = set(get_args(annotation)) or {annotation}
     return bool(kinds & {int, float}) and bool not in kinds
+
+
+def _numeric_values(annotation: Any) -> bool:
+    """Whether a field is a table of numbers (``dict[str, int]``, as ``[sync] state_sync``)."""
+    args = get_args(annotation)
+    return get_origin(annotation) is dict and len(args) == 2 and _numeric_only(args[1])
 
 
 class ConfigSection(BaseModel):
@@ -34,8 +41,13 @@ class ConfigSection(BaseModel):
         # pydantic's lax mode reads true as 1 and false as 0: `inner_steps = true` would train one
         # step a round and `--set train.seed=false` pick seed 0. Numbers given as strings (the
         # LOWCOMM_* variables, flags) still convert.
-        if isinstance(value, bool) and _numeric_only(cls.model_fields[info.field_name].annotation):
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and _numeric_only(annotation):
             raise ValueError(f"expected a number, got the boolean {str(value).lower()}")
+        if isinstance(value, Mapping) and _numeric_values(annotation):  # state_sync = {exp_avg = true}
+            for key, item in value.items():
+                if isinstance(item, bool):
+                    raise ValueError(f"{key} = {str(item).lower()}: expected a number, got a boolean")
         return value
 
 
@@ -362,7 +374,7 @@ class NodeSection(ConfigSection):
     peers: list[str] = []
     """Multiaddrs of peers already in the swarm; empty: start a new swarm."""
     host: str = "0.0.0.0"
-    """Interface the DHT and gRPC servers listen on."""
+    """IP address of the interface the DHT and gRPC servers listen on (0.0.0.0: every interface)."""
     announce_host: str | None = None
     """Host other peers use to reach this node's gRPC server (default: the listen host, or the
     first non-loopback address the DHT sees when listening on 0.0.0.0)."""
@@ -406,6 +418,19 @@ class NodeSection(ConfigSection):
     """Largest offset of this machine's clock from its bootstrap peers' that the node corrects
     (it then runs on swarm time); beyond it the node stops and asks to synchronise the clock.
     0: never correct (then a clock more than 0.5 s off stops the node)."""
+
+    @field_validator("host")
+    @classmethod
+    def _host_is_an_address(cls, value: str) -> str:
+        # p2pd listens on the multiaddr /ip4/<host>/tcp/<port>, which takes no name: `--host
+        # localhost` was p2pd's Go log line "failed to parse multiaddr".
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(f"not an IP address: give an address of this machine (127.0.0.1 for "
+                             f"loopback, 0.0.0.0 for every interface); a name other peers should use goes to "
+                             f"announce_host") from None
+        return value
 
     @field_validator("peers", mode="before")
     @classmethod

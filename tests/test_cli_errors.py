@@ -171,6 +171,13 @@ def test_a_host_address_that_is_not_this_machines_names_the_flag(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_a_host_name_instead_of_an_address_is_one_line_naming_the_flag(tmp_path):
+    # It was p2pd's Go log line: 'failed to parse multiaddr "/ip4/localhost/tcp/0"'.
+    result = run_join(tmp_path, "--host", "localhost")
+    assert_one_line_error(result, "flag --host", "not an IP address", "127.0.0.1")
+    assert result.returncode == 2
+    assert not (tmp_path / "ckpt").exists()
+
 def test_dht_port_of_a_running_node_names_the_port_and_the_flag(tmp_path):
     # p2pd listens with SO_REUSEPORT, as this stand-in does: a second node's p2pd shared the port
     # with it (a dialled multiaddr reached either) instead of failing.

@@ -170,6 +170,25 @@ def test_a_boolean_for_a_number_is_refused_and_numbers_as_strings_still_convert(
     assert (config.node.client_mode, config.train.inner_steps, config.node.metrics_port) == (True, 50, 9100)
 
 
+
+def test_a_boolean_for_a_period_in_a_table_of_numbers_is_refused(tmp_path):
+    # state_sync = {exp_avg = true} synced exp_avg every round (true read as 1).
+    path = write(tmp_path, "[sync]\nstate_sync = {exp_avg = true}\n")
+    with pytest.raises(ConfigError, match="exp_avg = true: expected a number, got a boolean"):
+        load_config(path, environ={})
+    assert load_config(write(tmp_path, "[sync]\nstate_sync = {exp_avg = 3}\n"), environ={}).sync.state_sync == {
+        "exp_avg": 3}
+
+
+@pytest.mark.parametrize("host", ["localhost", "node-1.example", "127.0.0.1:7700"])
+def test_a_listen_host_that_is_not_an_ip_address_is_refused_naming_what_to_give(host):
+    # p2pd takes no name in its listen multiaddr: `--host localhost` was its Go log line.
+    with pytest.raises(ConfigError, match=r"\[node\] host = .* is invalid: not an IP address: give an address of this "
+                                          r"machine \(127.0.0.1 for loopback, 0.0.0.0 for every interface\)"):
+        load_config(overrides=[f"node.host={host}"], environ={})
+    for address in ("127.0.0.1", "0.0.0.0", "::1", "::"):
+        assert load_config(overrides=[f"node.host={address}"], environ={}).node.host == address
+
 @pytest.mark.parametrize("override", ["sync.outer_lr=inf", "train.lr=nan", "sync.reduce_timeout=inf",
                                       "train.weight_decay=inf", "sync.quorum=nan"])
 def test_inf_and_nan_are_refused(override):
