@@ -74,6 +74,18 @@ class ModelSection(ConfigSection):
     """A Hugging Face causal LM loaded with from_pretrained from a local directory (config.json and
     weights); lowcomm never downloads a model at run time."""
 
+    @field_validator("factory_kwargs", mode="before")
+    @classmethod
+    def _plain_values(cls, value: Any) -> Any:
+        # pydantic tried each type of the union and reported all four failures, on lines that
+        # named the table but not the key.
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                if not isinstance(item, (str, int, float, bool)):
+                    raise ValueError(f"{key} = {item!r}: a keyword's value must be a string, number or boolean; "
+                                     f"give a list or table as a string and parse it in your factory")
+        return value
+
     @field_validator("hf_config")
     @classmethod
     def _config_exists(cls, value: str | None) -> str | None:

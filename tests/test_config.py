@@ -180,6 +180,16 @@ def test_a_boolean_for_a_period_in_a_table_of_numbers_is_refused(tmp_path):
         "exp_avg": 3}
 
 
+def test_a_list_in_factory_kwargs_is_one_error_naming_the_key(tmp_path):
+    # pydantic reported one line per type of the union (string, integer, number, boolean), none
+    # naming the key.
+    path = write(tmp_path, '[model]\nfactory = "tests.factory_model:build"\nfactory_kwargs = {width = 48, '
+                           'sizes = [1, 2]}\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert "\n" not in str(info.value)
+    assert "sizes = [1, 2]: a keyword's value must be a string, number or boolean" in str(info.value)
+
 @pytest.mark.parametrize("host", ["localhost", "node-1.example", "127.0.0.1:7700"])
 def test_a_listen_host_that_is_not_an_ip_address_is_refused_naming_what_to_give(host):
     # p2pd takes no name in its listen multiaddr: `--host localhost` was its Go log line.
