@@ -188,8 +188,9 @@ def run_diloco(work: Workload, net: Network, logdir: Path, codec: str, inner_ste
 
     Each node is stopped (SIGSTOP, the main process only) when it logs that its gRPC server
     listens, and all are continued together once every one got there, so that all peers start
-    their first inner phase at the same time (the node has no "wait for N peers" option, and a
-    lone first peer would otherwise take solo outer steps while the others start up). That line
+    their first inner phase at the same time (a lone first peer would otherwise take solo outer
+    steps while the others start up; the node's own ``--wait-for-peers`` reads the swarm once a
+    second, so starts could differ by up to a second, which this harness avoids). That line
     comes after the model, the corpus and the DHT are up and before the node's first DHT call
     from its main process. The nodes join a DHT peer of the harness, never a held node: joiners
     of a held node sometimes failed their DHT bootstrap, again and again until it was continued.

@@ -57,6 +57,8 @@ def _add_join_flags(parser: argparse.ArgumentParser) -> None:
     add("--client-mode", action="store_const", const=True, default=None,
         help="no inbound connections: own no shard, serve no state (behind NAT; needs --peers)")
     add("--max-rounds", type=int, metavar="N", help="exit 0 after N completed outer rounds")
+    add("--wait-for-peers", type=int, metavar="N",
+        help="start training once N peers, this one included, are in the swarm (default 1: at once)")
     add("--max-clock-offset", type=float, metavar="S",
         help="largest offset (seconds) of this machine's clock from the swarm's that is corrected "
              "(default 86400); beyond it the node stops; 0: never correct")

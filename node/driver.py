@@ -55,6 +55,9 @@ T = TypeVar("T")
 # A local model that diverges this many rounds in a row, each time from θ_global, will not train
 # at these settings: the node stops and says what to lower instead of resetting forever.
 DIVERGED_ROUNDS_LIMIT = 3
+# How often a node waiting for peers to start with reads the swarm (``[node] wait_for_peers``):
+# a peer that joined is in the table at its announce.
+WAIT_FOR_PEERS_POLL = 1.0
 # A watcher of an inner phase: sets the event to end the phase early (node/overlap.py).
 PhaseWatch = Callable[[threading.Event], Awaitable[None]]
 
@@ -124,6 +127,8 @@ class RoundDriver:
     # -- the loop ---------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        if not await self.wait_for_peers():
+            return
         if self.overlap is not None:
             await self.overlap.run()
             return
@@ -142,6 +147,29 @@ class RoundDriver:
                 frozen = await self.shielded_commit(self.committer.apply_and_commit(outcome))
                 await self.sync_optimizer_state(outcome)
                 await self.committer.finish(outcome.report, fragment, frozen, reset_local=True)
+
+    async def wait_for_peers(self) -> bool:
+        """Hold the first inner phase until ``[node] wait_for_peers`` peers, this one included,
+        are in the swarm; False when a stop came first. The swarm is read every
+        ``WAIT_FOR_PEERS_POLL`` seconds, and the count is logged whenever it changes."""
+        wanted = self.config.node.wait_for_peers
+        logged = None
+        while True:
+            view = await self.swarm.refresh_view()
+            present = len(decisions.others(view, self.swarm.position())) + 1
+            if present >= wanted:
+                if logged is not None:
+                    log.info("%d peers in the swarm: training starts", present)
+                return True
+            if present != logged:
+                log.info("waiting for %d peers before training (--wait-for-peers): %d in the swarm", wanted, present,
+                         extra={"event": "waiting_for_peers", "wanted": wanted, "present": present})
+                logged = present
+            try:
+                await asyncio.wait_for(self.stops.requested.wait(), WAIT_FOR_PEERS_POLL)
+                return False
+            except TimeoutError:
+                pass
 
     async def abandon(self) -> None:
         """After ``run`` was cancelled or failed: wait for the work a round left running and roll

@@ -188,7 +188,7 @@ def _print_event(name: str, event: Event) -> None:
     level = event.get("level")
     if kind == "node_ready":
         print(f"[{name}] ready: {event.get('join_command')}", flush=True)
-    elif kind in ("round_done", "state_downloaded", "node_stopped") or level in ("warning", "error", "raw"):
+    elif kind in ("round_done", "state_downloaded", "waiting_for_peers", "node_stopped") or level in ("warning", "error", "raw"):
         print(f"[{name}] {event.get('msg')}", flush=True)
 
 
@@ -266,20 +266,23 @@ def main(argv: list[str] | None = None) -> int:
     reported: set[str] = set()  # peers whose failure is told already
     start_failed = False
     try:
-        # With --rounds, the joiners stop by themselves after their rounds (--max-rounds). The first
-        # peer, which the others bootstrap from and round with, is not limited: alone, it could
-        # finish its rounds before the others have started and leave them nobody to join. The demo
-        # stops it once every joiner is done and it has completed its own rounds too.
-        first = NodeProcess("peer-0", peer_args(args.workdir, 0, extra=extra), echo=echo)
+        # Every peer waits for all the others before it trains (--wait-for-peers): the first one,
+        # which the others bootstrap from, would otherwise take outer steps alone while they start
+        # up. So all of them take part in every round, and with --rounds each stops by itself
+        # after its rounds (--max-rounds).
+        peer_extra = [*extra, "--wait-for-peers", str(args.peers),
+                      *(["--max-rounds", str(args.rounds)] if args.rounds else [])]
+        first = NodeProcess("peer-0", peer_args(args.workdir, 0, extra=peer_extra), echo=echo)
         nodes.append(first)
         maddr = first.multiaddr
-        joiner_extra = extra + (["--max-rounds", str(args.rounds)] if args.rounds else [])
         for index in range(1, args.peers):
-            nodes.append(NodeProcess(f"peer-{index}", peer_args(args.workdir, index, [maddr], joiner_extra),
+            nodes.append(NodeProcess(f"peer-{index}", peer_args(args.workdir, index, [maddr], peer_extra),
                                      echo=echo))
         while not stopping.is_set():
             news.clear()
             if all(n.proc.poll() is not None for n in nodes):
+                if args.rounds and all(n.proc.poll() == 0 for n in nodes):
+                    print(f"every peer completed {args.rounds} round(s)", flush=True)
                 break
             if args.rounds:
                 broken = [n for n in nodes if n.proc.poll() not in (None, 0)]
@@ -288,9 +291,6 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{node.name} exited with code {node.proc.poll()}: {node.error_line()}",
                               file=sys.stderr, flush=True)
                         reported.add(node.name)
-                    break
-                if all(n.proc.poll() == 0 for n in nodes[1:]) and len(first.rounds()) >= args.rounds:
-                    print(f"every peer completed {args.rounds} round(s)", flush=True)
                     break
             news.wait(0.5)  # and look at the processes again: an exit logs nothing
     except NodeExited as err:

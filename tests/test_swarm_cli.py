@@ -227,19 +227,21 @@ def test_demo_reports_a_peers_own_error_not_a_timeout(tmp_path):
 
 
 def test_demo_rounds_with_short_inner_phases_every_peer_takes_part(tmp_path):
-    # Two inner steps: the first peer finishes rounds alone in a fraction of a second, long before
-    # the others have started (once it stopped after its 2 rounds and they found nobody to join).
+    # Two inner steps: the first peer finished rounds alone in a fraction of a second, long before
+    # the others had started (once it stopped after its 2 rounds and they found nobody to join;
+    # later it took solo outer steps before they came and after they left: steps 17 vs 15). Now
+    # every peer waits for the others (--wait-for-peers) and does exactly its rounds.
     flags = [*FAST, "--set", "train.inner_steps=2"]
     workdir = tmp_path / "demo"
     result = run_demo(tmp_path, "--peers", "3", "--rounds", "2", "--workdir", str(workdir), "--", *flags)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "all peers stopped cleanly" in result.stdout
+    assert "every peer completed 2 round(s)" in result.stdout and "all peers stopped cleanly" in result.stdout
     rounds: dict[str, list[int]] = {}
     for line in result.stdout.splitlines():
         if match := DEMO_ROUND.match(line):
             rounds.setdefault(match.group(1), []).append(int(match.group(2)))
     assert sorted(rounds) == ["peer-0", "peer-1", "peer-2"], result.stdout
-    assert all(len(sizes) >= 2 for sizes in rounds.values()), rounds
-    assert all(max(rounds[name]) >= 2 for name in ("peer-1", "peer-2")), rounds  # with another peer
+    assert all(len(sizes) == 2 and sizes[0] >= 2 for sizes in rounds.values()), rounds  # no solo round first
+    assert "[peer-0] waiting for 3 peers before training (--wait-for-peers): 1 in the swarm" in result.stdout
     for index in range(3):
         assert list_checkpoints(workdir / f"peer-{index}")
