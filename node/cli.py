@@ -161,7 +161,9 @@ def start_dht(config: Config):
         if "address already in use" in text:
             raise RuntimeError(f"DHT port {node.dht_port} on {host} is already in use; "
                                f"choose another with --dht-port (or LOWCOMM_DHT_PORT)") from None
-        if "cannot parse" in text and config.identity_path.exists():  # p2pd read a file that is not a key
+        # p2pd read a file that is not a key: "proto: cannot parse ...", or for an empty file
+        # "proto: required field crypto.pb.PrivateKey.Type not set".
+        if "proto:" in text and config.identity_path.exists():
             said = re.sub(r"^.*\d\d:\d\d:\d\d ", "", text.splitlines()[0])  # drop p2pd's log time stamp
             raise RuntimeError(f"identity file {config.identity_path} is not a peer key (p2pd: {said}); point --identity at the key a node wrote, or at a "
                                f"new path to make one") from None

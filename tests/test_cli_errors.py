@@ -126,9 +126,10 @@ def test_checkpoint_dir_or_identity_folder_that_is_a_file_is_a_clear_error(tmp_p
     assert_one_line_error(run_join(tmp_path, "--identity", str(key)), str(key), "--identity")
 
 
-def test_identity_file_that_is_not_a_key_is_named(tmp_path):
+@pytest.mark.parametrize("content", ["not a key", ""])  # "": p2pd's 'required field ... not set', not named
+def test_identity_file_that_is_not_a_key_is_named(tmp_path, content):
     key = tmp_path / "identity.key"
-    key.write_text("not a key")
+    key.write_text(content)
     assert_one_line_error(run_join(tmp_path, "--identity", str(key)), str(key), "not a peer key", "--identity")
 
 
