@@ -46,10 +46,17 @@ def test_training_starts_once_the_wanted_peers_are_in_the_swarm(monkeypatch, cap
                      "3 peers in the swarm: training starts"]  # each count once, not at every read
 
 
-def test_one_peer_wanted_starts_at_once_without_a_line(caplog):
+def test_one_peer_wanted_starts_at_once_without_a_read_or_a_line(caplog):
     swarm = GrowingSwarm(alone=10)
     caplog.set_level(logging.INFO, logger="lowcomm.node")
     assert asyncio.run(RoundDriver.wait_for_peers(waiting_driver(1, swarm))) is True
+    assert swarm.reads == 0 and caplog.records == []
+
+
+def test_two_peers_already_there_start_at_once_without_a_line(caplog):
+    swarm = GrowingSwarm(alone=0)
+    caplog.set_level(logging.INFO, logger="lowcomm.node")
+    assert asyncio.run(RoundDriver.wait_for_peers(waiting_driver(2, swarm))) is True
     assert swarm.reads == 1 and caplog.records == []
 
 
