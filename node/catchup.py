@@ -78,13 +78,23 @@ class CatchUp:
         # Between rounds the last view serves unless the progress record says the swarm moved
         # (node/swarmpace.py): at N=1024 a full read is ~200 kB.
         view = await (self.swarm.refresh_view() if initial else self.swarm.current_view())
-        if initial and self.config.node.peers and not view.peers and not view.foreign:
+
+        def nobody_else() -> bool:  # our own record is in the view from our announce on
+            return not decisions.others(view, self.swarm.position()) and not view.foreign
+
+        if initial and self.config.node.peers and nobody_else():
             # Right after joining, the records may take a moment to reach us.
             for _ in range(8):
                 await asyncio.sleep(0.5)
                 view = await self.swarm.refresh_view()
-                if view.peers or view.foreign:
+                if not nobody_else():
                     break
+            else:
+                # Records are kept under the run's name: a mistyped [run] name trained alone
+                # beside the swarm it was pointed at, without a word.
+                log.warning("no peer of run %r is in the DHT joined through --peers: to join a running swarm, give "
+                            "the [run] name of its run config (the DHT holds each run's records under its name); "
+                            "training alone until a peer of this run comes", self.config.run.name)
         if initial:
             await self._handshake(view)
         if initial and self.must_download and not decisions.others(view, self.swarm.position()):

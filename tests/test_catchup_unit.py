@@ -4,10 +4,16 @@ missed rounds in flight."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from types import SimpleNamespace
 
 from lowcomm.node import catchup
 from lowcomm.node.config import load_config
+from lowcomm.node.decisions import Position
+from lowcomm.node.swarm import PeerRecord, SwarmView
+
+OWN_RECORD = {"address": "127.0.0.1:7701", "outer_step": 0, "params_sha256": "h0"}
+A_PEER = "/ip4/127.0.0.1/tcp/7700/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 
 
 def test_a_stop_abandons_a_state_download_in_flight_and_leaves_the_state_alone(monkeypatch, caplog):
@@ -77,3 +83,36 @@ def test_a_stop_abandons_a_fetch_of_missed_rounds_and_downloads_nothing_instead(
     assert ended == ["cancelled"]
     assert state.step == 3
     assert "fetching the missed rounds of steps 3-4 is abandoned (staying at step 3)" in caplog.text
+
+
+class EmptySwarm:
+    """The DHT joined through --peers holds no record of this run (another [run] name) but our
+    own (published at our announce, before the catch-up)."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    async def refresh_view(self):
+        self.reads += 1
+        return SwarmView({"me": PeerRecord.parse("me", OWN_RECORD)}, {}, 0.0)
+
+    def position(self):
+        return Position("me", 0, "h0")
+
+
+def test_a_node_that_finds_no_peer_of_its_run_through_its_peers_says_to_check_the_run_name(monkeypatch, caplog):
+    # A mistyped [run] name trained alone beside the swarm it was pointed at, without a word.
+    real_sleep = asyncio.sleep
+    monkeypatch.setattr(catchup.asyncio, "sleep", lambda seconds: real_sleep(0))  # the records' grace
+    swarm = EmptySwarm()
+    config = load_config(overrides=["run.name=mistyped"], environ={"LOWCOMM_PEERS": A_PEER})
+    catch_up = catchup.CatchUp(
+        config, SimpleNamespace(peer_id="me"), SimpleNamespace(numel=10), SimpleNamespace(step=0), swarm=swarm,
+        averager=None, channels=None, donor=None, train_thread=None, codec_executor=None, metrics=None, stats=None,
+        gossip=False, must_download=False, stop_requested=asyncio.Event())
+    caplog.set_level("INFO", logger="lowcomm.node")
+    asyncio.run(catch_up.run(initial=True))
+    assert swarm.reads == 9  # the first read and 8 more over the records' grace
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "no peer of run 'mistyped' is in the DHT joined through --peers" in warnings[0]
+    assert "[run] name" in warnings[0]
