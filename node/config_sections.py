@@ -411,9 +411,10 @@ class NodeSection(ConfigSection):
     max_rounds: int | None = Field(None, ge=1)
     """Exit 0 after this many outer rounds of this process."""
     wait_for_peers: int = Field(1, ge=1)
-    """Start training only once this many peers, this one included, are in the swarm (each time
-    the node starts; it then trains on whoever leaves). 1: at once. For a swarm started together:
-    its first peer would otherwise take outer steps alone while the others start up."""
+    """Start training only once this many peers, this one included, are in the swarm, or once
+    another peer trains (the swarm has started); each time the node starts, and it then trains on
+    whoever leaves. 1: at once. For a swarm started together: its first peer would otherwise take
+    outer steps alone while the others start up."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where inner steps run; auto: CUDA (with bf16 autocast) when available."""
     torch_threads: int | None = Field(None, ge=1)

@@ -32,6 +32,12 @@ def others(view: SwarmView, me: Position) -> list[PeerRecord]:
     return [p for p in view.peers.values() if p.peer_id != me.peer_id]
 
 
+def swarm_training(view: SwarmView, me: Position) -> bool:
+    """Whether another peer trains or averages: the swarm has started (a peer that waits for
+    others to start with, ``[node] wait_for_peers``, joins it then rather than waiting on)."""
+    return any(p.phase in ("training", "averaging") for p in others(view, me))
+
+
 def same_state(view: SwarmView, me: Position) -> list[PeerRecord]:
     """The other peers at our step with our parameters: those a round of ours can average with."""
     return [p for p in others(view, me) if p.outer_step == me.step and p.params_sha256 == me.params_hash]

@@ -150,7 +150,9 @@ class RoundDriver:
 
     async def wait_for_peers(self) -> bool:
         """Hold the first inner phase until ``[node] wait_for_peers`` peers, this one included,
-        are in the swarm; False when a stop came first. The swarm is read every
+        are in the swarm, or until another peer trains (the swarm has started: a lone peer that
+        trains would otherwise wait for us, never stepping alone while we are there); False when
+        a stop came first. Meanwhile our record says "waiting". The swarm is read every
         ``WAIT_FOR_PEERS_POLL`` seconds, and the count is logged whenever it changes."""
         wanted = self.config.node.wait_for_peers
         if wanted <= 1:
@@ -158,12 +160,17 @@ class RoundDriver:
         logged = None
         while True:
             view = await self.swarm.refresh_view()
+            started = decisions.swarm_training(view, self.swarm.position())
             present = len(decisions.others(view, self.swarm.position())) + 1
-            if present >= wanted:
+            if present >= wanted or started:
                 if logged is not None:
-                    log.info("%d peers in the swarm: training starts", present)
+                    log.info("%s: training starts", "the swarm trains already" if started and present < wanted
+                             else f"{present} peers in the swarm")
                 return True
             if present != logged:
+                if logged is None:
+                    self.stats.phase = "waiting"
+                    await self.swarm.publish_record()
                 log.info("waiting for %d peers before training (--wait-for-peers): %d in the swarm", wanted, present,
                          extra={"event": "waiting_for_peers", "wanted": wanted, "present": present})
                 logged = present

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RunStats:
-    phase: str = "starting"  # published in the DHT record: training, averaging, catching_up, stopping
+    phase: str = "starting"  # published in the DHT record: waiting, training, averaging, catching_up, stopping
     rounds_completed: int = 0
     rounds_attempted: int = 0  # rounds whose group formed
     group_rounds: int = 0  # rounds whose group had at least one other member
