@@ -154,6 +154,8 @@ class Node:
             return
         if self.link is None:  # run() checks before it makes the link: the node never joins
             log.info("stop requested during start-up: stopping before joining the swarm")
+        elif self.stats.phase == "waiting":  # no round yet: nothing to finish
+            log.info("stop requested while waiting for peers to start with: stopping")
         else:
             log.info("stop requested: finishing or abandoning the round in flight (grace %.0fs)",
                      self.config.node.grace_period)

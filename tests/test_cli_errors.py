@@ -261,6 +261,30 @@ def test_a_stop_during_start_up_ends_the_node_before_it_joins(tmp_path):
     assert not [msg for msg in messages if " ready: " in msg or msg.startswith("stopped cleanly")]
 
 
+def test_a_stop_while_waiting_for_peers_stops_at_once_with_the_start_saved(tmp_path):
+    proc = subprocess.Popen(join_command(tmp_path, *FAST, "--wait-for-peers", "2"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if '"event": "waiting_for_peers"' in line:
+                proc.send_signal(signal.SIGINT)
+                break
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    messages = [json.loads(line)["msg"] for line in "".join(seen).splitlines() + out.splitlines()
+                if line.startswith("{")]
+    assert "waiting for 2 peers before training (--wait-for-peers): 1 in the swarm" in messages
+    assert "stop requested while waiting for peers to start with: stopping" in messages
+    assert not [msg for msg in messages if msg.startswith("step ")]  # it never trained
+    assert any(msg.startswith("stopped cleanly at outer step 0") for msg in messages), messages
+    assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == ["step-000000000.ckpt"]
+
 def test_a_checkpoint_of_another_run_config_names_the_keys_that_differ(tmp_path):
     assert run_join(tmp_path, *FAST, "--max-rounds", "1").returncode == 0
     kept = {path: path.read_bytes() for path in list_checkpoints(tmp_path / "ckpt")}
