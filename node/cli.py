@@ -161,6 +161,10 @@ def start_dht(config: Config):
         if "address already in use" in text:
             raise RuntimeError(f"DHT port {node.dht_port} on {host} is already in use; "
                                f"choose another with --dht-port (or LOWCOMM_DHT_PORT)") from None
+        if "is already taken by another peer" in text:  # hivemind found our peer id in the swarm
+            raise RuntimeError(f"identity file {config.identity_path} is in use by another running node (a copied "
+                               f"checkpoint folder?): every node needs its own peer id; give this one another "
+                               f"--identity or --checkpoint-dir (a new path makes a new key)") from None
         # p2pd read a file that is not a key: "proto: cannot parse ...", or for an empty file
         # "proto: required field crypto.pb.PrivateKey.Type not set".
         if "proto:" in text and config.identity_path.exists():

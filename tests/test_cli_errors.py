@@ -133,6 +133,18 @@ def test_identity_file_that_is_not_a_key_is_named(tmp_path, content):
     assert_one_line_error(run_join(tmp_path, "--identity", str(key)), str(key), "not a peer key", "--identity")
 
 
+def test_an_identity_in_use_by_a_running_node_is_named_with_what_to_do(tmp_path, swarm):
+    # A copied checkpoint folder carries identity.key: hivemind's own words said only "already
+    # taken by another peer".
+    first = swarm.start(0)
+    maddr = first.multiaddr  # ready: its identity file is written
+    key = tmp_path / "copy" / "identity.key"
+    key.parent.mkdir()
+    shutil.copy(tmp_path / "peer-0" / "identity.key", key)
+    result = run_join(tmp_path, "--identity", str(key), "--peers", maddr)
+    assert_one_line_error(result, f"identity file {key} is in use by another running node",
+                          "give this one another --identity or --checkpoint-dir")
+
 def test_config_that_is_not_utf8_is_a_clear_error(tmp_path):
     config = tmp_path / "run.toml"
     config.write_bytes("[train]\ninner_steps = 5\n".encode("utf-16"))  # as some editors save it
