@@ -259,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         _print_event(name, event)
         news.set()
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP too (the terminal that ran `make demo` closed): the nodes run in sessions of their
+    # own, where no hangup reaches them, and trained on as orphans.
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     print(f"starting {args.peers} peers on loopback (checkpoints in {args.workdir}); "
           + (f"they stop once every peer has completed {args.rounds} round(s); " if args.rounds else "")
           + "Ctrl-C stops them", flush=True)
