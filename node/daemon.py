@@ -184,7 +184,9 @@ class Node:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        # SIGHUP as well: a node started from a terminal (an ssh session) that closed died at
+        # once, without saving its progress since the last round or leaving the DHT.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, self.request_stop)
         server = None
         metrics_server = None

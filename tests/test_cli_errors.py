@@ -297,6 +297,32 @@ def test_a_stop_while_waiting_for_peers_stops_at_once_with_the_start_saved(tmp_p
     assert any(msg.startswith("stopped cleanly at outer step 0") for msg in messages), messages
     assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == ["step-000000000.ckpt"]
 
+def test_a_hangup_stops_the_node_cleanly_as_ctrl_c_does(tmp_path):
+    # SIGHUP (its terminal or ssh session closed) killed the node at once: no checkpoint of the
+    # progress since the last round, no goodbye in the DHT.
+    proc = subprocess.Popen(join_command(tmp_path, *FAST), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if '"event": "round_done"' in line:
+                proc.send_signal(signal.SIGHUP)
+                break
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    messages = [json.loads(line)["msg"] for line in "".join(seen).splitlines() + out.splitlines()
+                if line.startswith("{")]
+    assert any(msg.startswith("stop requested") for msg in messages), messages
+    stopped = [msg for msg in messages if msg.startswith("stopped cleanly at outer step ")]
+    assert stopped, messages
+    step = int(stopped[0].split()[5])
+    assert step >= 1 and list_checkpoints(tmp_path / "ckpt")[-1].name == f"step-{step:09d}.ckpt"
+
 def test_a_checkpoint_of_another_run_config_names_the_keys_that_differ(tmp_path):
     assert run_join(tmp_path, *FAST, "--max-rounds", "1").returncode == 0
     kept = {path: path.read_bytes() for path in list_checkpoints(tmp_path / "ckpt")}
