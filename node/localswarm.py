@@ -159,7 +159,8 @@ class NodeProcess:
         return code
 
     def kill_all(self) -> None:
-        """SIGKILL the node's whole session (the node and its p2pd daemon)."""
+        """SIGKILL the node's process group; its DHT process and p2pd, in a group of their own,
+        die with it (node/dht.py ``die_with_parent``)."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -297,31 +297,38 @@ def test_a_stop_while_waiting_for_peers_stops_at_once_with_the_start_saved(tmp_p
     assert any(msg.startswith("stopped cleanly at outer step 0") for msg in messages), messages
     assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == ["step-000000000.ckpt"]
 
-def test_a_hangup_stops_the_node_cleanly_as_ctrl_c_does(tmp_path):
-    # SIGHUP (its terminal or ssh session closed) killed the node at once: no checkpoint of the
-    # progress since the last round, no goodbye in the DHT.
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "hangup"])
+def test_a_terminal_signal_to_the_nodes_process_group_stops_it_cleanly_and_at_once(tmp_path, sig):
+    # A terminal sends Ctrl-C (SIGINT) and its hangup (SIGHUP) to its whole foreground process
+    # group. A hangup killed the node at once (no checkpoint of the progress since the last round,
+    # no goodbye in the DHT); Ctrl-C reached its DHT process and p2pd as well, which quit under
+    # the node's orderly stop: p2pd's "error accepting connection" line, then "DHT did not shut
+    # down within the grace period" 3 s later.
     proc = subprocess.Popen(join_command(tmp_path, *FAST), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, stdin=subprocess.DEVNULL)
+                            text=True, stdin=subprocess.DEVNULL, start_new_session=True)  # a group to signal
     seen = []
     try:
         for line in proc.stdout:
             seen.append(line)
             if '"event": "round_done"' in line:
-                proc.send_signal(signal.SIGHUP)
+                os.killpg(proc.pid, sig)
                 break
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, err
-    messages = [json.loads(line)["msg"] for line in "".join(seen).splitlines() + out.splitlines()
-                if line.startswith("{")]
+    lines = "".join(seen).splitlines() + out.splitlines()
+    messages = [json.loads(line)["msg"] for line in lines if line.startswith("{")]
     assert any(msg.startswith("stop requested") for msg in messages), messages
     stopped = [msg for msg in messages if msg.startswith("stopped cleanly at outer step ")]
     assert stopped, messages
     step = int(stopped[0].split()[5])
     assert step >= 1 and list_checkpoints(tmp_path / "ckpt")[-1].name == f"step-{step:09d}.ckpt"
+    assert not [line for line in lines + err.splitlines()
+                if "error accepting connection" in line or "did not shut down" in line]
+
 
 def test_a_checkpoint_of_another_run_config_names_the_keys_that_differ(tmp_path):
     assert run_join(tmp_path, *FAST, "--max-rounds", "1").returncode == 0
