@@ -99,8 +99,8 @@ class SupervisedDHT(hivemind.DHT):
         # A process group of its own, which p2pd inherits: a terminal's Ctrl-C and hangup go to
         # its whole foreground group, and reached this process and p2pd beside the node. p2pd
         # quit under the node's orderly stop ("error accepting connection: ... use of closed
-        # network connection"), the node's goodbye record was lost and the DHT's shutdown waited
-        # out its grace. The node stops both itself, and they die with it if it is killed.
+        # network connection") and the DHT's shutdown waited out its grace. The node stops both
+        # itself, and they die with it if it is killed.
         with contextlib.suppress(OSError):
             os.setpgid(0, 0)
         place_p2pd_sockets(tempfile.gettempdir())
