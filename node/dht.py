@@ -30,15 +30,17 @@ from .clock import DEFAULT_MAX_OFFSET, SwarmClock, decide, measure, run_hivemind
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """Make the calling process receive SIGKILL when its parent exits (Linux; no-op elsewhere)."""
+def die_with_parent() -> bool:
+    """Make the calling process receive SIGKILL when its parent exits (Linux; elsewhere a no-op
+    that returns False)."""
     if not sys.platform.startswith("linux"):
-        return
+        return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     parent = os.getppid()
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the parent died before the request took effect
         os._exit(1)
+    return True
 
 
 # The longest path of a unix socket (sun_path holds 108 bytes with its terminating NUL), and
@@ -95,14 +97,15 @@ class SupervisedDHT(hivemind.DHT):
         return self.clock.time()
 
     def run(self) -> None:  # runs in the forked DHT process
-        die_with_parent()
-        # A process group of its own, which p2pd inherits: a terminal's Ctrl-C and hangup go to
-        # its whole foreground group, and reached this process and p2pd beside the node. p2pd
-        # quit under the node's orderly stop ("error accepting connection: ... use of closed
-        # network connection") and the DHT's shutdown waited out its grace. The node stops both
-        # itself, and they die with it if it is killed.
-        with contextlib.suppress(OSError):
-            os.setpgid(0, 0)
+        if die_with_parent():
+            # A process group of its own, which p2pd inherits: a terminal's Ctrl-C and hangup go
+            # to its whole foreground group, and reached this process and p2pd beside the node.
+            # p2pd quit under the node's orderly stop ("error accepting connection: ... use of
+            # closed network connection") and the DHT's shutdown waited out its grace. The node
+            # stops both itself, and they die with it if it is killed (only where that holds:
+            # elsewhere a kill of the node's group is what takes them along).
+            with contextlib.suppress(OSError):
+                os.setpgid(0, 0)
         place_p2pd_sockets(tempfile.gettempdir())
         spawn = asyncio.subprocess.create_subprocess_exec
         sockets: list[str] = []

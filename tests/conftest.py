@@ -13,6 +13,20 @@ import pytest
 
 from lowcomm.node.localswarm import NodeProcess, peer_args
 
+def session_processes(sid: int) -> list[psutil.Process]:
+    """The live processes of session ``sid`` (a process started with ``start_new_session``, and
+    everything it started: a node's DHT process and p2pd run in a process group of their own,
+    node/dht.py, so a look at the node's group alone would miss them)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if os.getsid(process.pid) == sid and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+            continue
+    return found
+
+
 # Small, fast settings for CLI swarms on 2 cores: short inner phases, short deadlines, and a
 # heartbeat that spreads news of steps quickly. The multi-process tests are CPU-bound, and the
 # inner phase is most of a round's CPU: 4 sequences per step cost a solo node 0.5-0.6 CPU-s per

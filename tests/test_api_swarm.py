@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 import threading
 from pathlib import Path
@@ -23,6 +22,7 @@ from torch.nn.utils import parameters_to_vector
 from lowcomm.node.localswarm import NodeProcess
 from lowcomm.protocol.state import params_sha256
 
+from .conftest import session_processes
 from .hf_assets import write_byte_tokens, write_llama_config
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
@@ -48,11 +48,7 @@ def hashes(node: NodeProcess, group_size: int = 1) -> dict[int, str]:
 
 def nothing_left_in_session(node: NodeProcess) -> bool:
     """No process of the peer's session (its DHT process, p2pd) outlived it."""
-    try:
-        os.killpg(node.proc.pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+    return session_processes(node.proc.pid) == []
 
 
 def test_the_example_as_two_processes_agrees_per_step_and_resumes_from_its_checkpoint(swarm, tmp_path):

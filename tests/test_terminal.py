@@ -111,7 +111,7 @@ def run_in_terminal(args: list[str], timeout_s: float) -> tuple[int, list[list[s
         code = proc.wait(30)
     finally:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the node's whole session: its DHT process and p2pd too
+            os.killpg(proc.pid, signal.SIGKILL)  # its DHT process and p2pd die with it (node/dht.py)
         except ProcessLookupError:
             pass
         proc.wait(30)
