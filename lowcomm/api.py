@@ -20,8 +20,9 @@ thread waits in ``step()`` (node/external_trainer.py), so nothing needs a lock.
 
 Leaving the block stops the node as SIGINT stops the daemon: the round in flight gets the grace
 period, local progress is folded into the residual, a checkpoint is written, the peer leaves the
-DHT, and the model holds θ_global. A Ctrl-C in the loop does the same; a second Ctrl-C while it
-stops ends the process within seconds, as with the daemon. ``step()`` raises ``SwarmStopped``
+DHT, and the model holds θ_global. A Ctrl-C in the loop does the same, and so do SIGTERM and
+SIGHUP (lowcomm/api_signals.py); a second one while it stops ends the process within seconds, as
+with the daemon. ``step()`` raises ``SwarmStopped``
 once the node is gone (it failed, or ``[node] max_rounds`` was reached), never hangs.
 """
 
@@ -49,6 +50,7 @@ from lowcomm.node import checkpoint
 from lowcomm.node.external_trainer import EvaluatingExternalTrainer, ExternalTrainer, SwarmStopped
 
 from .api_config import ConfigLike, SwarmConfig, SwarmError, resolve_config
+from .api_signals import Terminated, give_back_stop_signals, take_stop_signals
 
 __all__ = ["Swarm", "SwarmError", "SwarmStopped"]
 
@@ -113,6 +115,7 @@ class Swarm:
         self._stop_sent = False  # the user's side asked the node to stop
         self._stop_delivered = False  # the node got that request (exactly once)
         self._stop_lock = threading.Lock()
+        self._signals: dict[int, Any] = {}  # stop signals' handlers replaced while open
         self._exited = False
         self._restore_logging: Callable[[], None] = lambda: None
 
@@ -150,6 +153,7 @@ class Swarm:
                                             daemon=True)
             self._thread.start()
             _close_when_the_program_ends(self)
+            self._signals = take_stop_signals()  # SIGTERM, SIGHUP: leave as on Ctrl-C (api_signals.py)
             self._trainer.handoff.wait_started(self._thread.is_alive)
         except BaseException as err:
             self._close(err)
@@ -225,7 +229,7 @@ class Swarm:
                     self._trainer.handoff.leave()  # the phase in progress ends with the steps taken
                 try:
                     _join(self._thread)
-                except KeyboardInterrupt:
+                except (KeyboardInterrupt, Terminated):
                     log.warning("second interrupt: the node abandons what it does and exits within seconds")
                     self._call_in_loop(lambda: self._node.request_stop())  # the second request forces
                     self._thread.join(FORCED_EXIT_WAIT)
@@ -236,6 +240,7 @@ class Swarm:
             if self._lock is not None:
                 self._lock.close()
             self._restore_logging()
+            give_back_stop_signals(self._signals)
             self._release_the_process()
 
     def _request_stop(self) -> None:

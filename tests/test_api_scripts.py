@@ -179,3 +179,76 @@ def test_a_second_swarm_open_at_once_in_one_process_is_refused_and_one_after_the
         "refused: another lowcomm.Swarm is open in this process: leave it first, or run each peer in its own "
         "process (examples/launch.py starts N of them)",
         "second entered after the first left"]
+
+
+UNTIL_STOPPED = textwrap.dedent("""
+    import signal, sys, torch, torch.nn as nn, lowcomm
+    torch.manual_seed(0)
+    if sys.argv[2] == "own-handler":  # the program's own handler is left alone
+        signal.signal(signal.SIGTERM, lambda *_: print("own handler", flush=True))
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = {"train": {"inner_steps": 3}, "node": {"host": "127.0.0.1", "checkpoint_dir": sys.argv[1]}}
+    with lowcomm.Swarm(model, optimizer, config=config) as swarm:
+        while True:  # until stopped
+            x = torch.randn(32, 16)
+            loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
+            loss.backward(); optimizer.step(); optimizer.zero_grad()
+            swarm.step(tokens=len(x), loss=loss)
+            if sys.argv[2] == "own-handler" and swarm.outer_step >= 2:
+                break
+    print("after the block", flush=True)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_leaves_the_block_as_ctrl_c_does_and_ends_the_program_quietly(tmp_path, sig):
+    # A scheduler's SIGTERM (or a closed terminal's SIGHUP) ended the program at once: its progress
+    # since the last round lost, no goodbye to its peers.
+    (tmp_path / "loop.py").write_text(UNTIL_STOPPED)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "loop.py"), str(tmp_path / "ckpt"), "default"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if '"event": "round_done"' in line:
+                proc.send_signal(sig)
+                break
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out = "".join(seen) + out
+    assert proc.returncode == 128 + sig, err[-2000:]
+    assert "Traceback" not in out + err and "after the block" not in out
+    messages = [json.loads(line)["msg"] for line in out.splitlines() if line.startswith("{")]
+    stopped = [msg for msg in messages if msg.startswith("stopped cleanly at outer step ")]
+    assert stopped, messages
+    step = int(stopped[0].split()[5])
+    assert step >= 1 and list_checkpoints(tmp_path / "ckpt")[-1].name == f"step-{step:09d}.ckpt"
+    assert session_processes(proc.pid) == []
+
+
+def test_a_programs_own_stop_signal_handler_is_left_alone(tmp_path):
+    (tmp_path / "loop.py").write_text(UNTIL_STOPPED)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "loop.py"), str(tmp_path / "ckpt"), "own-handler"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if '"event": "round_done"' in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out = "".join(seen) + out
+    assert proc.returncode == 0, err[-2000:]
+    assert "own handler" in out and "after the block" in out  # the loop went on to its own end
