@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing.util
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import pytest
 
+from lowcomm.node.checkpoint import list_checkpoints
 from lowcomm.node.localswarm import NodeProcess, peer_args
+
 
 def session_processes(sid: int) -> list[psutil.Process]:
     """The live processes of session ``sid`` (a process started with ``start_new_session``, and
@@ -25,6 +30,45 @@ def session_processes(sid: int) -> list[psutil.Process]:
         except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
             continue
     return found
+
+
+def act_at_line(command: list[str], needle: str, act: Callable[[subprocess.Popen], None], timeout: float = 120,
+                env: dict[str, str] | None = None) -> tuple[int, int, str, str]:
+    """Run ``command`` in a session of its own; at the first line of its stdout holding
+    ``needle``, call ``act(proc)`` (send it a signal, say); returns its pid (its session's id),
+    exit code, whole stdout and stderr. Whatever of its session outlives ``timeout`` is killed."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            env=None if env is None else {**os.environ, **env})
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if needle in line:
+                act(proc)
+                break
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            for process in session_processes(proc.pid):
+                process.kill()
+            proc.wait()
+    return proc.pid, proc.returncode, "".join(seen) + out, err
+
+
+def json_messages(out: str) -> list[str]:
+    return [json.loads(line)["msg"] for line in out.splitlines() if line.startswith("{")]
+
+
+def assert_stopped_cleanly_with_its_checkpoint(out: str, checkpoints: Path) -> None:
+    """The node (or Swarm) logged a stop request and a clean stop at a step >= 1, whose
+    checkpoint is the newest."""
+    messages = json_messages(out)
+    assert any(msg.startswith("stop requested") for msg in messages), messages
+    stopped = [msg for msg in messages if msg.startswith("stopped cleanly at outer step ")]
+    assert stopped, messages
+    step = int(stopped[0].split()[5])
+    assert step >= 1 and list_checkpoints(checkpoints)[-1].name == f"step-{step:09d}.ckpt"
 
 
 # Small, fast settings for CLI swarms on 2 cores: short inner phases, short deadlines, and a

@@ -17,7 +17,7 @@ import pytest
 
 from lowcomm.node.checkpoint import list_checkpoints
 
-from .conftest import session_processes
+from .conftest import act_at_line, assert_stopped_cleanly_with_its_checkpoint, session_processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -201,54 +201,25 @@ UNTIL_STOPPED = textwrap.dedent("""
 """)
 
 
+def run_until_stopped(tmp_path, mode: str, sig: int) -> tuple[int, int, str, str]:
+    """UNTIL_STOPPED, sent ``sig`` once it logged its first round."""
+    (tmp_path / "loop.py").write_text(UNTIL_STOPPED)
+    return act_at_line([sys.executable, str(tmp_path / "loop.py"), str(tmp_path / "ckpt"), mode],
+                       '"event": "round_done"', lambda proc: proc.send_signal(sig), env={"OMP_NUM_THREADS": "1"})
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_stop_signal_leaves_the_block_as_ctrl_c_does_and_ends_the_program_quietly(tmp_path, sig):
     # A scheduler's SIGTERM (or a closed terminal's SIGHUP) ended the program at once: its progress
     # since the last round lost, no goodbye to its peers.
-    (tmp_path / "loop.py").write_text(UNTIL_STOPPED)
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "loop.py"), str(tmp_path / "ckpt"), "default"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
-    seen = []
-    try:
-        for line in proc.stdout:
-            seen.append(line)
-            if '"event": "round_done"' in line:
-                proc.send_signal(sig)
-                break
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    out = "".join(seen) + out
-    assert proc.returncode == 128 + sig, err[-2000:]
+    pid, code, out, err = run_until_stopped(tmp_path, "default", sig)
+    assert code == 128 + sig, err[-2000:]
     assert "Traceback" not in out + err and "after the block" not in out
-    messages = [json.loads(line)["msg"] for line in out.splitlines() if line.startswith("{")]
-    stopped = [msg for msg in messages if msg.startswith("stopped cleanly at outer step ")]
-    assert stopped, messages
-    step = int(stopped[0].split()[5])
-    assert step >= 1 and list_checkpoints(tmp_path / "ckpt")[-1].name == f"step-{step:09d}.ckpt"
-    assert session_processes(proc.pid) == []
+    assert_stopped_cleanly_with_its_checkpoint(out, tmp_path / "ckpt")
+    assert session_processes(pid) == []  # nothing of the node (its DHT process, p2pd) outlived it
 
 
 def test_a_programs_own_stop_signal_handler_is_left_alone(tmp_path):
-    (tmp_path / "loop.py").write_text(UNTIL_STOPPED)
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "loop.py"), str(tmp_path / "ckpt"), "own-handler"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
-    seen = []
-    try:
-        for line in proc.stdout:
-            seen.append(line)
-            if '"event": "round_done"' in line:
-                proc.send_signal(signal.SIGTERM)
-                break
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    out = "".join(seen) + out
-    assert proc.returncode == 0, err[-2000:]
+    _, code, out, err = run_until_stopped(tmp_path, "own-handler", signal.SIGTERM)
+    assert code == 0, err[-2000:]
     assert "own handler" in out and "after the block" in out  # the loop went on to its own end

@@ -18,7 +18,7 @@ from lowcomm.node import cli
 from lowcomm.node.checkpoint import list_checkpoints, read
 from lowcomm.node.localswarm import node_command
 
-from .conftest import FAST
+from .conftest import FAST, act_at_line, assert_stopped_cleanly_with_its_checkpoint, json_messages
 
 pytestmark = pytest.mark.multiprocess
 
@@ -274,28 +274,16 @@ def test_a_stop_during_start_up_ends_the_node_before_it_joins(tmp_path):
 
 
 def test_a_stop_while_waiting_for_peers_stops_at_once_with_the_start_saved(tmp_path):
-    proc = subprocess.Popen(join_command(tmp_path, *FAST, "--wait-for-peers", "2"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
-    seen = []
-    try:
-        for line in proc.stdout:
-            seen.append(line)
-            if '"event": "waiting_for_peers"' in line:
-                proc.send_signal(signal.SIGINT)
-                break
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, err
-    messages = [json.loads(line)["msg"] for line in "".join(seen).splitlines() + out.splitlines()
-                if line.startswith("{")]
+    _, code, out, err = act_at_line(join_command(tmp_path, *FAST, "--wait-for-peers", "2"),
+                                 '"event": "waiting_for_peers"', lambda proc: proc.send_signal(signal.SIGINT))
+    assert code == 0, err
+    messages = json_messages(out)
     assert "waiting for 2 peers before training (--wait-for-peers): 1 in the swarm" in messages
     assert "stop requested while waiting for peers to start with: stopping" in messages
     assert not [msg for msg in messages if msg.startswith("step ")]  # it never trained
     assert any(msg.startswith("stopped cleanly at outer step 0") for msg in messages), messages
     assert [path.name for path in list_checkpoints(tmp_path / "ckpt")] == ["step-000000000.ckpt"]
+
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "hangup"])
 def test_a_terminal_signal_to_the_nodes_process_group_stops_it_cleanly_and_at_once(tmp_path, sig):
@@ -304,29 +292,11 @@ def test_a_terminal_signal_to_the_nodes_process_group_stops_it_cleanly_and_at_on
     # no goodbye in the DHT); Ctrl-C reached its DHT process and p2pd as well, which quit under
     # the node's orderly stop: p2pd's "error accepting connection" line, then "DHT did not shut
     # down within the grace period" 3 s later.
-    proc = subprocess.Popen(join_command(tmp_path, *FAST), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, stdin=subprocess.DEVNULL, start_new_session=True)  # a group to signal
-    seen = []
-    try:
-        for line in proc.stdout:
-            seen.append(line)
-            if '"event": "round_done"' in line:
-                os.killpg(proc.pid, sig)
-                break
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, err
-    lines = "".join(seen).splitlines() + out.splitlines()
-    messages = [json.loads(line)["msg"] for line in lines if line.startswith("{")]
-    assert any(msg.startswith("stop requested") for msg in messages), messages
-    stopped = [msg for msg in messages if msg.startswith("stopped cleanly at outer step ")]
-    assert stopped, messages
-    step = int(stopped[0].split()[5])
-    assert step >= 1 and list_checkpoints(tmp_path / "ckpt")[-1].name == f"step-{step:09d}.ckpt"
-    assert not [line for line in lines + err.splitlines()
+    _, code, out, err = act_at_line(join_command(tmp_path, *FAST), '"event": "round_done"',
+                                 lambda proc: os.killpg(proc.pid, sig))
+    assert code == 0, err
+    assert_stopped_cleanly_with_its_checkpoint(out, tmp_path / "ckpt")
+    assert not [line for line in (out + err).splitlines()
                 if "error accepting connection" in line or "did not shut down" in line]
 
 

@@ -17,7 +17,7 @@ from lowcomm.node import localswarm
 from lowcomm.node.checkpoint import list_checkpoints
 from lowcomm.node.localswarm import node_command
 
-from .conftest import FAST
+from .conftest import FAST, act_at_line
 
 pytestmark = pytest.mark.multiprocess
 
@@ -218,27 +218,24 @@ def test_demo_refuses_fewer_than_one_peer_or_round(tmp_path, no_nodes, capsys, f
 def test_demo_stops_its_peers_when_its_terminal_hangs_up(tmp_path):
     # The nodes run in sessions of their own: when the terminal of `make demo` closed, the demo
     # died of the hangup and its peers trained on as orphans.
-    proc = subprocess.Popen([sys.executable, "-m", "lowcomm.node.localswarm", "--peers", "1", "--workdir",
-                             str(tmp_path / "demo"), "--", *FAST], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     nodes: list[psutil.Process] = []
+
+    def hang_up(proc: subprocess.Popen) -> None:
+        nodes.extend(psutil.Process(proc.pid).children(recursive=True))
+        proc.send_signal(signal.SIGHUP)
+
     try:
-        for line in proc.stdout:
-            if "[peer-0] ready:" in line:
-                nodes = psutil.Process(proc.pid).children(recursive=True)
-                proc.send_signal(signal.SIGHUP)
-                break
-        out, err = proc.communicate(timeout=90)
+        _, code, out, err = act_at_line([sys.executable, "-m", "lowcomm.node.localswarm", "--peers", "1",
+                                         "--workdir", str(tmp_path / "demo"), "--", *FAST], "[peer-0] ready:", hang_up)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for node in nodes:
+        for node in nodes:  # in sessions of their own: the helper's cleanup does not reach them
             if node.is_running():
                 node.kill()
     assert nodes, "the demo started no node"
-    assert proc.returncode == 0, err
+    assert code == 0, err
     assert "all peers stopped cleanly" in out
     assert not [node for node in nodes if node.is_running() and node.status() != psutil.STATUS_ZOMBIE]
+
 
 def test_demo_reports_a_peers_own_error_not_a_timeout(tmp_path):
     result = run_demo(tmp_path, "--peers", "2", "--rounds", "1", "--workdir", str(tmp_path / "demo"),
