@@ -16,24 +16,36 @@ OWN_RECORD = {"address": "127.0.0.1:7701", "outer_step": 0, "params_sha256": "h0
 A_PEER = "/ip4/127.0.0.1/tcp/7700/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 
 
-def test_a_stop_abandons_a_state_download_in_flight_and_leaves_the_state_alone(monkeypatch, caplog):
-    # A first Ctrl-C waited for the whole download (minutes for a large model) before stopping.
-    began, ended = asyncio.Event(), []
+class EndlessFetch:
+    """A download from the swarm that never ends: ``began`` once called, ``ended`` once cancelled."""
 
-    async def endless_download(*args, **kwargs):
-        began.set()
+    def __init__(self) -> None:
+        self.began, self.ended = asyncio.Event(), []
+
+    async def __call__(self, *args, **kwargs):
+        self.began.set()
         try:
             await asyncio.Event().wait()
         finally:
-            ended.append("cancelled")
+            self.ended.append("cancelled")
 
-    monkeypatch.setattr(catchup, "download_state", endless_download)
-    state = SimpleNamespace(step=3)
-    stop = asyncio.Event()
-    catch_up = catchup.CatchUp(
+
+def catch_up_of(state, stop: asyncio.Event) -> catchup.CatchUp:
+    """A CatchUp with nothing behind it but ``state`` and the stop event."""
+    return catchup.CatchUp(
         load_config(environ={}), None, SimpleNamespace(numel=10), state, swarm=None, averager=None, channels=None,
         donor=None, train_thread=None, codec_executor=None, metrics=None, stats=None, gossip=False,
         must_download=False, stop_requested=stop)
+
+
+def test_a_stop_abandons_a_state_download_in_flight_and_leaves_the_state_alone(monkeypatch, caplog):
+    # A first Ctrl-C waited for the whole download (minutes for a large model) before stopping.
+    endless_download = EndlessFetch()
+    began, ended = endless_download.began, endless_download.ended
+    monkeypatch.setattr(catchup, "download_state", endless_download)
+    state = SimpleNamespace(step=3)
+    stop = asyncio.Event()
+    catch_up = catch_up_of(state, stop)
 
     async def main() -> None:
         download = asyncio.create_task(catch_up._download(5, None, []))
@@ -51,14 +63,8 @@ def test_a_stop_abandons_a_state_download_in_flight_and_leaves_the_state_alone(m
 def test_a_stop_abandons_a_fetch_of_missed_rounds_and_downloads_nothing_instead(monkeypatch, caplog):
     # The initial catch-up's other network part: a stop waited for the fetch's timeout (60 s or
     # more against a donor that does not answer), then the node went on to download the state.
-    began, ended = asyncio.Event(), []
-
-    async def endless_fetch(*args, **kwargs):
-        began.set()
-        try:
-            await asyncio.Event().wait()
-        finally:
-            ended.append("cancelled")
+    endless_fetch = EndlessFetch()
+    began, ended = endless_fetch.began, endless_fetch.ended
 
     async def no_download(*args, **kwargs):
         raise AssertionError("a stopped catch-up downloaded the state")
@@ -67,10 +73,7 @@ def test_a_stop_abandons_a_fetch_of_missed_rounds_and_downloads_nothing_instead(
     monkeypatch.setattr(catchup, "download_state", no_download)
     state = SimpleNamespace(step=3, published=lambda: (3, b"base"))
     stop = asyncio.Event()
-    catch_up = catchup.CatchUp(
-        load_config(environ={}), None, SimpleNamespace(numel=10), state, swarm=None, averager=None, channels=None,
-        donor=None, train_thread=None, codec_executor=None, metrics=None, stats=None, gossip=False,
-        must_download=False, stop_requested=stop)
+    catch_up = catch_up_of(state, stop)
 
     async def main() -> bool:
         fetch = asyncio.create_task(catch_up._apply_missed_rounds(5, "ab" * 32, []))
