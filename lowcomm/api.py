@@ -22,8 +22,8 @@ Leaving the block stops the node as SIGINT stops the daemon: the round in flight
 period, local progress is folded into the residual, a checkpoint is written, the peer leaves the
 DHT, and the model holds θ_global. A Ctrl-C in the loop does the same, and so do SIGTERM and
 SIGHUP (lowcomm/api_signals.py); a second one while it stops ends the process within seconds, as
-with the daemon. ``step()`` raises ``SwarmStopped``
-once the node is gone (it failed, or ``[node] max_rounds`` was reached), never hangs.
+with the daemon. ``step()`` raises ``SwarmStopped`` once the node is gone (it failed, or
+``[node] max_rounds`` was reached), never hangs.
 """
 
 from __future__ import annotations

@@ -79,15 +79,15 @@ class CatchUp:
         # (node/swarmpace.py): at N=1024 a full read is ~200 kB.
         view = await (self.swarm.refresh_view() if initial else self.swarm.current_view())
 
-        def nobody_else() -> bool:  # our own record is in the view from our announce on
+        def nobody_else(view: SwarmView) -> bool:  # our own record is in the view from our announce on
             return not decisions.others(view, self.swarm.position()) and not view.foreign
 
-        if initial and self.config.node.peers and nobody_else():
+        if initial and self.config.node.peers and nobody_else(view):
             # Right after joining, the records may take a moment to reach us.
             for _ in range(8):
                 await asyncio.sleep(0.5)
                 view = await self.swarm.refresh_view()
-                if not nobody_else():
+                if not nobody_else(view):
                     break
             else:
                 # Records are kept under the run's name: a mistyped [run] name trained alone
