@@ -185,9 +185,11 @@ class Node:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         # SIGHUP as well: a node started from a terminal (an ssh session) that closed died at
-        # once, without saving its progress since the last round or leaving the DHT.
+        # once, without saving its progress since the last round or leaving the DHT. Unless it
+        # was started to outlive its terminal (`nohup`, which ignores hangups).
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.add_signal_handler(sig, self.request_stop)
+            if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:
+                loop.add_signal_handler(sig, self.request_stop)
         server = None
         metrics_server = None
         try:

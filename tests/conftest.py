@@ -6,6 +6,7 @@ import json
 import multiprocessing.util
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -37,9 +38,15 @@ def act_at_line(command: list[str], needle: str, act: Callable[[subprocess.Popen
     """Run ``command`` in a session of its own; at the first line of its stdout holding
     ``needle``, call ``act(proc)`` (send it a signal, say); returns its pid (its session's id),
     exit code, whole stdout and stderr. Whatever of its session outlives ``timeout`` is killed."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL, start_new_session=True,
-                            env=None if env is None else {**os.environ, **env})
+    # The child starts with the default hangup disposition even when the suite runs under
+    # `nohup`, whose ignored SIGHUP children inherit (and our processes then leave alone).
+    hangup = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                env=None if env is None else {**os.environ, **env})
+    finally:
+        signal.signal(signal.SIGHUP, hangup)
     seen = []
     try:
         for line in proc.stdout:

@@ -300,6 +300,16 @@ def test_a_terminal_signal_to_the_nodes_process_group_stops_it_cleanly_and_at_on
                 if "error accepting connection" in line or "did not shut down" in line]
 
 
+def test_a_node_started_with_nohup_outlives_a_hangup(tmp_path):
+    # nohup ignores hangups so that the node outlives its terminal: the node's own SIGHUP handler
+    # must not undo that.
+    _, code, out, err = act_at_line(["nohup", *join_command(tmp_path, *FAST, "--max-rounds", "3")],
+                                    '"event": "round_done"', lambda proc: os.killpg(proc.pid, signal.SIGHUP))
+    assert code == 0, err
+    messages = json_messages(out)
+    assert "completed 3 round(s) (--max-rounds); stopping" in messages, messages
+    assert not [msg for msg in messages if msg.startswith("stop requested")]
+
 def test_a_checkpoint_of_another_run_config_names_the_keys_that_differ(tmp_path):
     assert run_join(tmp_path, *FAST, "--max-rounds", "1").returncode == 0
     kept = {path: path.read_bytes() for path in list_checkpoints(tmp_path / "ckpt")}
