@@ -50,7 +50,15 @@ def test_leader_killed_after_sending_the_group(swarm):
     done = [n.wait_for(lambda e: e.get("event") == "round_done" and e["outer_step"] == step + 1, ROUND_WAIT)
             for n in survivors]
     assert done[0]["params_sha256"] == done[1]["params_sha256"]
-    assert all(e["group_size"] == 3 and e["skipped_shards"] >= 1 for e in done), done  # the leader's shard
+    # The leader's shard is skipped, if it owned one: shares follow the members' declared
+    # bandwidths (protocol/layout.py), and on loopback a peer's estimate can come out so low that
+    # it owns nothing (seen: the survivors owned 0.5 each and nothing was skipped).
+    leader_owned = 1.0 - sum(e["owned_share"] for e in done)
+    assert all(e["group_size"] == 3 for e in done), done
+    if leader_owned > 1e-9:
+        assert all(e["skipped_shards"] >= 1 for e in done), done
+    else:
+        assert all(e["skipped_shards"] == 0 for e in done), done
     assert all(e["round_seconds"] < MATCHMAKING + REDUCE * 1.5 + 10 for e in done), done
     nxt = survivors[0].wait_for(lambda e: e.get("event") == "round_done" and e["outer_step"] == step + 2, ROUND_WAIT)
     assert hash_at(survivors[1], step + 2) == nxt["params_sha256"]
