@@ -18,7 +18,6 @@ import errno
 import logging
 import math
 import os
-import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -67,6 +66,7 @@ from .ports import ReplicaEvaluating, TrainerPort
 from .reconnect import Reconnector
 from .reports import ReportQueue
 from .runstats import RunStats
+from .stopsignals import stop_signals
 from .swarm import HivemindDHT, SwarmView, signed
 from .swarmlink import SwarmLink
 from .train_thread import TrainThread, lower_priority
@@ -184,12 +184,8 @@ class Node:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        # SIGHUP as well: a node started from a terminal (an ssh session) that closed died at
-        # once, without saving its progress since the last round or leaving the DHT. Unless it
-        # was started to outlive its terminal (`nohup`, which ignores hangups).
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:
-                loop.add_signal_handler(sig, self.request_stop)
+        for sig in stop_signals():  # SIGHUP too, unless under nohup (node/stopsignals.py)
+            loop.add_signal_handler(sig, self.request_stop)
         server = None
         metrics_server = None
         try:

@@ -174,8 +174,9 @@ class RoundDriver:
                 log.info("waiting for %d peers before training (--wait-for-peers): %d in the swarm", wanted, present,
                          extra={"event": "waiting_for_peers", "wanted": wanted, "present": present})
                 logged = present
-            try:
-                await asyncio.wait_for(self.stops.requested.wait(), WAIT_FOR_PEERS_POLL)
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for can lose a cancel (node/cancel.py)
+                async with asyncio.timeout(WAIT_FOR_PEERS_POLL):
+                    await self.stops.requested.wait()
                 return False
             except TimeoutError:
                 pass

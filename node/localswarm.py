@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from .stopsignals import stop_signals
+
 Event = dict[str, Any]
 
 
@@ -260,13 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         _print_event(name, event)
         news.set()
 
-    # SIGHUP too (the terminal that ran `make demo` closed): the nodes run in sessions of their
-    # own, where no hangup reaches them, and trained on as orphans. Unless the demo was started
-    # to outlive its terminal (`nohup`, which ignores hangups).
-    stop_signals = [signal.SIGINT, signal.SIGTERM]
-    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
-        stop_signals.append(signal.SIGHUP)
-    previous = {sig: signal.signal(sig, stop) for sig in stop_signals}
+    # SIGHUP too (node/stopsignals.py): the nodes run in sessions of their own, where no hangup
+    # reaches them, and trained on as orphans when the terminal that ran `make demo` closed.
+    previous = {sig: signal.signal(sig, stop) for sig in stop_signals()}
     print(f"starting {args.peers} peers on loopback (checkpoints in {args.workdir}); "
           + (f"they stop once every peer has completed {args.rounds} round(s); " if args.rounds else "")
           + "Ctrl-C stops them", flush=True)
