@@ -35,6 +35,13 @@ log = logging.getLogger(__name__)
 RESULT_MARGIN = 0.25  # fraction of the reduce timeout a sender allows for the average's transfer back
 EXCHANGE_END = 1.5  # the shard-report exchange ends this many reduce timeouts after the group arrived...
 EXCHANGE_MIN_SECONDS = 1.0  # ...or this long after this member's reduce phase, whichever is later
+# An upload quicker than this is timed at the pace of the two peers' event loops, not of the link:
+# a 3-peer `make demo` on loopback (150 kB parts) had its uploads timed at 0.3-1.7 ms, so members
+# on equal links declared bandwidths up to 6x apart and the leader gave one of them no shard in
+# half the rounds. Such an upload only says that the uplink carries at least its bytes in this
+# time; members whose uploads all beat it declare that much, alike, and get equal shares (and
+# `schedule = "auto"` its ring). Parts that take longer, as on a thin uplink, are timed as they are.
+MIN_TIMED_UPLOAD_SECONDS = 0.02
 
 
 def decode_checked(codec: codecs.Codec, payload: bytes, numel: int) -> torch.Tensor:
@@ -66,7 +73,8 @@ class AllReduceResult:
     # How fast this peer's uplink carried its parts: the fastest of its uploads as the owners
     # timed them (``ReduceResult.upload_seconds``), bytes/s; 0 when no owner timed one. An
     # upload to an owner with a slower downlink is slower than our uplink, so the fastest
-    # one is the estimate (what a leader lays shards out by: layout.py).
+    # one is the estimate (what a leader lays shards out by: layout.py). An upload quicker than
+    # MIN_TIMED_UPLOAD_SECONDS counts as taking that long.
     upload_rates: list[float] = field(default_factory=list)  # bytes/s of each upload an owner timed
 
     @property
@@ -223,7 +231,7 @@ async def run_allreduce(
                     count_sent, lambda: stages.done(index))
                 stats["received"] += received.size
                 if result.upload_seconds > 0:
-                    upload_rates.append(len(payload) / result.upload_seconds)
+                    upload_rates.append(len(payload) / max(result.upload_seconds, MIN_TIMED_UPLOAD_SECONDS))
 
                 def keep_and_decode() -> tuple[bytes, torch.Tensor]:  # the copy too stays off the event loop
                     return received.payload(), received.decode(codec, result.numel)

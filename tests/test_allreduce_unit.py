@@ -15,6 +15,8 @@ from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
 from lowcomm.protocol.accumulator import MIN_STRAGGLER_GRACE, ShardAccumulator
 from lowcomm.protocol.agreement import MIN_REPORT_GRACE, ShardAgreement
 from lowcomm.protocol.allreduce import EXCHANGE_END, AllReduceResult, ReduceRegistry, run_allreduce
+from lowcomm.protocol.member import MIN_TIMED_UPLOAD_SECONDS
+from lowcomm.protocol import layout
 from lowcomm.protocol.layout import shard_layout
 from lowcomm.protocol.schedule import StageChain
 
@@ -219,24 +221,41 @@ def test_each_member_learns_its_own_uplink_from_the_owners_timing_not_the_rounds
     """One member with a slow link among fast ones: the round lasts as long as the slow member's
     part for everybody, but the owners time every upload from its header, and a member takes
     its fastest upload as its uplink (an upload to the slow owner runs at that owner's pace)."""
-    fast, slow = 10e6, 1e6
+    fast, slow = 100e3, 10e3  # bytes/s: a 4 kB part takes 40 ms and 400 ms, long enough to time
 
-    async def scenario(loop: VirtualTimeLoop):
-        net = FakeNet()
-        members = [Member(net, loop, p) for p in ("a", "b", "c")]
-        net.link_bps = {"a": fast, "b": fast, "c": slow}
-        group = make_group(members)
-        started = loop.time()
-        results = await asyncio.gather(*(m.reduce(group, d) for m, d in zip(members, deltas(3))))
-        return loop.time() - started, results
-
-    seconds, results = run_virtual(scenario)
+    seconds, results = run_virtual(_round_on_links({"a": fast, "b": fast, "c": slow}))
     estimates = {p: r.upload_bps for p, r in zip("abc", results)}
     assert estimates["a"] == pytest.approx(fast, rel=0.01) and estimates["b"] == pytest.approx(fast, rel=0.01)
     assert estimates["c"] == pytest.approx(slow, rel=0.01)
     # What the node declared before: bytes over the round, which the slow part sets for all.
     whole_round = [r.bytes_sent / seconds for r in results]
     assert max(whole_round) / min(whole_round) < 2
+
+
+def test_uploads_too_quick_to_time_say_only_that_the_uplink_is_at_least_that_fast():
+    """Parts that cross fast links in under MIN_TIMED_UPLOAD_SECONDS are timed at the pace of the
+    event loops, not the links (loopback: 0.3-1.7 ms for equal links): each counts as taking that
+    long, so members whose uploads all beat it declare alike and get equal shares, while a thin
+    uplink, whose parts take longer, is still told apart."""
+    part = 4000  # bytes per part: NUMEL = 3,000 fp32 values in 3 shards
+    _, results = run_virtual(_round_on_links({"a": 10e6, "b": 1e6, "c": 10e3}))  # 0.4 ms, 4 ms, 400 ms
+    estimates = [r.upload_bps for r in results]
+    assert estimates[0] == estimates[1] == pytest.approx(part / MIN_TIMED_UPLOAD_SECONDS)
+    assert estimates[2] == pytest.approx(10e3, rel=0.01)
+    assert layout.owner_shares(layout.effective_bandwidths(estimates[:2])) == [0.5, 0.5]
+
+
+def _round_on_links(link_bps: dict[str, float]):
+    """A round of members a, b and c whose links carry ``link_bps`` bytes/s; (seconds, results)."""
+    async def scenario(loop: VirtualTimeLoop):
+        net = FakeNet()
+        members = [Member(net, loop, p) for p in ("a", "b", "c")]
+        net.link_bps = link_bps
+        group = make_group(members)
+        started = loop.time()
+        results = await asyncio.gather(*(m.reduce(group, d) for m, d in zip(members, deltas(3))))
+        return loop.time() - started, results
+    return scenario
 
 
 def test_a_ring_round_times_no_upload():
