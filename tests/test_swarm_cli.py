@@ -109,7 +109,8 @@ def test_killed_peer_does_not_stall_the_round_and_rejoins_after_restart(swarm):
             for node in (first, second)]
     assert done[0]["params_sha256"] == done[1]["params_sha256"]
     # The dead peer's shard is skipped, unless the leader gave it none (layout.owner_shares: a
-    # member whose declared bandwidth is far below the others' owns nothing; loopback estimates vary).
+    # member whose declared bandwidth is far below the others' owns nothing; on loopback only a
+    # loaded machine that stalls a peer's uploads past twice MIN_TIMED_UPLOAD_SECONDS does that).
     victim_share = 1.0 - sum(e["owned_share"] for e in done)
     assert all(e["group_size"] == 3 and (e["skipped_shards"] >= 1) == (victim_share > 1e-6) for e in done), done
     assert all(e["round_seconds"] < 15 + 8 * 1.25 + 10 for e in done), done  # matchmaking + reduce deadlines
