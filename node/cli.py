@@ -591,6 +591,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:
+        # A Ctrl-C before the node takes its signals (while torch imports, the first second)
+        # ends the program as Unix programs do, without the INFO lines that libraries log at
+        # exit: torch's "FakeTensor cache stats", whose log levels an import cut short left unset.
+        logging.disable(logging.INFO)
         return 130
 
 

@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -239,6 +240,31 @@ def test_a_local_model_that_diverges_every_round_stops_the_node_naming_what_to_l
     assert result.stdout.count('"event": "diverged"') == 3
     (newest,) = list_checkpoints(tmp_path / "ckpt")  # the stop's, of step 0: the global parameters, finite
     assert newest.name == "step-000000000.ckpt" and bool(read(newest)["params"].isfinite().all())
+
+
+_INTERRUPTED_IMPORT = """
+import atexit, logging, sys
+from lowcomm.node import cli
+from lowcomm.node.logs import setup_logging
+
+def join(args):
+    setup_logging("json", "info")
+    # What a Ctrl-C during torch's import leaves behind: a logger of its own at INFO and an
+    # at-exit hook that logs through it (torch/_subclasses/fake_tensor.py dump_cache_stats).
+    noisy = logging.getLogger("torch._subclasses.fake_tensor")
+    noisy.setLevel(logging.INFO)
+    atexit.register(lambda: noisy.info("FakeTensor cache stats:"))
+    raise KeyboardInterrupt
+
+cli.cmd_join = join
+sys.exit(cli.main(["join"]))
+"""
+
+
+def test_a_ctrl_c_before_the_node_takes_its_signals_exits_130_without_library_lines_at_exit():
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPTED_IMPORT], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130
+    assert proc.stdout == "" and proc.stderr == "", (proc.stdout, proc.stderr)
 
 
 def test_a_stop_during_start_up_ends_the_node_before_it_joins(tmp_path):
