@@ -57,7 +57,7 @@ def test_small_corpora_still_work_and_too_small_ones_say_why():
     assert sampler.shards == 1
     inputs, targets = sampler.next_batch()
     assert inputs.shape == (4, SEQ) and (inputs[:, 1:] == targets[:, :-1]).all()
-    with pytest.raises(DataError, match=r"too few for \[data\] seq_len = \d+ \(at least \d+\): give more text"):
+    with pytest.raises(DataError, match=r"too few for \[data\] seq_len = \d+ \(at least \d+\): give more data"):
         ShardSampler(np.zeros(20, dtype=np.uint8), SEQ, 4, shards=1, peer_key="p", seed=0)
 
 
@@ -71,8 +71,8 @@ def test_a_corpus_too_small_for_seq_len_names_its_path_and_the_fixes(tmp_path):
     with pytest.raises(DataError) as info:
         Trainer(config, "peer-a")
     assert str(info.value) == (f"[data] path '{tmp_path / 'small.txt'}': its held-out split has 18 tokens, too few for "
-                               "[data] seq_len = 128 (at least 130): give more text, a larger [data] eval_fraction, "
-                               "or a smaller seq_len")
+                               "[data] seq_len = 128 (at least 130): give more data (text, documents or tokens), "
+                               "a larger [data] eval_fraction, or a smaller seq_len")
 
 
 def test_eval_batches_are_fixed():
