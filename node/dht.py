@@ -19,13 +19,13 @@ import ctypes.util
 import os
 import signal
 import sys
-import tempfile
 import time
 from typing import Callable, Sequence
 
 import hivemind
 
 from .clock import DEFAULT_MAX_OFFSET, SwarmClock, decide, measure, run_hivemind_on
+from .tempdir import node_temp_dir
 
 _PR_SET_PDEATHSIG = 1
 
@@ -53,10 +53,11 @@ def place_p2pd_sockets(folder: str) -> bool:
     """Put the two unix sockets of the p2pd daemons this process starts into ``folder``.
 
     hivemind puts them in /tmp whatever TMPDIR says, and removes them when it stops p2pd; a node
-    killed with SIGKILL (or by the OOM killer) leaves them behind. With TMPDIR honoured they go
-    where the user keeps temporary files, and the test suite, which kills nodes by the dozen,
-    points TMPDIR at a folder it removes (tests/conftest.py). A folder whose sockets' paths would
-    not fit a unix socket address keeps hivemind's /tmp. Returns whether ``folder`` is used.
+    killed with SIGKILL (or by the OOM killer) leaves them behind. A node puts them in its temp
+    folder in TMPDIR, which the next node to start removes once this one is gone
+    (node/tempdir.py), and the test suite, which kills nodes by the dozen, points TMPDIR at a
+    folder it removes (tests/conftest.py). A folder whose sockets' paths would not fit a unix
+    socket address keeps hivemind's /tmp. Returns whether ``folder`` is used.
     """
     from hivemind.p2p import P2P
 
@@ -87,9 +88,10 @@ class SupervisedDHT(hivemind.DHT):
     """
 
     def __init__(self, *args, max_clock_offset: float = DEFAULT_MAX_OFFSET, **kwargs) -> None:
-        # Both before hivemind's constructor: with start=True it forks inside it.
+        # All before hivemind's constructor: with start=True it forks inside it.
         self.clock = SwarmClock()
         self.max_clock_offset = max_clock_offset
+        self.temp_dir = node_temp_dir()  # p2pd's sockets: where the next node finds them if this one is killed
         super().__init__(*args, **kwargs)
 
     def swarm_time(self) -> float:
@@ -106,7 +108,7 @@ class SupervisedDHT(hivemind.DHT):
             # elsewhere a kill of the node's group is what takes them along).
             with contextlib.suppress(OSError):
                 os.setpgid(0, 0)
-        place_p2pd_sockets(tempfile.gettempdir())
+        place_p2pd_sockets(self.temp_dir)
         spawn = asyncio.subprocess.create_subprocess_exec
         sockets: list[str] = []
 
