@@ -189,6 +189,10 @@ class Swarm:
         try:
             with asyncio.Runner(loop_factory=_ThreadLoop) as runner:
                 runner.run(main())
+            if self._node is not None and self._node.unsaved is not None:  # a full disk, say
+                from lowcomm.node.errors import FatalError
+
+                raise FatalError(self._node.unsaved)
             max_rounds = self.config.node.max_rounds
             if not self._stop_sent and max_rounds is not None:
                 reason = f"the node stopped after [node] max_rounds = {max_rounds} rounds"

@@ -11,6 +11,7 @@ the gpt2 preset's size, params, momentum, residuals and AdamW state are ~3 GB).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import logging
@@ -29,6 +30,30 @@ KEEP = 2
 
 class CheckpointError(Exception):
     """A checkpoint file that cannot be trusted."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (a full disk, a folder without write permission);
+    the checkpoints written before it stay as they were. Its message says which file, why, and
+    for a full disk what to do."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+def _write_error(err: BaseException, path: Path) -> CheckpointWriteError | None:
+    """The system's reason a write of ``path`` failed, found in ``err`` or the exceptions it
+    wraps (``torch.save`` reports a full disk as a RuntimeError of its zip writer, "unexpected
+    pos ...", raised while handling the OSError of the write); None when there is none."""
+    seen: BaseException | None = err
+    while seen is not None and not isinstance(seen, OSError):
+        seen = seen.__cause__ or seen.__context__
+    if seen is None:
+        return None
+    reason = seen.strerror or str(seen)
+    hint = ("; free space there, or give another --checkpoint-dir"
+            if seen.errno in (errno.ENOSPC, errno.EDQUOT) else "")
+    return CheckpointWriteError(seen.errno, f"could not write {path.name} in {path.parent}: {reason}{hint}")
 
 
 def _path(directory: Path, step: int) -> Path:
@@ -82,10 +107,12 @@ class _Body(io.RawIOBase):
 
 
 def save(directory: Path, step: int, payload: dict[str, Any]) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write ``payload`` as the checkpoint of ``step``; a CheckpointWriteError when the system
+    refuses (the earlier checkpoints stay)."""
     final = _path(directory, step)
     tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
     try:
+        directory.mkdir(parents=True, exist_ok=True)
         with open(tmp, "w+b") as fh:
             fh.write(MAGIC)
             fh.write(bytes(32))  # the body's hash, known once the body is written
@@ -96,9 +123,12 @@ def save(directory: Path, step: int, payload: dict[str, Any]) -> Path:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as err:
         # A failed save (disk full, interrupted) must not leave a partial file behind every round.
         tmp.unlink(missing_ok=True)
+        failure = _write_error(err, final) if isinstance(err, Exception) else None
+        if failure is not None:
+            raise failure from err
         raise
     dir_fd = os.open(directory, os.O_RDONLY)
     try:

@@ -184,8 +184,11 @@ class Committer:
             finally:  # whatever the evaluation does, the round's checkpoint is written
                 try:
                     self.write_checkpoint(frozen, trainer_state, event["tokens_total"])
-                except OSError as err:  # the previous checkpoint stays intact (atomic writes)
-                    log.error("could not write the checkpoint of step %d: %s; training goes on", frozen["step"], err)
+                except OSError as err:  # the previous checkpoints stay intact (atomic writes)
+                    m.checkpoint_failures.inc()
+                    log.error("checkpoint of step %d not written: %s; training goes on (a restart resumes from "
+                              "the last checkpoint written, or downloads the swarm's state)", frozen["step"], err,
+                              extra={"event": "checkpoint_failed", "outer_step": frozen["step"]})
 
         def log_round(eval_loss: float, skipped: bool) -> None:
             log.info(

@@ -77,6 +77,7 @@ T = TypeVar("T")
 
 FORCED_EXIT_SECONDS = 10.0  # after a second stop signal, the process ends within this time
 EXIT_FORCED = 130  # exit status when the watchdog had to end the process
+EXIT_NOT_SAVED = 1  # exit status of a stop whose checkpoint could not be written
 
 
 class Node:
@@ -125,6 +126,7 @@ class Node:
         self.address = ""
         self.faults = Faults.from_env()  # fault injection for tests (node/faults.py)
         self._must_download = False  # checkpoints exist but none is usable (node/restore.py)
+        self.unsaved: str | None = None  # why the stop's checkpoint could not be written, if it could not
         self.gossip: GossipMode | None = None  # when [sync] mode = "gossip"
         self.link: SwarmLink | None = None  # our record and the swarm view, once the state is known
         self.driver: RoundDriver | None = None  # built once the server runs (_build_rounds)
@@ -209,6 +211,7 @@ class Node:
             self._announce(metrics_port)
             heartbeat = asyncio.create_task(link.heartbeat(), name="heartbeat")
             training = False
+            saved = True
             try:
                 await self.catchup.run(initial=True)
                 await self.health.set(HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
@@ -228,8 +231,8 @@ class Node:
                     if self.driver is not None and self.driver.reached_max_rounds():
                         # Here, not when the loop saw it: the last round's line comes first.
                         log.info("completed %d round(s) (--max-rounds); stopping", self.stats.rounds_completed)
-                    await self._shutdown(link)
-            return 0
+                    saved = await self._shutdown(link)
+            return 0 if saved else EXIT_NOT_SAVED
         finally:
             if server is not None:
                 await self.health.enter_graceful_shutdown()
@@ -375,8 +378,9 @@ class Node:
         checkpoint is always among them: node/reports.py)."""
         await self.reports.flush()
 
-    async def _shutdown(self, link: SwarmLink) -> None:
-        """Fold unsent local progress into the residual, checkpoint, leave the DHT."""
+    async def _shutdown(self, link: SwarmLink) -> bool:
+        """Fold unsent local progress into the residual, checkpoint, leave the DHT; False when the
+        checkpoint could not be written (the DHT is left all the same)."""
         self.stats.phase = "stopping"
 
         def fold_and_save() -> None:
@@ -385,14 +389,26 @@ class Node:
             self.trainer.set_params(self.state.params)
             self._write_checkpoint(self.state.to_checkpoint(), self.trainer.local_state(), self.stats.tokens_total)
 
-        await self.in_train_thread(fold_and_save)
+        failure: OSError | None = None
+        try:
+            await self.in_train_thread(fold_and_save)
+        except OSError as err:  # a full disk, say: the checkpoints written before stay (atomic writes)
+            self.metrics.checkpoint_failures.inc()
+            failure = err
         try:
             async with asyncio.timeout(2.0 if self.force_stop.is_set() else 5.0):
                 await link.publish_record(leaving=True)
         except TimeoutError:
             pass
+        if failure is not None:
+            self.unsaved = (f"stopped at outer step {self.state.step} without saving it: {failure}; a restart resumes "
+                            f"from the last checkpoint written, or downloads the swarm's state")
+            log.error("%s", self.unsaved, extra={"event": "node_stopped", "outer_step": self.state.step, "saved": False})
+            return False
         log.info("stopped cleanly at outer step %d (checkpoint in %s)", self.state.step,
-                 self.config.node.checkpoint_dir, extra={"event": "node_stopped", "outer_step": self.state.step})
+                 self.config.node.checkpoint_dir,
+                 extra={"event": "node_stopped", "outer_step": self.state.step, "saved": True})
+        return True
 
     # -- status -------------------------------------------------------------------------------
 

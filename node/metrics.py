@@ -59,6 +59,10 @@ class NodeMetrics:
         self.round_failures = Counter(
             "lowcomm_round_failures", "Outer rounds that failed or skipped shards, by reason.", ["reason"], registry=r
         )
+        self.checkpoint_failures = Counter(
+            "lowcomm_checkpoint_failures", "Checkpoints of committed rounds the node could not write (a full disk, "
+            "no write permission); training goes on without them.", registry=r
+        )
         self.round_duration = Histogram(
             "lowcomm_round_duration_seconds", "Wall time of one round: matchmaking, all-reduce and outer step.",
             buckets=ROUND_BUCKETS, registry=r,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -223,3 +224,40 @@ def test_a_programs_own_stop_signal_handler_is_left_alone(tmp_path):
     _, code, out, err = run_until_stopped(tmp_path, "own-handler", signal.SIGTERM)
     assert code == 0, err[-2000:]
     assert "own handler" in out and "after the block" in out  # the loop went on to its own end
+
+
+DISK_REFUSES = textwrap.dedent("""
+    import sys, torch, torch.nn as nn, lowcomm
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = {"train": {"inner_steps": 3}, "node": {"host": "127.0.0.1", "checkpoint_dir": sys.argv[1]}}
+    try:
+        with lowcomm.Swarm(model, optimizer, config=config) as swarm:
+            for _ in range(7):
+                x = torch.randn(32, 16)
+                loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
+                loss.backward(); optimizer.step(); optimizer.zero_grad()
+                swarm.step(tokens=len(x), loss=loss)
+    except lowcomm.SwarmError as err:
+        print("SwarmError:", err, flush=True)
+        sys.exit(3)
+""")
+
+
+def test_leaving_the_block_when_the_stops_checkpoint_cannot_be_written_raises_swarm_error(tmp_path):
+    # The stop's checkpoint failed with torch's zip-writer traceback in the node's thread, and
+    # leaving the block said nothing: the program went on as if its state were saved.
+    def refuse_large_files() -> None:  # every checkpoint write fails, as on a full disk (EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8 * 1024, 8 * 1024))
+
+    (tmp_path / "loop.py").write_text(DISK_REFUSES)
+    proc = subprocess.run([sys.executable, str(tmp_path / "loop.py"), str(tmp_path / "ckpt")], capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL, preexec_fn=refuse_large_files,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert (f"SwarmError: stopped at outer step 2 without saving it: could not write step-000000002.ckpt in "
+            f"{tmp_path / 'ckpt'}: File too large; a restart resumes from the last checkpoint written, or downloads "
+            f"the swarm's state") in proc.stdout
+    assert "checkpoint of step 1 not written" in proc.stdout  # each round's, logged, training went on

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 
 import pytest
@@ -164,3 +165,37 @@ def test_a_checkpoint_of_another_trainer_kind_stops_the_node_with_the_reason(tmp
                                          r".*use another --checkpoint-dir"):
         restore.restore(config, Trainer(config, "peer-test"))
     assert written.read_bytes() == before
+
+
+def test_a_full_disk_is_one_clear_error_and_leaves_the_earlier_checkpoint_and_no_partial_file(tmp_path, monkeypatch):
+    # torch.save reports a write that fails as a RuntimeError of its zip writer ("[enforce fail
+    # at inline_container.cc] unexpected pos ..."); the node logged that traceback every round,
+    # dropped the round's line, and died with it at its stop.
+    directory = tmp_path / "ck"
+    checkpoint.save(directory, 1, payload(1))
+    written = 0
+
+    def fill_up(self, data) -> int:
+        nonlocal written
+        written += len(data)
+        if written > 4096:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.fh.write(data)
+
+    monkeypatch.setattr(checkpoint._HashingWriter, "write", fill_up)
+    with pytest.raises(checkpoint.CheckpointWriteError) as info:
+        checkpoint.save(directory, 2, payload(2))
+    assert str(info.value) == (f"could not write step-000000002.ckpt in {directory}: No space left on device; "
+                               "free space there, or give another --checkpoint-dir")
+    assert info.value.errno == errno.ENOSPC and isinstance(info.value, OSError)
+    assert sorted(p.name for p in directory.iterdir()) == ["step-000000001.ckpt"]
+    loaded, where = checkpoint.load_latest(directory)
+    assert where.name == "step-000000001.ckpt"
+    assert_payload_equal(loaded, payload(1))
+
+
+def test_an_error_that_is_not_the_systems_is_not_called_a_write_failure(tmp_path):
+    with pytest.raises(Exception) as info:  # torch cannot pickle a lambda
+        checkpoint.save(tmp_path / "ck", 1, {"fn": lambda: None})
+    assert not isinstance(info.value, checkpoint.CheckpointWriteError)
+    assert list((tmp_path / "ck").iterdir()) == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -240,6 +241,30 @@ def test_a_local_model_that_diverges_every_round_stops_the_node_naming_what_to_l
     assert result.stdout.count('"event": "diverged"') == 3
     (newest,) = list_checkpoints(tmp_path / "ckpt")  # the stop's, of step 0: the global parameters, finite
     assert newest.name == "step-000000000.ckpt" and bool(read(newest)["params"].isfinite().all())
+
+
+def test_checkpoints_the_disk_refuses_cost_no_round_and_the_stop_says_it_saved_nothing(tmp_path):
+    # On a full disk every round logged torch's zip-writer traceback instead of its line, and the
+    # stop's checkpoint ended the node with a traceback. A file size limit fails every checkpoint
+    # write the way a full disk does (with EFBIG instead of ENOSPC; Python ignores SIGXFSZ).
+    def refuse_large_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+
+    proc = subprocess.run(join_command(tmp_path, *FAST, "--max-rounds", "2"), capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL, preexec_fn=refuse_large_files)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    messages = json_messages(proc.stdout)
+    folder = tmp_path / "ckpt"
+    for step in (1, 2):
+        assert f"checkpoint of step {step} not written: could not write step-{step:09d}.ckpt in {folder}: File too " \
+               f"large; training goes on (a restart resumes from the last checkpoint written, or downloads the " \
+               f"swarm's state)" in messages, messages
+        assert any(msg.startswith(f"step {step} | ") for msg in messages), messages  # the round's line
+    assert messages[-1] == (f"stopped at outer step 2 without saving it: could not write step-000000002.ckpt in "
+                            f"{folder}: File too large; a restart resumes from the last checkpoint written, or "
+                            f"downloads the swarm's state")
+    assert not list(folder.glob("*.ckpt")) and not list(folder.glob(".*.tmp"))
 
 
 _INTERRUPTED_IMPORT = """

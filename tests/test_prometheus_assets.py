@@ -133,6 +133,7 @@ def _busy_metrics() -> NodeMetrics:
     m.swarm_peers.set(3)
     m.round_group_size.set(3)
     m.rounds.inc(12)
+    m.checkpoint_failures.inc()
     m.round_failures.labels(reason=FAILURE_REASONS[0]).inc()
     for seconds in (0.04, 0.3, 7, 700):
         m.round_duration.observe(seconds)
