@@ -313,6 +313,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     try:
         lock = lock_checkpoint_dir(directory)
     except RuntimeError as err:
+        _remove_if_never_used(directory, made_from)
         return _fail(str(err))
     from .memory import freeze_before_fork, limit_malloc_arenas, share_tensors_by_descriptor
 
@@ -396,10 +397,13 @@ def lock_checkpoint_dir(directory: Path):
         handle.close()
         raise RuntimeError(f"checkpoint directory {directory} is in use by another node (pid {owner}); "
                            f"give each node its own --checkpoint-dir") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(str(os.getpid()))
-    handle.flush()
+    try:  # unbuffered: a write that fails must not fail again when the file is closed
+        os.ftruncate(handle.fileno(), 0)
+        os.pwrite(handle.fileno(), str(os.getpid()).encode(), 0)
+    except OSError as err:  # a full disk
+        handle.close()
+        raise RuntimeError(f"cannot use checkpoint directory {directory}: {err.strerror}; free space there, or "
+                           f"choose another with --checkpoint-dir (or LOWCOMM_CHECKPOINT_DIR)") from None
     return handle
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
@@ -265,6 +266,20 @@ def test_checkpoints_the_disk_refuses_cost_no_round_and_the_stop_says_it_saved_n
                             f"{folder}: File too large; a restart resumes from the last checkpoint written, or "
                             f"downloads the swarm's state")
     assert not list(folder.glob("*.ckpt")) and not list(folder.glob(".*.tmp"))
+
+
+def test_a_checkpoint_folder_on_a_full_disk_is_one_clear_error(tmp_path, monkeypatch):
+    # Writing the lock file's pid was a traceback (OSError from flush, then again from close).
+    def disk_full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(cli.os, "pwrite", disk_full)
+    with pytest.raises(RuntimeError) as info:
+        cli.lock_checkpoint_dir(tmp_path / "ckpt")
+    assert str(info.value) == (f"cannot use checkpoint directory {tmp_path / 'ckpt'}: No space left on device; free "
+                               "space there, or choose another with --checkpoint-dir (or LOWCOMM_CHECKPOINT_DIR)")
+    monkeypatch.undo()
+    cli.lock_checkpoint_dir(tmp_path / "ckpt").close()  # the failed attempt held no lock
 
 
 _INTERRUPTED_IMPORT = """
