@@ -339,6 +339,7 @@ REQUIRED_SERIES = {
         "lowcomm_allreduce_duration_seconds_bucket", "lowcomm_round_failures_total", "lowcomm_bytes_sent_total",
         "lowcomm_bytes_received_total", "lowcomm_compression_ratio", "lowcomm_compute_utilization_ratio",
         "lowcomm_rejected_contributions_total", "lowcomm_state_downloads_total", "grpc_server_handled_total",
+        "lowcomm_checkpoint_failures_total",
     },
 }
 
