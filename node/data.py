@@ -268,7 +268,8 @@ class ShardSampler:
         since a large tokens file cannot be scanned up front without reading all of it."""
         if len(tokens) < (seq_len + 1) * 2:
             raise DataError(f"its training split has {len(tokens)} tokens, too few for [data] seq_len = {seq_len} (at "
-                            f"least {(seq_len + 1) * 2}): give more data (text, documents or tokens), or a smaller seq_len")
+                            f"least {(seq_len + 1) * 2}): give more data (text, documents or tokens), "
+                            f"or a smaller seq_len")
         # Kept as they are (uint8 bytes, a memory map of a tokens file): windows become int64
         # when drawn. As int64 the default corpus (12 MB of bytes) held ~100 MB for nothing.
         self.tokens = as_token_array(tokens)
@@ -311,7 +312,8 @@ def eval_batches(tokens: Tokens, seq_len: int, batch_size: int, batches: int,
     usable = len(data) - seq_len - 1
     if usable <= 0:
         raise DataError(f"its held-out split has {len(data)} tokens, too few for [data] seq_len = {seq_len} (at "
-                        f"least {seq_len + 2}): give more data (text, documents or tokens), a larger [data] eval_fraction, or a smaller seq_len")
+                        f"least {seq_len + 2}): give more data (text, documents or tokens), a larger [data] "
+                        f"eval_fraction, or a smaller seq_len")
     # Integer arithmetic: float32 (linspace's default) rounds starts past 2**24 tokens, the last
     # one beyond the split (an IndexError for a held-out split of a large tokens file).
     starts = torch.arange(count, dtype=torch.int64) * usable // max(1, count - 1)

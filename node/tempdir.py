@@ -15,6 +15,7 @@ in a folder of this user.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.util
 import os
 import shutil
@@ -32,7 +33,8 @@ def node_temp_dir() -> str:
         remove_folders_of_gone_nodes(tempfile.gettempdir(), namespace)
     folder = multiprocessing.util.get_temp_dir()
     if namespace is not None:
-        Path(folder, MARKER).write_text(f"{namespace} {os.getpid()}\n", encoding="utf-8")
+        with contextlib.suppress(OSError):  # a full TMPDIR: then only a clean stop removes the folder
+            Path(folder, MARKER).write_text(f"{namespace} {os.getpid()}\n", encoding="utf-8")
     return folder
 
 

@@ -38,9 +38,10 @@ EXCHANGE_MIN_SECONDS = 1.0  # ...or this long after this member's reduce phase, 
 # An upload quicker than this is timed at the pace of the two peers' event loops, not of the link:
 # a 3-peer `make demo` on loopback (150 kB parts) had its uploads timed at 0.3-1.7 ms, so members
 # on equal links declared bandwidths up to 6x apart and the leader gave one of them no shard in
-# 6 of 12 rounds (1-2 of 10 while the clock counted whole milliseconds). Such an upload only says that the uplink carries at least its bytes in this
-# time; members whose uploads all beat it declare that much, alike, and get equal shares (and
-# `schedule = "auto"` its ring). Parts that take longer, as on a thin uplink, are timed as they are.
+# 6 of 12 rounds (1-2 of 10 while the clock counted whole milliseconds). Such an upload only says
+# that the uplink carries at least its bytes in this time; members whose uploads all beat it
+# declare that much, alike, and get equal shares (and `schedule = "auto"` its ring). Parts that
+# take longer, as on a thin uplink, are timed as they are.
 MIN_TIMED_UPLOAD_SECONDS = 0.02
 
 

@@ -35,44 +35,44 @@ def test_a_folder_whose_socket_paths_fit_is_used_and_a_longer_one_keeps_hivemind
     assert restore_prefix._UNIX_SOCKET_PREFIX == "/unix/tmp/lct-abc/hivemind-"
 
 
-@pytest.mark.multiprocess
-def test_a_node_keeps_its_p2pd_sockets_in_its_tmpdir_and_removes_them_when_stopped(swarm):
+@pytest.fixture
+def node_tmpdir():
+    """A TMPDIR of the test's own for its nodes: short, under /tmp (socket paths must fit)."""
     folder = Path(tempfile.mkdtemp(prefix="lct-node-", dir="/tmp"))
-    try:
-        node = swarm.start(0, env={"TMPDIR": str(folder)})
-        node.ready()
-        # The daemon's socket (the node's DHT process starts one p2pd; hivemind opens its client
-        # socket only when it serves a stream, beside it).
-        assert [p.name for p in folder.glob("pymp-*/hivemind-p2pd-*.sock")], list(folder.rglob("*"))
-        node.signal(signal.SIGTERM)
-        assert node.wait_exit(timeout=30) == 0
-        assert not list(folder.rglob("hivemind-*.sock")), "a node stopped cleanly leaves no socket behind"
-        assert not list(folder.glob("pymp-*")), "nor its temp folder"
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.multiprocess
-def test_the_temp_folder_of_a_node_killed_outright_is_removed_by_the_next_node_to_start(swarm):
+def test_a_node_keeps_its_p2pd_sockets_in_its_tmpdir_and_removes_them_when_stopped(swarm, node_tmpdir):
+    node = swarm.start(0, env={"TMPDIR": str(node_tmpdir)})
+    node.ready()
+    # The daemon's socket (the node's DHT process starts one p2pd; hivemind opens its client
+    # socket only when it serves a stream, beside it).
+    assert [p.name for p in node_tmpdir.glob("pymp-*/hivemind-p2pd-*.sock")], list(node_tmpdir.rglob("*"))
+    node.signal(signal.SIGTERM)
+    assert node.wait_exit(timeout=30) == 0
+    assert not list(node_tmpdir.rglob("hivemind-*.sock")), "a node stopped cleanly leaves no socket behind"
+    assert not list(node_tmpdir.glob("pymp-*")), "nor its temp folder"
+
+
+@pytest.mark.multiprocess
+def test_the_temp_folder_of_a_node_killed_outright_is_removed_by_the_next_node_to_start(swarm, node_tmpdir):
     # Each SIGKILL (an OOM kill) left a pymp-* folder and p2pd's socket in TMPDIR for good.
-    folder = Path(tempfile.mkdtemp(prefix="lct-node-", dir="/tmp"))
-    try:
-        killed = swarm.start(0, env={"TMPDIR": str(folder)})
-        killed.ready()
-        left = [p.parent for p in folder.glob(f"pymp-*/{tempdir.MARKER}")]
-        assert len(left) == 1 and list(left[0].glob("hivemind-p2pd-*.sock")), list(folder.rglob("*"))
-        children = swarm.descendants(killed)
-        killed.signal(signal.SIGKILL)
-        killed.wait_exit(timeout=30)
-        psutil.wait_procs(children, timeout=15)  # its DHT process and p2pd die with it
-        assert left[0].exists(), "nothing of the killed node could remove it"
+    killed = swarm.start(0, env={"TMPDIR": str(node_tmpdir)})
+    killed.ready()
+    left = [p.parent for p in node_tmpdir.glob(f"pymp-*/{tempdir.MARKER}")]
+    assert len(left) == 1 and list(left[0].glob("hivemind-p2pd-*.sock")), list(node_tmpdir.rglob("*"))
+    children = swarm.descendants(killed)
+    killed.signal(signal.SIGKILL)
+    killed.wait_exit(timeout=30)
+    psutil.wait_procs(children, timeout=15)  # its DHT process and p2pd die with it
+    assert left[0].exists(), "nothing of the killed node could remove it"
 
-        following = swarm.start(1, env={"TMPDIR": str(folder)})
-        following.ready()
-        assert not left[0].exists()
-        assert len(list(folder.glob(f"pymp-*/{tempdir.MARKER}"))) == 1  # the running node's own
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    following = swarm.start(1, env={"TMPDIR": str(node_tmpdir)})
+    following.ready()
+    assert not left[0].exists()
+    assert len(list(node_tmpdir.glob(f"pymp-*/{tempdir.MARKER}"))) == 1  # the running node's own
 
 
 def _marked(base: Path, name: str, marker: str | None) -> Path:
