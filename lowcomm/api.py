@@ -330,6 +330,11 @@ class Swarm:
         crash would resume from); after it: as of the stop, local progress folded in."""
         self._wait_for_pending_checkpoints()
         found = checkpoint.load_latest(self.config.node.checkpoint_dir)
+        failure = self._node.checkpoint_failure if self._node is not None else None
+        if failure is not None and (found is None or int(found[0]["step"]) < failure[0]):
+            newest = "none was written" if found is None else f"the newest written is of step {int(found[0]['step'])}"
+            raise SwarmError(_in_api_terms(f"the checkpoint of step {failure[0]} could not be written "
+                                           f"({failure[1]}), and {newest}"))
         if found is None:
             raise SwarmError(f"no checkpoint in {self.config.node.checkpoint_dir} yet: the node writes one after "
                              f"each round and when it stops")

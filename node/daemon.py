@@ -127,6 +127,7 @@ class Node:
         self.faults = Faults.from_env()  # fault injection for tests (node/faults.py)
         self._must_download = False  # checkpoints exist but none is usable (node/restore.py)
         self.unsaved: str | None = None  # why the stop's checkpoint could not be written, if it could not
+        self.checkpoint_failure: tuple[int, str] | None = None  # (step, why) of the last write, if it failed
         self.gossip: GossipMode | None = None  # when [sync] mode = "gossip"
         self.link: SwarmLink | None = None  # our record and the swarm view, once the state is known
         self.driver: RoundDriver | None = None  # built once the server runs (_build_rounds)
@@ -362,7 +363,12 @@ class Node:
     # -- stopping -----------------------------------------------------------------------------
 
     def _write_checkpoint(self, state: dict[str, Any], trainer_state: dict[str, Any], tokens_total: int) -> None:
-        restore.save(self.config, state, trainer_state, tokens_total)
+        try:
+            restore.save(self.config, state, trainer_state, tokens_total)
+        except OSError as err:
+            self.checkpoint_failure = (int(state["step"]), str(err))
+            raise
+        self.checkpoint_failure = None
 
     async def _stop_rounds(self) -> None:
         """Whatever round is still in flight (a failure or a forced stop interrupted the loop):

@@ -239,13 +239,17 @@ DISK_REFUSES = textwrap.dedent("""
                 loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
                 loss.backward(); optimizer.step(); optimizer.zero_grad()
                 swarm.step(tokens=len(x), loss=loss)
+            try:
+                swarm.state_dict()
+            except lowcomm.SwarmError as err:
+                print("state_dict:", err, flush=True)
     except lowcomm.SwarmError as err:
         print("SwarmError:", err, flush=True)
         sys.exit(3)
 """)
 
 
-def test_leaving_the_block_when_the_stops_checkpoint_cannot_be_written_raises_swarm_error(tmp_path):
+def test_checkpoints_the_disk_refuses_are_a_swarm_error_from_state_dict_and_as_the_block_is_left(tmp_path):
     # The stop's checkpoint failed with torch's zip-writer traceback in the node's thread, and
     # leaving the block said nothing: the program went on as if its state were saved.
     def refuse_large_files() -> None:  # every checkpoint write fails, as on a full disk (EFBIG)
@@ -261,3 +265,7 @@ def test_leaving_the_block_when_the_stops_checkpoint_cannot_be_written_raises_sw
             f"{tmp_path / 'ckpt'}: File too large; a restart resumes from the last checkpoint written, or downloads "
             f"the swarm's state") in proc.stdout
     assert "checkpoint of step 1 not written" in proc.stdout  # each round's, logged, training went on
+    # state_dict() inside the block gave the newest checkpoint on disk, older than the last round
+    # (or "no checkpoint yet"), without a word of why.
+    assert (f"state_dict: the checkpoint of step 2 could not be written (could not write step-000000002.ckpt in "
+            f"{tmp_path / 'ckpt'}: File too large), and none was written") in proc.stdout
