@@ -431,6 +431,8 @@ def status_dict(status) -> dict[str, Any]:
         "mode": status.mode,
         "version": status.version,
         "multiaddrs": list(status.multiaddrs),
+        "checkpoint_failure": ({"outer_step": status.checkpoint_failed_step, "reason": status.checkpoint_failure}
+                               if status.checkpoint_failure else None),
         "swarm": [
             {"peer_id": p.peer_id, "address": p.address, "outer_step": p.outer_step,
              "params_sha256": p.params_sha256, "tokens_per_second": p.tokens_per_second,
@@ -448,6 +450,9 @@ def _print_status(info: dict[str, Any]) -> None:
     print(f"step      {info['outer_step']}  (swarm max {info['swarm_outer_step_max']})  params {info['params_sha256'][:16]}")
     print(f"loss      train {fmt(info['loss'])}  eval {fmt(info['eval_loss'])}  "
           f"tokens {info['tokens_total']:,}  {info['tokens_per_second']:,.0f} tok/s")
+    failure = info["checkpoint_failure"]
+    if failure is not None:
+        print(f"checkpoint NOT WRITTEN at step {failure['outer_step']}: {failure['reason']}")
     print(f"swarm     {info['swarm_peers']} peer(s)")
     top = info["swarm_outer_step_max"]
     for peer in info["swarm"]:

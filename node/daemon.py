@@ -437,4 +437,11 @@ class Node:
             rounds_completed=self.stats.rounds_completed, tokens_per_second=self.stats.tokens_per_second, swarm=swarm,
             multiaddrs=self.multiaddrs, codec=self.config.sync.codec,
             mode=self.config.sync.mode, consensus_distance=self.stats.consensus_distance, version=__version__,
+            **self._checkpoint_failure_fields(),
         )
+
+    def _checkpoint_failure_fields(self) -> dict[str, Any]:
+        if self.checkpoint_failure is None:
+            return {}
+        step, why = self.checkpoint_failure
+        return {"checkpoint_failure": why, "checkpoint_failed_step": step}

@@ -227,7 +227,7 @@ def test_a_programs_own_stop_signal_handler_is_left_alone(tmp_path):
 
 
 DISK_REFUSES = textwrap.dedent("""
-    import sys, torch, torch.nn as nn, lowcomm
+    import json, sys, torch, torch.nn as nn, lowcomm
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -243,6 +243,7 @@ DISK_REFUSES = textwrap.dedent("""
                 swarm.state_dict()
             except lowcomm.SwarmError as err:
                 print("state_dict:", err, flush=True)
+            print("status:", json.dumps(swarm.status()["checkpoint_failure"]), flush=True)
     except lowcomm.SwarmError as err:
         print("SwarmError:", err, flush=True)
         sys.exit(3)
@@ -269,3 +270,6 @@ def test_checkpoints_the_disk_refuses_are_a_swarm_error_from_state_dict_and_as_t
     # (or "no checkpoint yet"), without a word of why.
     assert (f"state_dict: the checkpoint of step 2 could not be written (could not write step-000000002.ckpt in "
             f"{tmp_path / 'ckpt'}: File too large), and none was written") in proc.stdout
+    status = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("status:"))[7:])
+    assert status == {"outer_step": 2,
+                      "reason": f"could not write step-000000002.ckpt in {tmp_path / 'ckpt'}: File too large"}

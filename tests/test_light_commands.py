@@ -46,3 +46,22 @@ def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_a_usage_error(cap
         assert exit_info.value.code == 2, timeout
         assert "argument --timeout:" in capsys.readouterr().err
     assert cli.build_parser().parse_args(["healthcheck", "--timeout", "0.5"]).timeout == 0.5
+
+
+def test_status_says_when_the_nodes_newest_checkpoint_was_not_written(capsys) -> None:
+    from lowcomm.node import cli
+    from lowcomm.protocol._pb.lowcomm.v1 import node_pb2
+
+    reason = "could not write step-000000005.ckpt in /data/ck: No space left on device; free space there, ..."
+    failed = node_pb2.NodeStatus(peer_id="QmNode", outer_step=5, params_sha256="ab" * 32, phase="training",
+                                 version="1", mode="allreduce", codec="int8", checkpoint_failure=reason,
+                                 checkpoint_failed_step=5)
+    info = cli.status_dict(failed)
+    assert info["checkpoint_failure"] == {"outer_step": 5, "reason": reason}
+    cli._print_status(info)
+    assert f"checkpoint NOT WRITTEN at step 5: {reason}\n" in capsys.readouterr().out
+
+    failed.ClearField("checkpoint_failure")  # its writes succeed (again): nothing said
+    assert cli.status_dict(failed)["checkpoint_failure"] is None
+    cli._print_status(cli.status_dict(failed))
+    assert "checkpoint" not in capsys.readouterr().out
