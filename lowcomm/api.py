@@ -331,8 +331,9 @@ class Swarm:
         self._wait_for_pending_checkpoints()
         found = checkpoint.load_latest(self.config.node.checkpoint_dir)
         failure = self._node.checkpoint_failure if self._node is not None else None
-        if failure is not None and (found is None or int(found[0]["step"]) < failure[0]):
-            newest = "none was written" if found is None else f"the newest written is of step {int(found[0]['step'])}"
+        newest_step = None if found is None else int(found[0]["step"])
+        if failure is not None and (newest_step is None or newest_step < failure[0]):
+            newest = "none was written" if newest_step is None else f"the newest written is of step {newest_step}"
             raise SwarmError(_in_api_terms(f"the checkpoint of step {failure[0]} could not be written "
                                            f"({failure[1]}), and {newest}"))
         if found is None:

@@ -184,8 +184,7 @@ class Committer:
             finally:  # whatever the evaluation does, the round's checkpoint is written
                 try:
                     self.write_checkpoint(frozen, trainer_state, event["tokens_total"])
-                except OSError as err:  # the previous checkpoints stay intact (atomic writes)
-                    m.checkpoint_failures.inc()
+                except OSError as err:  # the previous checkpoints stay intact (atomic writes; counted by the writer)
                     log.error("checkpoint of step %d not written: %s; training goes on (a restart resumes from "
                               "the last checkpoint written, or downloads the swarm's state)", frozen["step"], err,
                               extra={"event": "checkpoint_failed", "outer_step": frozen["step"]})

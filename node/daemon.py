@@ -365,8 +365,9 @@ class Node:
     def _write_checkpoint(self, state: dict[str, Any], trainer_state: dict[str, Any], tokens_total: int) -> None:
         try:
             restore.save(self.config, state, trainer_state, tokens_total)
-        except OSError as err:
+        except OSError as err:  # every checkpoint write goes through here: a round's and the stop's
             self.checkpoint_failure = (int(state["step"]), str(err))
+            self.metrics.checkpoint_failures.inc()
             raise
         self.checkpoint_failure = None
 
@@ -399,7 +400,6 @@ class Node:
         try:
             await self.in_train_thread(fold_and_save)
         except OSError as err:  # a full disk, say: the checkpoints written before stay (atomic writes)
-            self.metrics.checkpoint_failures.inc()
             failure = err
         try:
             async with asyncio.timeout(2.0 if self.force_stop.is_set() else 5.0):
@@ -409,7 +409,8 @@ class Node:
         if failure is not None:
             self.unsaved = (f"stopped at outer step {self.state.step} without saving it: {failure}; a restart resumes "
                             f"from the last checkpoint written, or downloads the swarm's state")
-            log.error("%s", self.unsaved, extra={"event": "node_stopped", "outer_step": self.state.step, "saved": False})
+            log.error("%s", self.unsaved,
+                      extra={"event": "node_stopped", "outer_step": self.state.step, "saved": False})
             return False
         log.info("stopped cleanly at outer step %d (checkpoint in %s)", self.state.step,
                  self.config.node.checkpoint_dir,
