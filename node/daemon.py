@@ -421,11 +421,14 @@ class Node:
 
     async def status(self) -> node_pb2.NodeStatus:
         view = self.view
+        records = dict(view.peers)
+        if self.link is not None:  # our own line as we are now, not as our last heartbeat published it
+            records[self.peer_id] = self.link.record()
         swarm = [
             node_pb2.SwarmPeer(peer_id=p.peer_id, address=p.address, outer_step=p.outer_step,
                                params_sha256=p.params_sha256, tokens_per_second=p.tokens_per_second,
                                client_mode=not p.address, bandwidth_bps=p.bandwidth_bps)
-            for p in sorted(view.peers.values(), key=lambda p: p.peer_id)
+            for p in sorted(records.values(), key=lambda p: p.peer_id)
         ]
         state = getattr(self, "state", None)
         step, digest = state.published() if state else (0, "")

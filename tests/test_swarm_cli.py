@@ -79,6 +79,8 @@ def test_three_peers_train_in_sync_and_a_late_joiner_catches_up(swarm):
     assert status["swarm_peers"] >= 3 and status["tokens_total"] > 0
     assert status["outer_step"] >= step
     assert status["checkpoint_failure"] is None  # its checkpoints are written
+    own = next(peer for peer in status["swarm"] if peer["peer_id"] == status["peer_id"])
+    assert (own["outer_step"], own["params_sha256"]) == (status["outer_step"], status["params_sha256"])
     human = out["human"][0]
     assert status["peer_id"] in human and "swarm" in human
     assert sum(1 for line in human.splitlines() if "tok/s" in line and "lag" in line) >= 3  # one line per peer
