@@ -7,7 +7,8 @@ The first process starts the swarm; once it prints its multiaddr (the JSON line
 {"event": "example_ready", "multiaddrs": [...]}), the others start with ``--peers <multiaddr>``.
 Each gets ``--checkpoint-dir <workdir>/peer-<i>`` and ``--min-peers N`` (the script waits for
 the N peers before it trains: ``swarm.wait_for_peers``), so running the same command again resumes
-every peer from its checkpoints. Ctrl-C stops them all gracefully (a second Ctrl-C kills them).
+every peer from its checkpoints. Ctrl-C stops them all gracefully (a second Ctrl-C kills them), and
+so do SIGTERM and SIGHUP (a closed terminal); a peer that fails stops the others.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -24,8 +26,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def start(index: int, nproc: int, script: list[str], workdir: Path, peers: list[str], ready: threading.Event,
-          maddrs: list[str]) -> subprocess.Popen:
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, a scheduler's stop, a closed terminal
+
+
+def start(index: int, nproc: int, script: list[str], workdir: Path, peers: list[str],
+          events: queue.SimpleQueue) -> subprocess.Popen:
     command = [sys.executable, *script, "--checkpoint-dir", str(workdir / f"peer-{index}"), "--min-peers", str(nproc)]
     if peers:
         command += ["--peers", *peers]
@@ -45,48 +50,80 @@ def start(index: int, nproc: int, script: list[str], workdir: Path, peers: list[
                 continue
             # The peers log JSON lines (their output is a pipe): shown here as their message.
             print(f"[peer-{index}] {event.get('msg') or json.dumps(event)}", flush=True)
-            if event.get("event") == "example_ready" and not ready.is_set():
-                maddrs.extend(event["multiaddrs"])
-                ready.set()
-        ready.set()  # it ended before it was ready: the launcher stops waiting
+            if event.get("event") == "example_ready":
+                events.put(("ready", index, event["multiaddrs"]))
+        # Its exit is reported once its last line is shown: the launcher never ends before that.
+        events.put(("exit", index, proc.wait()))
 
     threading.Thread(target=relay, daemon=True).start()
     return proc
 
 
+def signal_all(procs: dict[int, subprocess.Popen], exited: set[int], signum: int) -> None:
+    for index, proc in procs.items():
+        if index not in exited:
+            try:
+                os.killpg(proc.pid, signum)
+            except ProcessLookupError:  # it ended just now; its exit event is on its way
+                pass
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of peers, at least 1 (got {text!r})")
+    return int(text)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2, help="number of peers (default 2)")
+    parser.add_argument("--nproc", type=positive_int, default=2, help="number of peers (default 2)")
     parser.add_argument("--workdir", type=Path, default=Path("runs/launch"), help="checkpoints of the peers")
     parser.add_argument("script", nargs="*", help="script and its arguments, after --")
     args = parser.parse_args()
     script = args.script or [str(HERE / "train_hf.py")]
-    ready, maddrs = threading.Event(), []
-    procs = [start(0, args.nproc, script, args.workdir, [], ready, maddrs)]
-    try:
-        ready.wait()
-        if not maddrs:
-            return procs[0].wait() or 1
-        for index in range(1, args.nproc):
-            procs.append(start(index, args.nproc, script, args.workdir, maddrs[:1], threading.Event(), []))
-        codes = [proc.wait() for proc in procs]
-    except KeyboardInterrupt:
-        print("stopping the peers (Ctrl-C again kills them)", file=sys.stderr, flush=True)
-        try:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGINT)
-            for proc in procs:
-                proc.wait()
-        except KeyboardInterrupt:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-        return 130  # each peer stopped gracefully (checkpoint written) or was killed on the second Ctrl-C
-    failed = [f"peer-{i} exited with {code}" for i, code in enumerate(codes) if code]
-    if failed:
-        print("; ".join(failed), file=sys.stderr)
-    return 1 if failed else 0
+
+    # Everything the launcher reacts to arrives here: a peer ready, a peer's exit, a stop signal
+    # (SimpleQueue.put may be called from a signal handler; Queue.put may deadlock there).
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, lambda signum, _frame: events.put(("signal", signum, None)))
+    procs = {0: start(0, args.nproc, script, args.workdir, [], events)}
+    exited: dict[int, int] = {}
+    failure: str | None = None  # the first exit with an error the launcher did not ask for
+    stopped_by: int | None = None  # the signal that stopped the launcher
+    ready = False
+    while len(exited) < len(procs):
+        kind, key, value = events.get()
+        if kind == "ready" and key == 0 and not ready:
+            ready = True
+            if stopped_by is None and failure is None:
+                for index in range(1, args.nproc):
+                    procs[index] = start(index, args.nproc, script, args.workdir, value[:1], events)
+        elif kind == "exit":
+            exited[key] = value
+            if value and failure is None and stopped_by is None:  # not an exit the launcher asked for
+                failure = f"peer-{key} exited with {value}"
+                if len(exited) < len(procs):
+                    # The others would wait for it (--min-peers) or train on without it: stop them too.
+                    print(f"{failure}: stopping the others", file=sys.stderr, flush=True)
+                    signal_all(procs, set(exited), signal.SIGTERM)
+        elif kind == "signal":
+            if stopped_by is None:
+                stopped_by = key
+                print("stopping the peers (Ctrl-C again kills them)", file=sys.stderr, flush=True)
+                # A Swarm stops gracefully on SIGTERM (checkpoint written) and its script ends quietly
+                # with 143; a SIGINT would end each with a KeyboardInterrupt traceback.
+                signal_all(procs, set(exited), signal.SIGTERM)
+            else:
+                signal_all(procs, set(exited), signal.SIGKILL)
+    if stopped_by is not None:
+        return 128 + stopped_by
+    if not ready:
+        print(f"peer-0 ended (exit {exited[0]}) before it printed its example_ready line", file=sys.stderr)
+        return exited[0] or 1
+    if failure is not None:
+        print(failure, file=sys.stderr)
+    return 1 if failure is not None else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,120 @@
+"""examples/launch.py, the launcher of N peers of a training script, with a stand-in script
+that speaks its protocol (prints the example_ready line, takes --checkpoint-dir, --min-peers
+and --peers) without torch: what the launcher does when all goes well, when a peer fails and
+when it is told to stop. tests/test_api_swarm.py runs the real train_hf.py peers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+LAUNCHER = Path(__file__).resolve().parent.parent / "examples" / "launch.py"
+
+PEER = """
+import argparse, json, os, pathlib, signal, sys
+parser = argparse.ArgumentParser()
+parser.add_argument("--checkpoint-dir"); parser.add_argument("--min-peers", type=int)
+parser.add_argument("--peers", nargs="*", default=[]); parser.add_argument("--joiners-fail", action="store_true")
+parser.add_argument("--train", action="store_true", help="run until Ctrl-C instead of ending at once")
+args = parser.parse_args()
+folder = pathlib.Path(args.checkpoint_dir)
+folder.mkdir(parents=True, exist_ok=True)
+(folder / "pid").write_text(str(os.getpid()))
+if args.joiners_fail and args.peers:
+    print("cannot join", flush=True)
+    sys.exit(3)
+# A Swarm takes SIGTERM as a graceful stop from the moment it is entered, before its ready line.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+print(json.dumps({"event": "example_ready", "multiaddrs": ["/ip4/127.0.0.1/tcp/1/p2p/QmFirst"]}), flush=True)
+if args.train:
+    signal.sigwait({signal.SIGTERM})
+# Many lines at the end: a launcher that returned at the peer's exit would lose some.
+for line in range(300):
+    print(f"{folder.name} line {line}")
+print(json.dumps({"event": "example_done", "min_peers": args.min_peers, "peers": args.peers}), flush=True)
+sys.exit(143 if args.train else 0)
+"""
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """Start the launcher with the stand-in peer; afterwards no peer of it may be left running
+    (each wrote its pid: they run in sessions of their own, out of the launcher's group)."""
+    script = tmp_path / "peer.py"
+    script.write_text(PEER)
+    started: list[subprocess.Popen] = []
+
+    def run(nproc: int, *peer_args: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, str(LAUNCHER), "--nproc", str(nproc), "--workdir",
+                                 str(tmp_path / "runs"), "--", str(script), *peer_args],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        started.append(proc)
+        return proc
+
+    yield run
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    left = []
+    for pid_file in (tmp_path / "runs").glob("peer-*/pid"):
+        try:
+            peer = psutil.Process(int(pid_file.read_text()))
+        except psutil.NoSuchProcess:
+            continue
+        if peer.status() != psutil.STATUS_ZOMBIE:
+            left.append(pid_file.parent.name)
+            peer.kill()
+    assert not left, f"peers outlived the launcher: {left}"
+
+
+def test_every_peer_runs_with_the_first_ones_address_and_every_line_is_shown(launch) -> None:
+    proc = launch(3)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    for index in range(3):
+        lines = [line for line in out.splitlines() if line.startswith(f"[peer-{index}] ")]
+        assert f"[peer-{index}] peer-{index} line 299" in lines  # the last lines before its exit too
+        done = [line for line in lines if "example_done" in line]
+        assert len(done) == 1
+        assert ('"min_peers": 3' in done[0]) and (('"peers": []' in done[0]) == (index == 0))
+
+
+def test_a_peer_that_fails_stops_the_others_instead_of_leaving_them_waiting_for_it(launch) -> None:
+    # The first peer waits for --min-peers 3 that never come: it used to wait forever.
+    proc = launch(3, "--train", "--joiners-fail")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "stopping the others" in err and err.strip().splitlines()[-1] in ("peer-1 exited with 3",
+                                                                            "peer-2 exited with 3")
+    assert "[peer-0] peer-0 line 299" in out  # it stopped gracefully (SIGTERM), to its last line
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=["term", "hangup", "ctrl-c"])
+def test_a_stop_signal_to_the_launcher_stops_every_peer_gracefully(launch, signum) -> None:
+    # Its peers run in sessions of their own: a launcher that died of SIGTERM or SIGHUP (its
+    # terminal closed) used to leave them training on.
+    proc = launch(2, "--train")
+    ready = set()
+    for line in proc.stdout:
+        if "example_ready" in line:
+            ready.add(line.split()[0])
+        if len(ready) == 2:
+            break
+    os.kill(proc.pid, signum)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, err
+    assert "stopping the peers" in err
+    assert "[peer-0] peer-0 line 299" in out and "[peer-1] peer-1 line 299" in out
+
+
+def test_a_peer_count_below_one_is_a_usage_error(launch) -> None:
+    proc = launch(0)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "--nproc: must be a whole number of peers, at least 1 (got '0')" in err
