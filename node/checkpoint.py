@@ -41,13 +41,19 @@ class CheckpointWriteError(OSError):
         return self.strerror or super().__str__()
 
 
-def _write_error(err: BaseException, path: Path) -> CheckpointWriteError | None:
-    """The system's reason a write of ``path`` failed, found in ``err`` or the exceptions it
-    wraps (``torch.save`` reports a full disk as a RuntimeError of its zip writer, "unexpected
-    pos ...", raised while handling the OSError of the write); None when there is none."""
+def system_error(err: BaseException) -> OSError | None:
+    """The system's error behind ``err``: itself or one of the exceptions it wraps (``torch.save``
+    reports a full disk as a RuntimeError of its zip writer, "unexpected pos ...", raised while
+    handling the OSError of the write); None when there is none."""
     seen: BaseException | None = err
     while seen is not None and not isinstance(seen, OSError):
         seen = seen.__cause__ or seen.__context__
+    return seen
+
+
+def _write_error(err: BaseException, path: Path) -> CheckpointWriteError | None:
+    """Why a write of ``path`` failed, as the system said; None when it did not say."""
+    seen = system_error(err)
     if seen is None:
         return None
     reason = seen.strerror or str(seen)

@@ -1,4 +1,4 @@
-"""``lowcomm-node join | status | healthcheck | init-config``.
+"""``lowcomm-node join | status | healthcheck | export | init-config``.
 
 User mistakes (bad config, unreachable peers, busy ports) end with one ``lowcomm-node: error:``
 line on stderr and a non-zero exit code, never a traceback.
@@ -572,6 +572,26 @@ def seconds(value: str) -> float:
     return number
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    flags = {"checkpoint_dir": args.checkpoint_dir} if args.checkpoint_dir is not None else {}
+    try:
+        config = load_config(args.config, flags, args.overrides)
+    except ConfigError as err:
+        return _fail(str(err), EXIT_USAGE)
+    from .export import ExportError, export
+    from .logs import setup_logging
+    from .models import ModelError
+
+    setup_logging(config.node.log_format, config.node.log_level, sys.stderr)  # a damaged checkpoint skipped: a warning
+    try:
+        done = export(config, args.out)
+    except (ExportError, ModelError) as err:
+        return _fail(str(err))
+    print(f"exported outer step {done.outer_step} (params {done.params_sha256[:12]}) from {done.checkpoint} "
+          f"to {done.out}; load {done.weights}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowcomm-node", description="Peer-to-peer low-communication training node.")
     parser.add_argument("--version", action="version", version=f"lowcomm {__version__}")
@@ -590,6 +610,18 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "status":
             p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(func=func)
+    export = sub.add_parser("export", help="write the newest checkpoint's model as a Hugging Face folder or state_dict",
+                            description="Write θ_global of the newest checkpoint in --checkpoint-dir as the run's model: "
+                                        "a save_pretrained folder for Hugging Face models, model.pt (a state_dict) "
+                                        "otherwise, with lowcomm.json (step, params hash). Give the run config the "
+                                        "node ran with; a running node's checkpoints can be exported.")
+    export.add_argument("--out", type=Path, required=True, metavar="DIR", help="new folder to write (must not exist, or be empty)")
+    export.add_argument("--config", type=Path, help="the run config TOML the node ran with")
+    export.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="the node's checkpoint directory "
+                                                                           "(default: as `join` takes it)")
+    export.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="a run-config key the node was given with --set (repeatable)")
+    export.set_defaults(func=cmd_export)
     init = sub.add_parser("init-config", help="print a commented default run config")
     init.set_defaults(func=cmd_init_config)
     return parser

@@ -68,6 +68,22 @@ def test_three_peers_train_a_llama_from_config_json_on_tokens_and_refuse_another
         assert {hash_at(node, step) for node in trio} == {event["params_sha256"]}, f"hashes differ at step {step}"
     assert first.rounds()[-1]["eval_loss"] < initial_eval
 
+    # `lowcomm-node export` of a running peer's newest checkpoint: the swarm's θ_global of that
+    # step, which from_pretrained loads.
+    out = tmp_path / "exported"
+    done = subprocess.run([*node_command(), "export", "--checkpoint-dir", str(swarm.workdir / "peer-1"),
+                           "--out", str(out), *run], capture_output=True, text=True, timeout=ROUND_WAIT)
+    assert done.returncode == 0, done.stderr
+    about = json.loads((out / "lowcomm.json").read_text())
+    assert about["params_sha256"] == hash_at(trio[1], about["outer_step"])
+    from transformers import AutoModelForCausalLM
+    from torch.nn.utils import parameters_to_vector
+
+    from lowcomm.protocol.snapshot import params_sha256
+
+    loaded = parameters_to_vector(AutoModelForCausalLM.from_pretrained(out).parameters()).detach()
+    assert params_sha256(loaded) == about["params_sha256"]
+
     # A peer whose config.json has one more layer is refused, and both sides say what differs.
     other = write_llama_config(tmp_path / "other" / "config.json", num_hidden_layers=3)
     stranger = swarm.start(3, [first.multiaddr], extra=[*run, "--set", f"model.hf_config={other}"])
