@@ -616,9 +616,10 @@ def build_parser() -> argparse.ArgumentParser:
                                         "otherwise, with lowcomm.json (step, params hash). Give the run config the "
                                         "node ran with; a running node's checkpoints can be exported.")
     export.add_argument("--out", type=Path, required=True, metavar="DIR", help="new folder to write (must not exist, or be empty)")
-    export.add_argument("--config", type=Path, help="the run config TOML the node ran with")
-    export.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="the node's checkpoint directory "
-                                                                           "(default: as `join` takes it)")
+    export.add_argument("--config", type=Path, metavar="FILE", help="the run config TOML the node ran with")
+    export.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
+                        help="the node's checkpoint directory (default: the config's [node] checkpoint_dir, "
+                             "LOWCOMM_CHECKPOINT_DIR, or ./lowcomm-checkpoints)")
     export.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="a run-config key the node was given with --set (repeatable)")
     export.set_defaults(func=cmd_export)
