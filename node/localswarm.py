@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -229,6 +230,20 @@ def clear_workdir(workdir: Path) -> str | None:
     return None
 
 
+def export_command(workdir: Path, extra: list[str]) -> str:
+    """The `lowcomm-node export` line that takes the demo's model out of peer-0's checkpoints:
+    with the peers' --config and --set flags, which may describe the model."""
+    flags, given = [], iter(extra)
+    for flag in given:
+        if flag in ("--config", "--set"):
+            flags += [flag, next(given, "")]
+        elif flag.startswith(("--config=", "--set=")):
+            flags.append(flag)
+    # Outside the workdir: the next demo refuses a workdir holding anything it did not make.
+    return shlex.join(["lowcomm-node", "export", "--checkpoint-dir", str(workdir / "peer-0"), *flags,
+                       "--out", "demo-model"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lowcomm.node.localswarm",
                                      description="Start a local swarm of lowcomm nodes on loopback.")
@@ -323,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     if failed or reported or start_failed:
         return 1
     print("all peers stopped cleanly", flush=True)
+    print(f"the trained model, as a file torch loads: {export_command(args.workdir, extra)}", flush=True)
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -271,3 +272,11 @@ def test_demo_rounds_with_short_inner_phases_every_peer_takes_part(tmp_path):
     assert "[peer-0] waiting for 3 peers before training (--wait-for-peers): 1 in the swarm" in result.stdout
     for index in range(3):
         assert list_checkpoints(workdir / f"peer-{index}")
+
+    # The command it prints at the end takes the model out of peer-0's last checkpoint.
+    command = result.stdout.strip().splitlines()[-1].split("torch loads: ")[1]
+    assert command.startswith(f"lowcomm-node export --checkpoint-dir {workdir}/peer-0 --set train.inner_steps=20 ")
+    exported = subprocess.run([*node_command(), *shlex.split(command)[1:]], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)
+    assert exported.returncode == 0, exported.stderr
+    assert json.loads((tmp_path / "demo-model" / "lowcomm.json").read_text())["outer_step"] == 2
