@@ -29,7 +29,7 @@ from lowcomm.protocol.rpc import ChannelPool
 from lowcomm.protocol.missed_rounds import KEPT_ROUNDS, MissedRoundsError, apply_missed_rounds, fetch_missed_rounds
 from lowcomm.protocol.state import Donor, OptimizerStates, Snapshot, StateDonor, StateError, download_state
 
-from . import decisions
+from . import decisions, joincheck
 from .averaging import Averager
 from .cancel import cancel_and_wait
 from .config import Config
@@ -96,6 +96,7 @@ class CatchUp:
                             "the [run] name of its run config (the DHT holds each run's records under its name); "
                             "training alone until a peer of this run comes", self.config.run.name)
         if initial:
+            await self._refuse_a_swarm_out_of_reach(view)
             await self._handshake(view)
         if initial and self.must_download and not decisions.others(view, self.swarm.position()):
             raise FatalError(
@@ -115,6 +116,20 @@ class CatchUp:
         if not plan.because_minority and await self._apply_missed_rounds(plan.step, plan.params_hash, fastest):
             return
         await self._download(plan.step, plan.params_hash, donors)
+
+    async def _refuse_a_swarm_out_of_reach(self, view: SwarmView) -> None:
+        """End the node (one line saying which flag to change) when the swarm it joined serves
+        the other kind of gRPC, or a certificate it does not trust, or is an open run while this
+        node has a secret (node/joincheck.py)."""
+        me, tls = self.identity.peer_id, self.config.node.tls_cert is not None
+        why = joincheck.transport_mismatch(view, me, tls)
+        if why is None and tls:
+            why = await joincheck.untrusted_certificate(view, me, self.channels, self.identity.hello())
+        if why is None and self.config.node.run_secret_file is not None:
+            peer = joincheck.open_run_peer(view, me, self.identity.config_fingerprint)
+            why = joincheck.open_run_message(peer, self.config.run.name) if peer is not None else None
+        if why is not None:
+            raise FatalError(f"refused by the swarm: {why}")
 
     async def _handshake(self, view: SwarmView) -> None:
         """Refuse to run next to a swarm of another run config or another run secret, naming
@@ -150,7 +165,8 @@ class CatchUp:
         try:
             got = download.result()
         except StateError as err:
-            log.warning("state download of step %d failed: %s; training on from step %d", step, err, self.state.step)
+            log.warning("state download of step %d failed: %s; training on from our state at step %d and trying "
+                        "again at the next round boundary", step, err, self.state.step)
             return
         except IncompatiblePeer as err:
             raise FatalError(f"refused by the swarm: {err}") from None

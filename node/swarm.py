@@ -65,6 +65,9 @@ class HivemindDHT:
         return {str(subkey): item.value for subkey, item in found.value.items() if isinstance(item.value, dict)}
 
 
+UNSIGNED_NAMED = 3  # subkeys a warning about unsigned records names
+
+
 class SignedDHT:
     """The ``GroupDHT`` of a secret run: signs what it stores, returns only what this run signed.
 
@@ -99,10 +102,13 @@ class SignedDHT:
             if len(self._warned) > 1024:
                 self._warned.clear()
             self._warned.update((s, now) for s in fresh)
-            log.warning("ignoring DHT record(s) under %s without a valid run-secret signature from %s: peers "
+            # A few names: the progress key of an open run holds thousands of marks (a 6 kB line).
+            named = sorted(fresh)[:UNSIGNED_NAMED]
+            more = f" and {len(fresh) - len(named)} more" if len(fresh) > len(named) else ""
+            log.warning("ignoring %d DHT record(s) under %s without a valid run-secret signature (from %s%s): peers "
                         "without the run secret or with another one (if they are your swarm, compare "
-                        "--run-secret-file)", key, ", ".join(sorted(fresh)),
-                        extra={"event": "dht_unsigned", "key": key, "senders": sorted(fresh)})
+                        "--run-secret-file)", len(fresh), key, ", ".join(named), more,
+                        extra={"event": "dht_unsigned", "key": key, "senders": named, "records": len(fresh)})
         return verified, unverified
 
 
@@ -130,6 +136,9 @@ class PeerRecord:
     # in it (a joiner, a peer that missed the step) takes the next step's B from it as the
     # members do (protocol/buckets.py ``next_bucket_count``).
     plan_peers: int = 0
+    # The peer serves gRPC over TLS (and calls its peers over TLS): a run is all TLS or all
+    # plaintext, and a joiner on the other side is told so instead of failing every call.
+    tls: bool = False
 
     @classmethod
     def parse(cls, peer_id: str, value: dict) -> "PeerRecord | None":
@@ -141,6 +150,7 @@ class PeerRecord:
                 protocol_version=int(value.get("protocol_version", 0)),
                 config_fingerprint=str(value.get("config_fingerprint", "")), phase=str(value.get("phase", "")),
                 leaving=bool(value.get("leaving", False)), plan_peers=max(0, int(value.get("plan_peers", 0))),
+                tls=value.get("tls") is True,
             )
         except (KeyError, TypeError, ValueError):
             return None  # a malformed record from a stranger must not break the view
@@ -163,6 +173,9 @@ class SwarmView:
     foreign: dict[str, PeerRecord]  # live peers whose protocol or config differs
     taken_at: float
     left: frozenset[str] = frozenset()  # peers whose last record says they are leaving
+    # Foreign peers whose records carry no run-secret signature at all: peers of an open run,
+    # as a node with a run secret sees them (node/joincheck.py).
+    open_run: frozenset[str] = frozenset()
 
     @property
     def max_step(self) -> int:
@@ -200,8 +213,11 @@ async def read_swarm(dht: HivemindDHT | SignedDHT, run: str, fingerprint: str, p
     # downloaded from. A node that sees nobody else contacts one of them once at start (the
     # handshake), so that a peer with a wrong secret is refused (UNAUTHENTICATED, counted there)
     # rather than silently training alone.
+    open_run = set()
     for peer_id, value in unsigned.items():
         record = PeerRecord.parse(peer_id, value)
         if record is not None and not record.leaving and peer_id not in peers:
             foreign[peer_id] = record
-    return SwarmView(peers, foreign, time.monotonic(), frozenset(left))
+            if "_mac" not in value:
+                open_run.add(peer_id)
+    return SwarmView(peers, foreign, time.monotonic(), frozenset(left), frozenset(open_run))

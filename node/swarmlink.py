@@ -67,7 +67,7 @@ class SwarmLink:
             params_sha256=digest, bandwidth_bps=self.stats.bandwidth_bps,
             tokens_per_second=self.stats.tokens_per_second, protocol_version=PROTOCOL_VERSION,
             config_fingerprint=self.identity.config_fingerprint, phase=self.stats.phase, leaving=leaving,
-            plan_peers=self.plan_behind(step),
+            plan_peers=self.plan_behind(step), tls=self.config.node.tls_cert is not None,
         )
 
     @staticmethod

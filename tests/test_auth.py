@@ -215,6 +215,43 @@ def test_signed_dht_hides_unsigned_values_and_read_swarm_marks_them_foreign(capl
     assert warned and "peer-x" in warned[0].getMessage()
 
 
+def test_a_warning_about_many_unsigned_records_names_a_few_and_counts_the_rest(caplog):
+    # An open run's progress key holds thousands of marks: the warning was a 6 kB line.
+    async def scenario():
+        memory = MemoryDHT()
+        for index in range(10):
+            await memory.store("run/progress", f"c/{index:02d}", {"step": index}, ttl=30)
+        await SignedDHT(memory, RunAuth(SECRET)).get("run/progress")
+
+    with caplog.at_level("WARNING"):
+        run(scenario())
+    [warned] = [r for r in caplog.records if getattr(r, "event", None) == "dht_unsigned"]
+    assert warned.getMessage().startswith("ignoring 10 DHT record(s) under run/progress without a valid run-secret "
+                                          "signature (from c/00, c/01, c/02 and 7 more): ")
+    assert warned.senders == ["c/00", "c/01", "c/02"] and warned.records == 10
+
+
+def test_a_node_with_a_secret_pointed_at_an_open_run_is_told_so_not_left_training_alone():
+    from lowcomm.node import joincheck
+
+    async def scenario():
+        memory = MemoryDHT()
+        key = peers_key("run")
+        await memory.store(key, "peer-open", record("peer-open").to_value(), ttl=30)  # an open run's peer
+        await SignedDHT(memory, RunAuth(OTHER)).store(key, "peer-x", record("peer-x").to_value(), ttl=30)
+        await SignedDHT(memory, RunAuth(SECRET)).store(key, "peer-me", record("peer-me").to_value(), ttl=30)
+        return await read_swarm(SignedDHT(memory, RunAuth(SECRET)), "run", FINGERPRINT, PROTOCOL_VERSION)
+
+    view = run(scenario())
+    assert view.open_run == {"peer-open"}  # peer-x signs, with another secret: the handshake's case
+    assert joincheck.open_run_peer(view, "peer-me", FINGERPRINT).peer_id == "peer-open"
+    assert joincheck.open_run_peer(view, "peer-me", "another run config") is None  # the handshake names that
+    mine = PeerRecord(**{**record("peer-b").__dict__})
+    view.peers["peer-b"] = mine  # a peer of our own secret run is in sight: nothing to refuse
+    assert joincheck.open_run_peer(view, "peer-me", FINGERPRINT) is None
+    assert "start this node without --run-secret-file" in joincheck.open_run_message(record("peer-open"), "run")
+
+
 # -- live servers ---------------------------------------------------------------------------------
 
 
@@ -467,6 +504,65 @@ def test_tls_server_with_the_secret_serves_peers_that_trust_its_certificate():
                     await pool.close()
 
     run(scenario())
+
+
+def test_a_tls_joiner_that_trusts_none_of_the_swarms_certificates_is_told_which_flag_to_fix():
+    from lowcomm.node import joincheck
+    from lowcomm.node.swarm import SwarmView
+
+    cert, key = self_signed("lowcomm-run")
+    wrong_cert, _ = self_signed("lowcomm-run")
+
+    async def scenario() -> tuple[str | None, str | None, str | None]:
+        async with Server(tls=TLSConfig.from_pem(cert, key)) as server:
+            peer = PeerRecord(**{**record("peer-a").__dict__, "address": server.target, "tls": True})
+            view = SwarmView({"peer-a": peer, "me": record("me")}, {}, 0.0)
+            hello = Identity("me", FINGERPRINT, "{}").hello()
+            verdicts = []
+            for trusted in (wrong_cert, cert):
+                pool = ChannelPool(client_interceptors(RunAuth(SECRET), "me", lambda: 0),
+                                   tls=TLSConfig.from_pem(trusted))
+                try:
+                    verdicts.append(await joincheck.untrusted_certificate(view, "me", pool, hello))
+                finally:
+                    await pool.close()
+            gone = PeerRecord(**{**peer.__dict__, "address": "127.0.0.1:1"})  # nobody there: not a certificate
+            pool = ChannelPool(tls=TLSConfig.from_pem(wrong_cert))
+            try:
+                verdicts.append(await joincheck.untrusted_certificate(SwarmView({"peer-a": gone}, {}, 0.0), "me",
+                                                                      pool, hello))
+            finally:
+                await pool.close()
+            return tuple(verdicts)
+
+    untrusted, trusted, unreachable = run(scenario())
+    assert untrusted.startswith("the TLS certificate of peer peer-a at 127.0.0.1:")
+    assert "not trusted (CERTIFICATE_VERIFY_FAILED: self signed certificate), nor any other peer's" in untrusted
+    assert untrusted.endswith("in --tls-cert")
+    assert trusted is None and unreachable is None
+
+
+def test_a_joiner_on_the_other_side_of_tls_from_the_swarm_is_told_which_flags_to_change():
+    from lowcomm.node import joincheck
+    from lowcomm.node.swarm import SwarmView
+
+    tls_peer = PeerRecord(**{**record("peer-a").__dict__, "tls": True})
+    plain_peer = record("peer-b")
+    client = PeerRecord(**{**record("peer-c").__dict__, "address": ""})  # serves nothing: not counted
+    tls_swarm = SwarmView({"peer-a": tls_peer, "peer-c": client}, {}, 0.0)
+    assert "serve gRPC over TLS and this node plaintext: start it with the run's certificate and key (--tls-cert, " \
+           "--tls-key)" in joincheck.transport_mismatch(tls_swarm, "me", tls=False)
+    assert joincheck.transport_mismatch(tls_swarm, "me", tls=True) is None
+    plain_swarm = SwarmView({"peer-b": plain_peer}, {}, 0.0)
+    assert "serve plaintext gRPC and this node TLS: start it without --tls-cert and --tls-key" in \
+           joincheck.transport_mismatch(plain_swarm, "me", tls=True)
+    mixed = SwarmView({"peer-a": tls_peer, "peer-b": plain_peer}, {}, 0.0)
+    assert joincheck.transport_mismatch(mixed, "me", tls=False) is None  # one it can call
+    alone = SwarmView({"me": PeerRecord(**{**tls_peer.__dict__, "peer_id": "me"})}, {}, 0.0)
+    assert joincheck.transport_mismatch(alone, "me", tls=False) is None
+    # The flag travels in the record, and records without it (older peers) read as plaintext.
+    assert PeerRecord.parse("peer-a", tls_peer.to_value()).tls is True
+    assert PeerRecord.parse("peer-b", {k: v for k, v in tls_peer.to_value().items() if k != "tls"}).tls is False
 
 
 # -- the CLI's reading of the files (in-process: it fails before starting anything) ----------------

@@ -77,3 +77,38 @@ def test_peers_sharing_the_secret_average_and_a_wrong_secret_contributes_nothing
     address = first.ready()["grpc_address"]
     assert asyncio.run(check_health(address, 30.0)) == "SERVING"
     assert asyncio.run(fetch_status(address, 30.0)).peer_id == first.ready()["peer_id"]
+
+
+def test_joiners_that_cannot_call_the_swarm_stop_with_one_line_instead_of_training_alone(swarm, tmp_path):
+    # Each used to train on alone, at step 0 (a download failing every few seconds with "Socket
+    # closed" or a certificate error) or at its own steps beside the open run (its unsigned
+    # records ignored), exit 0.
+    from .test_auth import self_signed
+
+    secret = tmp_path / "run.secret"
+    secret.write_bytes(base64.b64encode(os.urandom(32)) + b"\n")
+    for name in ("run", "other"):
+        cert, key = self_signed("lowcomm-run")
+        (tmp_path / f"{name}.pem").write_bytes(cert)
+        (tmp_path / f"{name}.key").write_bytes(key)
+    tls = ["--tls-cert", str(tmp_path / "run.pem"), "--tls-key", str(tmp_path / "run.key")]
+    wrong_tls = ["--tls-cert", str(tmp_path / "other.pem"), "--tls-key", str(tmp_path / "other.key")]
+    open_run = swarm.start(0)
+    tls_run = swarm.start(1, extra=tls)
+    joiners = {
+        "with a secret, to an open run": (swarm.start(2, [open_run.multiaddr], extra=["--run-secret-file", str(secret)]),
+                                          "run without a run secret (their records are unsigned)"),
+        "with TLS, to a plaintext run": (swarm.start(3, [open_run.multiaddr], extra=tls),
+                                         "serve plaintext gRPC and this node TLS: start it without --tls-cert"),
+        "plaintext, to a TLS run": (swarm.start(4, [tls_run.multiaddr]),
+                                    "serve gRPC over TLS and this node plaintext: start it with the run's certificate"),
+        "with another certificate, to a TLS run": (swarm.start(5, [tls_run.multiaddr], extra=wrong_tls),
+                                                   "is not trusted (CERTIFICATE_VERIFY_FAILED"),
+    }
+    for case, (node, needle) in joiners.items():
+        assert node.wait_exit(ROUND_WAIT) == 1, case
+        errors = [line for line in node.raw_lines if line.startswith("lowcomm-node: error:")]
+        assert len(errors) == 1 and "refused by the swarm" in errors[0] and needle in errors[0], (case, errors)
+        assert node.rounds() == [], case
+        assert not any("Traceback" in line for line in node.raw_lines), case
+    assert tls_run.proc.poll() is None and open_run.proc.poll() is None  # the swarms train on
