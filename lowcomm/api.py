@@ -138,11 +138,14 @@ class Swarm:
         try:
             if self._to_load is not None:
                 self._write_loaded_state(self._to_load)
-            self._restore_logging = self._setup_logging() if self._log else (lambda: None)
             limit_malloc_arenas()
             import hivemind  # noqa: F401 - its import selects torch's file_system sharing; undone next
 
             share_tensors_by_descriptor()  # before hivemind's first future: no torch_shm_manager process
+            # After hivemind's import, which sets its logger to INFO ("Generating new identity ..." on
+            # stderr, in your program's output whatever ``log`` says): its warnings only, as in the CLI.
+            logging.getLogger("hivemind").setLevel(logging.WARNING)
+            self._restore_logging = self._setup_logging() if self._log else (lambda: None)
             try:
                 self._dht = start_dht(cfg)  # forks the DHT process: before any gRPC object exists
             except RuntimeError as err:
@@ -167,10 +170,26 @@ class Swarm:
         if self._error is not None and exc is None:
             raise SwarmError(_describe_failure(self._error)) from None
 
+    def open(self) -> "Swarm":
+        """Join the swarm as entering the ``with`` block does, for a loop that cannot sit in one
+        (callbacks, a notebook): ``swarm = lowcomm.Swarm(...).open()``, and ``swarm.close()``
+        at the end (or the Swarm is left as the program ends). Returns the Swarm."""
+        return self.__enter__()
+
     def close(self) -> None:
         """Leave the swarm as leaving the ``with`` block does, for a loop that cannot sit in one
         (callbacks, a notebook). Idempotent; raises SwarmError if the node failed."""
         self.__exit__(None, None, None)
+
+    def _require_open(self, what: str) -> ExternalTrainer:
+        """The trainer ``what`` talks to; a RuntimeError before the Swarm is open, SwarmStopped once left."""
+        if self._exited:
+            raise SwarmStopped(f"Swarm.{what}() after the Swarm was left (closed): its node is gone; make a new "
+                               f"Swarm to join again")
+        if self._trainer is None:
+            raise RuntimeError(f"Swarm.{what}() works once the Swarm is open: inside `with lowcomm.Swarm(...) as "
+                               f"swarm:`, or after swarm.open()")
+        return self._trainer
 
     def _run_node(self, secret: bytes | None, tls: Any) -> None:
         """The node's thread: its own event loop, until the node stops."""
@@ -291,7 +310,7 @@ class Swarm:
         logger.addHandler(handler)
         logger.setLevel(node.log_level.upper())
         logger.propagate = False
-        logging.getLogger("hivemind").setLevel(max(logging.WARNING, logger.level))
+        logging.getLogger("hivemind").setLevel(max(logging.WARNING, logger.level))  # log_level error: theirs too
 
         def restore() -> None:
             logger.removeHandler(handler)
@@ -307,8 +326,7 @@ class Swarm:
         weight in the average; say the same unit on every peer, e.g. tokens or samples). ``loss``:
         for the logs and metrics. Every ``[train] inner_steps`` calls it runs a round (see the
         module docstring). Raises ``SwarmStopped`` when the node is gone."""
-        if self._trainer is None or self._exited:
-            raise RuntimeError("Swarm.step() works inside `with lowcomm.Swarm(...) as swarm:` only")
+        trainer = self._require_open("step")
         if isinstance(tokens, torch.Tensor) and tokens.numel() == 1 and not tokens.is_floating_point():
             tokens = int(tokens.item())  # attention_mask.sum()
         if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens <= 0:
@@ -318,7 +336,7 @@ class Swarm:
             if loss.numel() != 1:
                 raise ValueError(f"loss must be the step's scalar loss, got a tensor of shape {tuple(loss.shape)}")
             loss = float(loss.detach())
-        self._trainer.handoff.report(int(tokens), math.nan if loss is None else float(loss))
+        trainer.handoff.report(int(tokens), math.nan if loss is None else float(loss))
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -410,12 +428,13 @@ class Swarm:
         and return how many it has: a launcher's first peer waits for the others this way
         instead of training its first rounds alone. The node's view is refreshed every
         ``[node] heartbeat_interval``. Raises ``TimeoutError`` after ``timeout`` seconds."""
-        if self._trainer is None or self._exited:
-            raise RuntimeError("Swarm.wait_for_peers() works inside `with lowcomm.Swarm(...) as swarm:` only")
+        trainer = self._require_open("wait_for_peers")
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
+            raise ValueError(f"count must be a whole number of peers, at least 1 (this one), got {count!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if self._trainer.handoff.closed is not None:
-                raise SwarmStopped(self._trainer.handoff.closed)
+            if trainer.handoff.closed is not None:
+                raise SwarmStopped(trainer.handoff.closed)
             node = self._node
             seen = len(set(node.view.peers) | {node.peer_id})  # the view is replaced whole, never edited
             if seen >= count:

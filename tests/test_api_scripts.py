@@ -1,5 +1,5 @@
 """``lowcomm.Swarm`` in small scripts, one process each: a Swarm left open when the program ends
-(entered without ``with``, never closed) is left as the ``with`` block would leave it, with nothing
+(opened without ``with``, never closed) is left as the ``with`` block would leave it, with nothing
 left running; an ``eval_fn`` that fails costs the round its eval (nan, its traceback logged once),
 never its checkpoint."""
 
@@ -28,8 +28,11 @@ SCRIPT = textwrap.dedent("""
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = {"train": {"inner_steps": 3}, "node": {"host": "127.0.0.1", "checkpoint_dir": sys.argv[1]}}
-    swarm = lowcomm.Swarm(model, optimizer, config=config)
-    swarm.__enter__()  # a loop split across callbacks cannot sit in a with block
+    swarm = lowcomm.Swarm(model, optimizer, config=config).open()  # a loop split across callbacks
+    try:
+        swarm.wait_for_peers(0)
+    except ValueError as err:
+        print("refused:", err, flush=True)
     for _ in range(7):
         x = torch.randn(32, 16)
         loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
@@ -37,6 +40,10 @@ SCRIPT = textwrap.dedent("""
         swarm.step(tokens=len(x), loss=loss)
     if sys.argv[2] == "close":
         swarm.close(); swarm.close()  # idempotent
+        try:
+            swarm.step()
+        except lowcomm.SwarmStopped as err:
+            print("after close:", err, flush=True)
     print("end of script", flush=True)
 """)
 
@@ -58,6 +65,9 @@ def test_a_swarm_left_open_or_closed_by_hand_ends_the_program_with_its_checkpoin
     assert proc.returncode == 0, err[-2000:]
     assert "end of script" in out and "Traceback" not in out + err
     assert ("the program ended inside a lowcomm.Swarm" in out) == (ending == "forgotten")
+    assert "refused: count must be a whole number of peers, at least 1 (this one), got 0" in out
+    assert ("after close: Swarm.step() after the Swarm was left (closed)" in out) == (ending == "close")
+    assert "Generating new identity" not in err  # hivemind's INFO line, from its own stderr handler
     assert "stopped cleanly at outer step 2" in out  # 7 steps at H = 3: two rounds
     assert [path.name for path in list_checkpoints(tmp_path / "ckpt")][-1] == "step-000000002.ckpt"
     assert session_processes(proc.pid) == []  # nothing of the node (its DHT process, p2pd) outlived it
@@ -180,6 +190,9 @@ def test_a_second_swarm_open_at_once_in_one_process_is_refused_and_one_after_the
         "refused: another lowcomm.Swarm is open in this process: leave it first, or run each peer in its own "
         "process (examples/launch.py starts N of them)",
         "second entered after the first left"]
+    # log=False hands lowcomm's lines to the program's logging; hivemind's INFO line about the new
+    # identity went to stderr by hivemind's own handler all the same.
+    assert "Generating new identity" not in result.stderr
 
 
 UNTIL_STOPPED = textwrap.dedent("""
