@@ -192,5 +192,5 @@ def load_newest(directory: Path, parse: Callable[[dict[str, Any]], T]) -> tuple[
         try:
             return parse(read(path)), path
         except (CheckpointError, OSError, RuntimeError, EOFError, KeyError, ValueError) as err:
-            log.warning("skipping checkpoint %s: %s; falling back to an older one or to peer state", path.name, err)
+            log.warning("skipping checkpoint %s: %s; trying an older one", path.name, err)
     return None

@@ -10,6 +10,7 @@ replaced by a half-written file.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,13 @@ def restore(config: Config, trainer: TrainerPort) -> Restored:
     def parse(payload: dict[str, Any]) -> tuple[GlobalState, dict[str, Any]]:
         if payload.get("config_fingerprint") != cfg.run_fingerprint():
             made_with = payload.get("run_config")  # checkpoints from before it was kept lack it
+            if _model_kind(made_with) == "external":
+                # No run config describes that model, so "the run config it was made with" cannot help.
+                raise FatalError(
+                    f"a checkpoint in {cfg.node.checkpoint_dir} was written by a lowcomm.Swarm script for a model "
+                    f"of its own, which lowcomm-node cannot build; use another --checkpoint-dir (resume that run "
+                    f"with the script that wrote it)"
+                )
             differs = (f" ({describe_difference(made_with, cfg.run_config_json(), 'checkpoint', 'now')})"
                        if isinstance(made_with, str) else "")
             raise FatalError(
@@ -81,6 +89,15 @@ def restore(config: Config, trainer: TrainerPort) -> Restored:
     state = GlobalState.fresh(trainer.get_params(), cfg.sync.outer_lr, cfg.sync.outer_momentum, synced)
     state.optimizer_states = capture_served(trainer, served)
     return Restored(state, 0, must_download=bool(damaged))
+
+
+def _model_kind(run_config: Any) -> Any:
+    """``[model] kind`` of a checkpoint's stored run config JSON (None: none readable)."""
+    try:
+        model = json.loads(run_config).get("model")
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return model.get("kind") if isinstance(model, dict) else None
 
 
 def save(config: Config, state: dict[str, Any], trainer_state: dict[str, Any], tokens_total: int) -> None:

@@ -46,6 +46,10 @@ class Identity:
             )
 
 
+# How many differences a summary names before "and N more": it ends up in one log or error line.
+MAX_LISTED = 6
+
+
 def describe_difference(ours: str, theirs: str, ours_label: str = "ours", theirs_label: str = "theirs") -> str:
     """Human summary of how two canonical run configs differ, e.g. ``[sync] codec: ours 'int8', theirs 'int4'``."""
     try:
@@ -56,6 +60,11 @@ def describe_difference(ours: str, theirs: str, ours_label: str = "ours", theirs
         return "the other side sent no readable run config"
     diffs = []
     for section in sorted(set(mine) | set(other)):
+        if (section in mine) != (section in other):
+            # One item, not every key against None: a checkpoint of an hf_config model has an
+            # [hf_config] section that a preset config lacks, and its 15 keys would bury the point.
+            diffs.append(f"[{section}]: only {ours_label if section in mine else theirs_label} has this section")
+            continue
         a, b = mine.get(section) or {}, other.get(section) or {}
         if not isinstance(a, dict) or not isinstance(b, dict):
             diffs.append(f"[{section}]")
@@ -63,4 +72,7 @@ def describe_difference(ours: str, theirs: str, ours_label: str = "ours", theirs
         for key in sorted(set(a) | set(b)):
             if a.get(key) != b.get(key):
                 diffs.append(f"[{section}] {key}: {ours_label} {a.get(key)!r}, {theirs_label} {b.get(key)!r}")
-    return "; ".join(diffs) if diffs else "fingerprints differ but the configs read the same"
+    if not diffs:
+        return "fingerprints differ but the configs read the same"
+    more = f"; and {len(diffs) - MAX_LISTED} more" if len(diffs) > MAX_LISTED else ""
+    return "; ".join(diffs[:MAX_LISTED]) + more

@@ -87,6 +87,8 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog, corrupt):
     assert_payload_equal(loaded, payload(4))
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and newest.name in warnings[0].getMessage()
+    # Neutral: `lowcomm-node export` reads checkpoints too, and it has no peer state to fall back to.
+    assert warnings[0].getMessage().endswith("; trying an older one"), warnings[0].getMessage()
 
 
 def test_all_corrupt_gives_none(tmp_path, caplog):
@@ -164,6 +166,35 @@ def test_a_checkpoint_of_another_trainer_kind_stops_the_node_with_the_reason(tmp
     with pytest.raises(FatalError, match=r"holds a trainer state this node cannot load \(KeyError: 'sampler_shard'\)"
                                          r".*use another --checkpoint-dir"):
         restore.restore(config, Trainer(config, "peer-test"))
+    assert written.read_bytes() == before
+
+
+def test_a_lowcomm_swarm_checkpoint_of_its_own_model_is_named_as_such(tmp_path):
+    """A checkpoint that lowcomm.Swarm wrote for a model object ([model] kind "external"): no run
+    config builds that model, so "use the run config it was made with" would send the user looking
+    for one that does not exist."""
+    from lowcomm.api_config import resolve_config
+    from lowcomm.node import restore
+    from lowcomm.node.config import load_config
+    from lowcomm.node.errors import FatalError
+    from lowcomm.node.globalstate import GlobalState
+    from lowcomm.node.trainer import Trainer
+
+    model = torch.nn.Linear(8, 8)
+    swarm_config = resolve_config({"node": {"checkpoint_dir": str(tmp_path)}}, None, model)
+    params = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    state = GlobalState.fresh(params, swarm_config.sync.outer_lr, swarm_config.sync.outer_momentum)
+    restore.save(swarm_config, state.to_checkpoint(), {"inner_steps_done": 0}, tokens_total=0)
+    [written] = checkpoint.list_checkpoints(tmp_path)
+    before = written.read_bytes()
+
+    config = load_config(overrides=["model.preset=tiny", f"node.checkpoint_dir={tmp_path}"], environ={})
+    with pytest.raises(FatalError) as info:
+        restore.restore(config, Trainer(config, "peer-test"))
+    message = str(info.value)
+    assert (f"a checkpoint in {tmp_path} was written by a lowcomm.Swarm script for a model of its own, which "
+            f"lowcomm-node cannot build; use another --checkpoint-dir") in message, message
+    assert "run config it was made with" not in message and "external" not in message, message
     assert written.read_bytes() == before
 
 

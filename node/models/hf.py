@@ -7,6 +7,7 @@ weights load with ``local_files_only``. Remote code (``auto_map`` architectures)
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -58,11 +59,36 @@ def load_config(section: "ModelSection") -> Any:
     """The transformers ``PretrainedConfig`` of ``section``'s config.json."""
     transformers = _transformers()
     data = read_config(section)
+    path = config_path(section)
+    model_type = data["model_type"]
+    known = transformers.CONFIG_MAPPING
+    if not isinstance(model_type, str) or model_type not in known:
+        # Checked here: transformers' own error lists all of its ~800 model types on one line.
+        close = difflib.get_close_matches(str(model_type).lower(), list(known.keys()), n=3, cutoff=0.7)
+        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+        raise ModelError(f"[model] {path}: model_type {model_type!r} is not one transformers "
+                         f"{transformers.__version__} knows{hint}")
     try:
         return transformers.AutoConfig.for_model(**data)
-    except (ValueError, KeyError) as err:
-        raise ModelError(f"[model] {config_path(section)}: transformers {transformers.__version__} cannot build "
-                         f"model_type {data['model_type']!r} ({err})") from None
+    except Exception as err:  # noqa: BLE001 - whatever the config class raises, the config.json is at fault
+        raise ModelError(f"[model] {path}: {_reason(err)}") from None
+
+
+def _reason(err: BaseException, limit: int = 300) -> str:
+    """The sentence that says what is wrong with a config: the cause under huggingface_hub's
+    validation wrappers ("Class validation error for validator ...:"), on one line, without the
+    final full stop, at most ``limit`` characters (some list every allowed value)."""
+    while err.__cause__ is not None and type(err).__module__.startswith("huggingface_hub"):
+        err = err.__cause__
+    arg = err.args[0] if len(err.args) == 1 else None
+    if isinstance(err, KeyError) and isinstance(arg, str) and " " in arg:
+        text = arg  # a sentence in a KeyError: str() would quote it
+    elif isinstance(err, KeyError):
+        text = f"{type(err).__name__} {arg!r}"  # a bare key alone says nothing
+    else:
+        text = str(err) or type(err).__name__
+    text = " ".join(text.split()).rstrip(".")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def hf_definition(section: "ModelSection") -> dict[str, dict[str, Any]]:
@@ -71,9 +97,14 @@ def hf_definition(section: "ModelSection") -> dict[str, dict[str, Any]]:
     data = {key: value for key, value in read_config(section).items() if key not in IGNORED_KEYS}
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
     transformers = _transformers()
+    config = load_config(section)
     # The meta device gives every shape without allocating (or initialising) a single weight.
     with torch.device("meta"):
-        net = transformers.AutoModelForCausalLM.from_config(load_config(section), dtype=torch.float32)
+        try:
+            net = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        except Exception as err:  # noqa: BLE001 - a config may validate yet not build (an unknown rope_type)
+            raise ModelError(f"[model] {config_path(section)}: transformers cannot build the model: "
+                             f"{_reason(err)}") from None
     parameters, shapes = shapes_digest((name, tuple(p.shape)) for name, p in net.named_parameters())
     model = {"kind": section.kind, "model_type": data["model_type"],
              "config_sha256": hashlib.sha256(canonical.encode()).hexdigest(),
