@@ -326,5 +326,5 @@ def eval_batches(tokens: Tokens, seq_len: int, batch_size: int, batches: int,
 def check_ids(windows: torch.Tensor, vocab_limit: int | None, where: str) -> None:
     if vocab_limit is not None and windows.numel() and int(windows.max()) >= vocab_limit:
         raise DataError(f"the {where} holds token id {int(windows.max())}, outside the model's vocabulary of "
-                        f"{vocab_limit}: the data was made with another tokenizer than the model's, or "
-                        "[data] token_dtype is wrong")
+                        f"{vocab_limit}: the data was made with another tokenizer than the model's (or, for a "
+                        "tokens file, [data] token_dtype is wrong)")

@@ -86,7 +86,9 @@ def test_sampling_a_memory_map_is_deterministic_and_matches_an_array(tmp_path):
     for _ in range(5):
         for got, want in zip(mapped.next_batch(), in_memory.next_batch()):
             assert (got == want).all()
-    with pytest.raises(DataError, match="token id 996, outside the model's vocabulary of 500"):
+    with pytest.raises(DataError, match=r"token id 996, outside the model's vocabulary of 500: the data was made "
+                                        r"with another tokenizer than the model's \(or, for a tokens file, \[data\] "
+                                        r"token_dtype is wrong\)"):
         eval_batches(corpus.eval, 16, 4, 2, vocab_limit=500)
 
 
