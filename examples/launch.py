@@ -23,6 +23,8 @@ import sys
 import threading
 from pathlib import Path
 
+from lowcomm.node.stopsignals import RepeatFilter
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -92,6 +94,7 @@ def main() -> int:
     failure: str | None = None  # the first exit with an error the launcher did not ask for
     stopped_by: int | None = None  # the signal that stopped the launcher
     ready = False
+    repeats = RepeatFilter()  # a stop signal within a second of the first repeats it
     while len(exited) < len(procs):
         kind, key, value = events.get()
         if kind == "ready" and key == 0 and not ready:
@@ -108,6 +111,8 @@ def main() -> int:
                     print(f"{failure}: stopping the others", file=sys.stderr, flush=True)
                     signal_all(procs, set(exited), signal.SIGTERM)
         elif kind == "signal":
+            if repeats.is_repeat():
+                continue  # the same stop: `timeout` signals the launcher and then its process group
             if stopped_by is None:
                 stopped_by = key
                 print("stopping the peers (Ctrl-C again kills them)", file=sys.stderr, flush=True)

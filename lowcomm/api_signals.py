@@ -7,8 +7,10 @@ daemon stops gracefully on both (node/daemon.py); a program with a Swarm open do
 signal raises ``Terminated`` in the main thread, which leaves the ``with`` block (or reaches
 ``close()`` at the program's end) like a ``KeyboardInterrupt``: the round in flight gets the grace
 period, the progress is saved, the peer leaves the DHT; a second signal while it stops forces
-the stop. ``Terminated`` is a ``SystemExit``, so the program then ends quietly with the shell's
-code for the signal (128 + its number), and an ``except Exception`` in the loop does not catch it.
+the stop. A copy of the first signal within a second of it (``timeout`` signals the program and
+then its process group) is the same stop, not a second one (REPEAT_WINDOW, node/stopsignals.py).
+``Terminated`` is a ``SystemExit``, so the program then ends quietly with the shell's code for the
+signal (128 + its number), and an ``except Exception`` in the loop does not catch it.
 
 Only signals whose handler is still the default are taken, and only in the main thread (the only
 one Python runs handlers in); the previous handlers come back when the Swarm is left.
@@ -18,10 +20,14 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from types import FrameType
-from typing import Any
+from typing import Any, Callable
+
+from .node.stopsignals import RepeatFilter
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+_repeats = RepeatFilter()  # tells the first stop signal from its copies; new at each take_stop_signals
 
 
 class Terminated(SystemExit):
@@ -30,14 +36,21 @@ class Terminated(SystemExit):
 
 
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    # Raised again for the group's copy of a SIGTERM, it reached the Swarm while it stopped for
+    # the first one, as a second signal does, and forced the stop.
+    if _repeats.is_repeat():
+        return
     raise Terminated(128 + signum)
 
 
-def take_stop_signals() -> dict[int, Any]:
+def take_stop_signals(clock: Callable[[], float] = time.monotonic) -> dict[int, Any]:
     """Route SIGTERM and SIGHUP to ``Terminated`` where their handler is the default; returns the
-    handlers replaced, for ``give_back_stop_signals``."""
+    handlers replaced, for ``give_back_stop_signals``. ``clock``: monotonic seconds, for the
+    window in which a signal repeats the first."""
+    global _repeats
     if threading.current_thread() is not threading.main_thread():
         return {}
+    _repeats = RepeatFilter(clock)
     replaced = {}
     for sig in STOP_SIGNALS:
         if signal.getsignal(sig) is signal.SIG_DFL:

@@ -463,16 +463,23 @@ def _print_status(info: dict[str, Any]) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from .grpc_hints import quiet_grpc, unreachable_hint
+
+    quiet_grpc()
     import grpc
 
     from lowcomm.protocol.channels import fetch_status
 
     try:
-        status = asyncio.run(fetch_status(args.target, args.timeout, _client_tls(args)))
+        tls = _client_tls(args)
+        status = asyncio.run(fetch_status(args.target, args.timeout, tls))
     except RuntimeError as err:
         return _fail(str(err), EXIT_USAGE)
     except grpc.aio.AioRpcError as err:
-        return _fail(f"no node answered at {args.target}: {err.code().name} {err.details() or ''}".rstrip())
+        failure = f"{err.code().name} {err.details() or ''}".rstrip()
+        hint = unreachable_hint(err, args.target, tls, args.timeout)
+        return _fail(f"no node answered at {args.target}: {hint} ({failure})" if hint
+                     else f"no node answered at {args.target}: {failure}")
     info = status_dict(status)
     if args.json:
         print(json.dumps(info, indent=2))
@@ -482,16 +489,22 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_healthcheck(args: argparse.Namespace) -> int:
+    from .grpc_hints import quiet_grpc, unreachable_hint
+
+    quiet_grpc()
     import grpc
 
     from lowcomm.protocol.channels import check_health
 
     try:
-        state = asyncio.run(check_health(args.target, args.timeout, _client_tls(args)))
+        tls = _client_tls(args)
+        state = asyncio.run(check_health(args.target, args.timeout, tls))
     except RuntimeError as err:
         return _fail(str(err), EXIT_USAGE)
     except grpc.aio.AioRpcError as err:
-        return _fail(f"unhealthy: no node answered at {args.target} ({err.code().name})")
+        hint = unreachable_hint(err, args.target, tls, args.timeout)
+        return _fail(f"unhealthy: no node answered at {args.target}{f': {hint}' if hint else ''} "
+                     f"({err.code().name})")
     if state != "SERVING":
         return _fail(f"unhealthy: {args.target} reports {state}")
     print(f"{args.target}: {state}")
@@ -550,6 +563,9 @@ def cmd_init_config(args: argparse.Namespace) -> int:
 def grpc_target(value: str) -> str:
     """``--target`` as HOST:PORT (an IPv6 host in brackets). gRPC would take a missing port as
     443 and a port above 65535 modulo 65536, and then report a refused connection elsewhere."""
+    if "://" in value:  # http://127.0.0.1:7701 passed the check below and then failed to resolve
+        raise argparse.ArgumentTypeError(f"{value!r}: give HOST:PORT without a scheme (e.g. 127.0.0.1:7701); "
+                                         "the port is the node's --grpc-port")
     host, sep, port = value.rpartition(":")
     if not sep or not host or host.endswith(":") and not host.startswith("["):
         raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (e.g. 127.0.0.1:7701, [::1]:7701); "
@@ -603,7 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   ("healthcheck", cmd_healthcheck, "exit 0 if the node at --target is serving")):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--target", type=grpc_target, default="127.0.0.1:7701", metavar="HOST:PORT",
-                       help="the node's gRPC address")
+                       help="the node's gRPC address: its --grpc-port (default: %(default)s)")
         p.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for an answer")
         p.add_argument("--tls-cert", metavar="PEM", help="the node serves TLS: trust this certificate "
                                                          "(default: LOWCOMM_TLS_CERT if set)")

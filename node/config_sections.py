@@ -6,6 +6,7 @@ defaults, the TOML file, the environment and flags.
 from __future__ import annotations
 
 import ipaddress
+import re
 from pathlib import Path
 from typing import Any, Literal, Mapping, get_args, get_origin
 
@@ -382,6 +383,19 @@ class SyncSection(ConfigSection):
         return self
 
 
+# One label of a DNS name (RFC 1123): letters, digits and inner hyphens, 63 characters at most;
+# underscores too, which Docker Compose service names carry and resolvers accept.
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+def _is_host_name(value: str) -> bool:
+    """Whether ``value`` is a DNS host name (a trailing dot allowed; no all-digit last label, so
+    that a mistyped address such as 10.0.0.256 is not taken for a name)."""
+    labels = value.removesuffix(".").split(".")
+    return (len(value) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels)
+            and not labels[-1].isdigit())
+
+
 class NodeSection(ConfigSection):
     peers: list[str] = []
     """Multiaddrs of peers already in the swarm; empty: start a new swarm."""
@@ -448,6 +462,25 @@ class NodeSection(ConfigSection):
                              f"loopback, 0.0.0.0 for every interface); a name other peers should use goes to "
                              f"announce_host") from None
         return value
+
+    @field_validator("announce_host")
+    @classmethod
+    def _announce_host_is_reachable(cls, value: str | None) -> str | None:
+        # Peers dial "<announce_host>:<grpc_port>": `--announce-host 'bad host'` was announced as
+        # "bad host:34713", which no peer could connect to. Empty: unset, as before.
+        if not value:
+            return value
+        bare = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+        try:
+            address = ipaddress.ip_address(bare)
+        except ValueError:
+            if _is_host_name(value):
+                return value
+            raise ValueError("not a host name or IP address: give the DNS name or address other peers reach "
+                             "this node at (e.g. node-3.example.org, 203.0.113.7), without a port (the port is "
+                             "grpc_port)") from None
+        # An IPv6 address goes in brackets, or "::1:7701" would read as an address without a port.
+        return f"[{address}]" if address.version == 6 else str(address)
 
     @field_validator("peers", mode="before")
     @classmethod

@@ -66,7 +66,7 @@ from .ports import ReplicaEvaluating, TrainerPort
 from .reconnect import Reconnector
 from .reports import ReportQueue
 from .runstats import RunStats
-from .stopsignals import stop_signals
+from .stopsignals import route_stop_signals
 from .swarm import HivemindDHT, SwarmView, signed
 from .swarmlink import SwarmLink
 from .train_thread import TrainThread, lower_priority
@@ -187,8 +187,9 @@ class Node:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in stop_signals():  # SIGHUP too, unless under nohup (node/stopsignals.py)
-            loop.add_signal_handler(sig, self.request_stop)
+        # SIGHUP too, unless under nohup; a copy of the first signal (`timeout` signals the node
+        # and its process group) is the same request, not a second one (node/stopsignals.py).
+        route_stop_signals(loop, self.request_stop)
         server = None
         metrics_server = None
         try:

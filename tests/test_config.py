@@ -199,6 +199,27 @@ def test_a_listen_host_that_is_not_an_ip_address_is_refused_naming_what_to_give(
     for address in ("127.0.0.1", "0.0.0.0", "::1", "::"):
         assert load_config(overrides=[f"node.host={address}"], environ={}).node.host == address
 
+@pytest.mark.parametrize("host", ["bad host", "node-1.example:7701", "http://node-1.example", "-node.example",
+                                  "node..example", "10.0.0.256", "a" * 64 + ".example", "[node.example]"])
+def test_an_announce_host_peers_cannot_dial_is_refused_naming_what_to_give(host):
+    # `--announce-host 'bad host'` was announced to peers as "bad host:34713", which none could reach.
+    with pytest.raises(ConfigError, match=r"\[node\] announce_host = .* is invalid: not a host name or IP address: "
+                                          r"give the DNS name or address other peers reach this node at"):
+        load_config(overrides=[f"node.announce_host={host!r}"], environ={})
+    with pytest.raises(ConfigError, match="announce_host"):
+        load_config(environ={"LOWCOMM_ANNOUNCE_HOST": host})
+
+
+def test_announce_host_takes_names_and_addresses_and_brackets_ipv6():
+    for host in ("node-1.example", "node-1.example.", "localhost", "lowcomm_peer_1", "10.0.0.5", "xn--bcher-kva.ch"):
+        assert load_config(overrides=[f"node.announce_host={host!r}"], environ={}).node.announce_host == host
+    # Announced as "<host>:<grpc port>": "::1:7701" would not read as an address and a port.
+    for host in ("::1", "[::1]", "2001:db8::7"):
+        announced = load_config(overrides=[f"node.announce_host={host!r}"], environ={}).node.announce_host
+        assert announced == "[" + host.strip("[]") + "]"
+    assert load_config(environ={}).node.announce_host is None
+
+
 @pytest.mark.parametrize("override", ["sync.outer_lr=inf", "train.lr=nan", "sync.reduce_timeout=inf",
                                       "train.weight_decay=inf", "sync.quorum=nan"])
 def test_inf_and_nan_are_refused(override):

@@ -36,6 +36,29 @@ def test_a_target_without_a_usable_port_is_a_usage_error() -> None:
         assert cli.build_parser().parse_args(["healthcheck", "--target", target]).target == target
 
 
+@pytest.mark.parametrize("target", ["http://127.0.0.1:33209", "https://node-3.example:7701", "grpc://[::1]:7701"])
+def test_a_target_with_a_scheme_is_a_usage_error_asking_for_host_port(capsys, target: str) -> None:
+    # http://127.0.0.1:33209 passed as HOST:PORT (host "http://127.0.0.1") and failed later as an
+    # unreachable node.
+    from lowcomm.node import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser().parse_args(["status", "--target", target])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --target:" in err and "give HOST:PORT without a scheme" in err, err
+
+
+@pytest.mark.parametrize("command", ["status", "healthcheck"])
+def test_help_shows_the_default_target(capsys, command: str) -> None:
+    from lowcomm.node import cli
+
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args([command, "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert "--target HOST:PORT the node's gRPC address: its --grpc-port (default: 127.0.0.1:7701)" in help_text
+
+
 def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_a_usage_error(capsys) -> None:
     # --timeout -1 failed at once with "no node answered", as if the node were down.
     from lowcomm.node import cli

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+import time
 
 import psutil
 import pytest
@@ -14,6 +15,7 @@ import torch
 from lowcomm.node import checkpoint, globalstate
 from lowcomm.node.executors import TrackedThreadPool
 from lowcomm.node.globalstate import GlobalState
+from lowcomm.node.stopsignals import REPEAT_WINDOW
 from lowcomm.protocol.state import params_sha256
 
 from .test_swarm_cli import ROUND_WAIT
@@ -159,6 +161,8 @@ def test_second_stop_signal_exits_within_seconds(swarm):
     second.wait_event("fault_hold", ROUND_WAIT * 2)
     second.signal(signal.SIGTERM)
     second.wait_for(lambda e: "stop requested" in str(e.get("msg")), 30)
+    # A person's second signal, later: one sent at once would repeat the first (node/stopsignals.py).
+    time.sleep(REPEAT_WINDOW + 0.1)
     second.signal(signal.SIGTERM)
     assert second.wait_exit(30) == 0  # not the 120 s grace period
     second.wait_event("node_stopped", 5)  # it still saved its state
