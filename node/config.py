@@ -249,7 +249,7 @@ def describe_validation_error(err: ValidationError, layers: ConfigLayers) -> str
         if not loc:  # a rule across sections: its message names the sections and keys
             message = problem["msg"].removeprefix("Value error, ")
             named = set(re.findall(r"\[(\w+)\]", message))
-            lines.append(f"{_sources_of(layers, named)}: {message}")
+            lines.append(f"{_sources_of(layers, named, message)}: {message}")
             continue
         section = loc[0]
         key = loc[1] if len(loc) > 1 else None
@@ -264,7 +264,7 @@ def describe_validation_error(err: ValidationError, layers: ConfigLayers) -> str
             continue
         if key is None and isinstance(problem.get("input"), Mapping):  # a rule across keys of one section
             message = problem["msg"].removeprefix("Value error, ")
-            lines.append(f"{_sources_of(layers, {section})}: [{section}] is invalid: {message}")
+            lines.append(f"{_sources_of(layers, {section}, message)}: [{section}] is invalid: {message}")
             continue
         where = f"[{section}] {key}" if key else f"[{section}]"
         got = problem.get("input")
@@ -275,8 +275,14 @@ def describe_validation_error(err: ValidationError, layers: ConfigLayers) -> str
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
-def _sources_of(layers: ConfigLayers, sections: set[str]) -> str:
-    """Every source (file, variable, flag, --set) that set a key of ``sections``, in order:
-    a rule across keys may be broken by any of them."""
-    sources = list(dict.fromkeys(source for (sec, _), source in layers.sources.items() if sec in sections))
+def _sources_of(layers: ConfigLayers, sections: set[str], message: str | None = None) -> str:
+    """The sources (file, variable, flag, --set) that set a key of ``sections``, in order: those
+    of the keys ``message`` names when it names any (a rule across keys names the keys it
+    relates; every flag given was blamed for `client_mode needs peers`), else all of them."""
+    keys = [(sec, key) for sec, key in layers.sources if sec in sections]
+    if message is not None:
+        named = [(sec, key) for sec, key in keys
+                 if re.search(rf"\b({re.escape(key)}|{re.escape(key.replace('_', '-'))})\b", message)]
+        keys = named or keys
+    sources = list(dict.fromkeys(layers.sources[key] for key in keys))
     return ", ".join(sources) or "defaults"

@@ -387,7 +387,7 @@ def test_settings_that_would_be_ignored_or_empty_are_refused(overrides, needle):
     load_config(overrides=["sync.fragments=50"], environ={})  # K = H: a round after every inner step
 
 
-def test_a_rule_across_keys_names_every_source_that_set_them(tmp_path):
+def test_a_rule_across_keys_names_the_sources_of_the_keys_it_relates(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text("[sync]\nmode = \"gossip\"\n")
     # Across sections: it used to say "config: [?] is invalid".
@@ -395,11 +395,20 @@ def test_a_rule_across_keys_names_every_source_that_set_them(tmp_path):
         load_config(path, overrides=["sync.overlap=delayed"], environ={})
     assert f"{path}, --set sync.overlap=delayed: [sync] overlap and fragments work with" in str(err.value)
     assert "[?]" not in str(err.value)
-    # Within a section: it named the file only, which held neither value.
+    # Within a section: it named the file only, which held neither value; then every source of
+    # the section, the file with its unrelated quorum too.
     path.write_text("[sync]\nquorum = 1.0\n")
     with pytest.raises(ConfigError) as err:
         load_config(path, overrides=["sync.schedule=ring", "sync.codec=topk"], environ={})
-    assert f"{path}, --set sync.schedule=ring, --set sync.codec=topk: [sync] is invalid: schedule" in str(err.value)
+    assert "configuration: --set sync.schedule=ring, --set sync.codec=topk: [sync] is invalid: schedule" in str(err.value)
+    # Flags of the same section that the rule does not relate are not blamed either.
+    with pytest.raises(ConfigError) as err:
+        load_config(flags={"client_mode": True, "grpc_port": 0, "dht_port": 0, "max_rounds": 1}, environ={})
+    assert "invalid configuration: flag --client-mode: [node] is invalid: client_mode needs peers" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(flags={"grpc_port": 7777, "dht_port": 7777, "max_rounds": 2}, environ={})
+    assert "invalid configuration: flag --grpc-port, flag --dht-port: [node] is invalid: dht_port and grpc_port " \
+           "are both 7777" in str(err.value)
 
 
 def test_two_servers_on_one_port_are_a_config_error():
