@@ -62,7 +62,8 @@ def _add_join_flags(parser: argparse.ArgumentParser) -> None:
     add("--max-clock-offset", type=float, metavar="S",
         help="largest offset (seconds) of this machine's clock from the swarm's that is corrected "
              "(default 86400); beyond it the node stops; 0: never correct")
-    add("--data", metavar="GLOB", help="train on these text files instead of the default corpus")
+    add("--data", metavar="PATH", help="[data] path: the training data instead of the default corpus (a glob of "
+                                       "text files, or the file or folder of the [data] format)")
     add("--device", choices=["auto", "cpu", "cuda"], help="where inner steps run (default auto)")
     add("--torch-threads", type=int, metavar="N", help="torch threads of the training thread")
     add("--log-format", choices=["auto", "text", "json"], help="auto: text on a terminal, JSON otherwise")

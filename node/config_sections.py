@@ -57,6 +57,14 @@ class RunSection(ConfigSection):
     """Name of the run; prefixes every DHT key, so two runs can share one DHT."""
 
 
+def relative_to_cwd(path: str) -> str:
+    """For a message about a relative path that was not found: where it was looked for. A path in
+    a config file is read from the current directory, not from the file's."""
+    if Path(path).expanduser().is_absolute():
+        return ""
+    return f" (relative paths, also in a config file, are read from the current directory: {Path.cwd()})"
+
+
 class ModelSection(ConfigSection):
     preset: Literal["tiny", "small", "medium", "gpt2"] = "tiny"
     """lowcomm's byte-level GPT by size: tiny (CPU, ~0.5M params) up to gpt2 (124M, for GPUs). Used
@@ -93,7 +101,8 @@ class ModelSection(ConfigSection):
         if value is not None:
             path = Path(value).expanduser()
             if not (path.is_file() or (path / "config.json").is_file()):
-                raise ValueError(f"{value!r} is neither a config.json file nor a directory holding one")
+                raise ValueError(f"{value!r} is neither a config.json file nor a directory holding one"
+                                 f"{relative_to_cwd(value)}")
         return value
 
     @field_validator("hf_pretrained")
@@ -101,7 +110,8 @@ class ModelSection(ConfigSection):
     def _local_directory(cls, value: str | None) -> str | None:
         if value is not None and not (Path(value).expanduser() / "config.json").is_file():
             if Path(value).expanduser().exists():
-                raise ValueError(f"{value!r} holds no config.json; give the directory that save_pretrained wrote")
+                raise ValueError(f"{value!r} holds no config.json; give the directory that save_pretrained wrote"
+                                 f"{relative_to_cwd(value)}")
             raise ValueError(
                 f"{value!r} is not a local directory: lowcomm loads models from local files only (no hub "
                 f"access at run time). Download it first with huggingface_hub's CLI, e.g. "

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from . import formats
+from .config_sections import relative_to_cwd
 
 if TYPE_CHECKING:
     from .config import DataSection
@@ -49,7 +50,8 @@ def resolve_files(pattern: str | None) -> tuple[Path, list[Path]]:
         folder = pattern.rstrip("/")
         raise DataError(f"[data] path {pattern!r} is a folder; give a glob of its files, such as '{folder}/**/*.txt'")
     if not files:
-        raise DataError(f"[data] path {pattern!r} matches no files; give a glob such as 'corpus/**/*.txt'")
+        raise DataError(f"[data] path {pattern!r} matches no files; give a glob such as 'corpus/**/*.txt'"
+                        f"{relative_to_cwd(pattern)}")
     return expanded.parent, files
 
 

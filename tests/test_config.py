@@ -426,3 +426,15 @@ def test_client_mode_without_peers_is_refused_saying_what_to_give():
         with pytest.raises(ConfigError, match="client_mode needs peers: .* give --peers the multiaddr of a reachable node"):
             load_config(**source)
     assert load_config(environ={"LOWCOMM_CLIENT_MODE": "1", "LOWCOMM_PEERS": A_PEER}).node.client_mode
+
+
+def test_a_relative_model_path_not_found_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    # A path in a TOML file is read from the current directory, not the file's: say so.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["model.hf_config=mymodel/config.json"], environ={})
+    assert str(err.value).endswith("is neither a config.json file nor a directory holding one (relative paths, "
+                                   f"also in a config file, are read from the current directory: {tmp_path})")
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[f"model.hf_config={tmp_path}/mymodel/config.json"], environ={})
+    assert str(err.value).endswith("is neither a config.json file nor a directory holding one")
