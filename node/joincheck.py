@@ -24,8 +24,11 @@ UNTRUSTED = "CERTIFICATE_VERIFY_FAILED"  # in the details of a call whose TLS ha
 
 
 def _others(view: SwarmView, me: str) -> list[PeerRecord]:
-    """The peers this node averages with that serve calls (client-mode peers serve none)."""
-    return [p for p in sorted(view.peers.values(), key=lambda p: p.peer_id) if p.peer_id != me and p.address]
+    """The peers this node averages with that serve calls (client-mode peers serve none) and have
+    passed their own start: a joiner refused a moment ago leaves its record ("starting") in the
+    DHT for a few heartbeats, and is no evidence of what the swarm serves."""
+    return [p for p in sorted(view.peers.values(), key=lambda p: p.peer_id)
+            if p.peer_id != me and p.address and p.phase != "starting"]
 
 
 def transport_mismatch(view: SwarmView, me: str, tls: bool) -> str | None:
@@ -62,20 +65,23 @@ def open_run_message(peer: PeerRecord, run: str) -> str:
 
 async def untrusted_certificate(view: SwarmView, me: str, channels: ChannelPool,
                                 hello: handshake_pb2.Hello) -> str | None:
-    """Why this TLS node trusts none of the swarm's certificates (the first few peers' TLS
-    handshakes all failed to verify); None when one of them is trusted or failed otherwise."""
+    """Why this TLS node trusts none of the swarm's certificates: the TLS handshakes with the
+    first few TLS peers it could reach all failed to verify. None when one of them is trusted
+    (its server answered), or none could be reached."""
     reason = None
-    for peer in _others(view, me)[:CERTIFICATE_PROBES]:
+    for peer in [p for p in _others(view, me) if p.tls][:CERTIFICATE_PROBES]:
         stub = state_pb2_grpc.StateTransferStub(channels(peer.address))
         try:
             await stub.GetStateInfo(state_pb2.StateInfoRequest(hello=hello), timeout=10)
         except grpc.aio.AioRpcError as err:
             details = err.details() or ""
-            if UNTRUSTED not in details:
-                return None  # reached it (or failed for another reason): not a certificate it distrusts
-            reason = reason or (f"the TLS certificate of peer {peer.peer_id} at {peer.address} is not trusted "
-                                f"({details.split('SSL routines:OPENSSL_internal:')[-1].removesuffix(': OK')})")
-            continue
+            if UNTRUSTED in details:
+                reason = reason or (f"the TLS certificate of peer {peer.peer_id} at {peer.address} is not trusted "
+                                    f"({details.split('SSL routines:OPENSSL_internal:')[-1].removesuffix(': OK')})")
+                continue
+            if err.code() == grpc.StatusCode.UNAVAILABLE:
+                continue  # gone, or not reachable from here: no evidence either way
+            return None  # its server answered (a refusal, say): the handshake, and so its certificate, passed
         return None
     if reason is None:
         return None

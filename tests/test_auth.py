@@ -526,16 +526,21 @@ def test_a_tls_joiner_that_trusts_none_of_the_swarms_certificates_is_told_which_
                     verdicts.append(await joincheck.untrusted_certificate(view, "me", pool, hello))
                 finally:
                     await pool.close()
-            gone = PeerRecord(**{**peer.__dict__, "address": "127.0.0.1:1"})  # nobody there: not a certificate
+            gone = PeerRecord(**{**peer.__dict__, "peer_id": "peer-0", "address": "127.0.0.1:1"})  # nobody there
+            plain = PeerRecord(**{**peer.__dict__, "peer_id": "peer-1", "tls": False})  # not a TLS peer
             pool = ChannelPool(tls=TLSConfig.from_pem(wrong_cert))
             try:
-                verdicts.append(await joincheck.untrusted_certificate(SwarmView({"peer-a": gone}, {}, 0.0), "me",
+                verdicts.append(await joincheck.untrusted_certificate(SwarmView({"peer-0": gone}, {}, 0.0), "me",
                                                                       pool, hello))
+                # Probed first, a peer gone or serving plaintext hid the untrusted one (seen in CI).
+                crowd = SwarmView({"peer-0": gone, "peer-1": plain, "peer-a": peer}, {}, 0.0)
+                verdicts.append(await joincheck.untrusted_certificate(crowd, "me", pool, hello))
             finally:
                 await pool.close()
             return tuple(verdicts)
 
-    untrusted, trusted, unreachable = run(scenario())
+    untrusted, trusted, unreachable, behind_others = run(scenario())
+    assert behind_others == untrusted
     assert untrusted.startswith("the TLS certificate of peer peer-a at 127.0.0.1:")
     assert "not trusted (CERTIFICATE_VERIFY_FAILED: self signed certificate), nor any other peer's" in untrusted
     assert untrusted.endswith("in --tls-cert")
@@ -558,6 +563,10 @@ def test_a_joiner_on_the_other_side_of_tls_from_the_swarm_is_told_which_flags_to
            joincheck.transport_mismatch(plain_swarm, "me", tls=True)
     mixed = SwarmView({"peer-a": tls_peer, "peer-b": plain_peer}, {}, 0.0)
     assert joincheck.transport_mismatch(mixed, "me", tls=False) is None  # one it can call
+    # A joiner refused a moment ago leaves its record, still "starting": no evidence (seen in CI).
+    refused = PeerRecord(**{**plain_peer.__dict__, "phase": "starting"})
+    assert joincheck.transport_mismatch(SwarmView({"peer-a": tls_peer, "peer-b": refused}, {}, 0.0), "me",
+                                        tls=False) is not None
     alone = SwarmView({"me": PeerRecord(**{**tls_peer.__dict__, "peer_id": "me"})}, {}, 0.0)
     assert joincheck.transport_mismatch(alone, "me", tls=False) is None
     # The flag travels in the record, and records without it (older peers) read as plaintext.
