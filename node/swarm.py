@@ -218,6 +218,6 @@ async def read_swarm(dht: HivemindDHT | SignedDHT, run: str, fingerprint: str, p
         record = PeerRecord.parse(peer_id, value)
         if record is not None and not record.leaving and peer_id not in peers:
             foreign[peer_id] = record
-            if "_mac" not in value:
+            if not RunAuth.carries_signature(value):
                 open_run.add(peer_id)
     return SwarmView(peers, foreign, time.monotonic(), frozenset(left), frozenset(open_run))

@@ -200,6 +200,11 @@ class RunAuth:
         expires_ms = int((self.clock() + ttl) * 1000)
         return {**plain, "_exp": expires_ms, "_mac": self._record_mac(key, subkey, expires_ms, plain)}
 
+    @staticmethod
+    def carries_signature(value: Any) -> bool:
+        """Whether a stored value was signed by some run (rightly or not): an open run's are not."""
+        return isinstance(value, dict) and "_mac" in value
+
     def verify_record(self, key: str, subkey: str, value: Any) -> dict | None:
         """The value without its signature fields if signed by this run and not expired, else None."""
         if not isinstance(value, dict):
