@@ -57,7 +57,16 @@ def start(index: int, nproc: int, script: list[str], workdir: Path, peers: list[
         # Its exit is reported once its last line is shown: the launcher never ends before that.
         events.put(("exit", index, proc.wait()))
 
-    threading.Thread(target=relay, daemon=True).start()
+    # Python runs signal handlers in the main thread only, but the kernel gives a signal sent to
+    # the process to any thread that does not block it. Taken by a relay thread asleep in read(),
+    # a Ctrl-C or SIGTERM left the main thread asleep in events.get() until a peer printed
+    # something: with quiet peers, forever. The relay threads block them (a thread inherits the
+    # mask of the one that starts it), so they always reach the main thread and wake it.
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        threading.Thread(target=relay, daemon=True).start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
     return proc
 
 
