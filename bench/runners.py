@@ -93,7 +93,7 @@ def with_target(record: dict[str, Any], target: float | None) -> dict[str, Any]:
     """Add ``target`` and ``time_to_target`` (the first evaluation at or below it, or None)."""
     if target is None:
         return record
-    hit = next((p for p in record["curve"] if p["eval_loss"] <= target), None)
+    hit = next((p for p in record["curve"] if p["eval_loss"] is not None and p["eval_loss"] <= target), None)
     record["target_loss"] = target
     record["time_to_target"] = None if hit is None else {"wall": hit["wall"], "tokens": hit["tokens"],
                                                           "step": hit["step"]}

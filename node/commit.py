@@ -173,10 +173,10 @@ class Committer:
         def evaluate_and_save() -> float:
             try:
                 return self.evaluate_global(frozen["params"])
-            except EvalFnFailed as err:  # the user's bug costs the round its eval: reported as nan
+            except EvalFnFailed as err:  # the user's bug costs the round its eval: none reported
                 self.eval_failures += 1
                 if self.eval_failures == 1:  # its traceback once, then one line a round
-                    log.error("%s; this round's eval is nan, its checkpoint is written, training goes on", err,
+                    log.error("%s; this round has no eval, its checkpoint is written, training goes on", err,
                               exc_info=err.__cause__)
                 else:
                     log.warning("%s (round of step %d; %d rounds so far)", err, frozen["step"], self.eval_failures)
@@ -192,7 +192,7 @@ class Committer:
         def log_round(eval_loss: float, skipped: bool) -> None:
             log.info(
                 "step %d | loss %.3f | eval %s | %.0f tok/s | round %.2fs | sent %s recv %s | group %d%s | %s",
-                event["outer_step"], event["loss"], "skipped" if skipped else f"{eval_loss:.3f}", tokens_per_second,
+                event["outer_step"], event["loss"], eval_text(eval_loss, skipped), tokens_per_second,
                 report.seconds, human_bytes(report.bytes_sent), human_bytes(report.bytes_received),
                 report.group_size, f" | {report.skipped_shards} shard(s) skipped" if report.skipped_shards else "",
                 event["params_sha256"][:12],
@@ -210,6 +210,14 @@ class Committer:
         # then carries the last eval we have, marked skipped.
         self.reports.submit(Report(event["outer_step"], evaluate_and_save, evaluated,
                                    lambda: log_round(stats.last_eval, skipped=True)))
+
+
+def eval_text(eval_loss: float, skipped: bool) -> str:
+    """The round line's eval: "-" when there is none (a Swarm without eval_fn, an eval_fn that
+    failed: its own line says why), as `lowcomm-node status` shows it."""
+    if skipped:
+        return "skipped"
+    return "-" if math.isnan(eval_loss) else f"{eval_loss:.3f}"
 
 
 def human_bytes(count: float) -> str:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
+from typing import Any
 
 # Our own level names: hivemind renames WARNING to "WARN" process-wide.
 LEVELS = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warning", logging.ERROR: "error",
@@ -18,7 +20,23 @@ LEVELS = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warnin
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
 
+def strict_json(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by None. Python's json writes them as
+    ``NaN``/``Infinity``, which no JSON parser but Python's reads: one round without an eval
+    (``eval_loss`` NaN) made the line unreadable to jq, Loki or Vector."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
+
+
 class JsonFormatter(logging.Formatter):
+    """One JSON object per line; a number that is not finite (an eval that did not run, a
+    diverged loss) is null."""
+
     def format(self, record: logging.LogRecord) -> str:
         entry = {
             "ts": round(record.created, 3),
@@ -29,7 +47,7 @@ class JsonFormatter(logging.Formatter):
         entry.update({k: v for k, v in record.__dict__.items() if k not in _STANDARD and not k.startswith("_")})
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
+        return json.dumps(strict_json(entry), default=str)
 
 
 class TerminalHandler(logging.StreamHandler):
