@@ -8,7 +8,8 @@ The first process starts the swarm; once it prints its multiaddr (the JSON line
 Each gets ``--checkpoint-dir <workdir>/peer-<i>`` and ``--min-peers N`` (the script waits for
 the N peers before it trains: ``swarm.wait_for_peers``), so running the same command again resumes
 every peer from its checkpoints. Ctrl-C stops them all gracefully (a second Ctrl-C kills them), and
-so do SIGTERM and SIGHUP (a closed terminal); a peer that fails stops the others.
+so do SIGTERM and SIGHUP (a closed terminal); a peer that fails stops the others, and a launcher
+killed outright (SIGKILL) takes its peers along (each gets SIGTERM: it stops gracefully).
 """
 
 from __future__ import annotations
@@ -30,10 +31,20 @@ HERE = Path(__file__).resolve().parent
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, a scheduler's stop, a closed terminal
 
+# What a peer runs before it becomes the script: the peers run in sessions of their own, so a
+# launcher killed outright (SIGKILL, the OOM killer), which cannot stop them, left them training
+# as orphans. Each asks for a SIGTERM, its graceful stop, when the launcher dies (argv[1]: the
+# launcher's pid; a peer that finds it gone already does not start).
+ORPHAN_GUARD = ("import os, signal, sys\n"
+                "from lowcomm.node.parentdeath import die_with_parent\n"
+                "die_with_parent(signal.SIGTERM, parent=int(sys.argv[1]))\n"
+                "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n")
+
 
 def start(index: int, nproc: int, script: list[str], workdir: Path, peers: list[str],
           events: queue.SimpleQueue) -> subprocess.Popen:
-    command = [sys.executable, *script, "--checkpoint-dir", str(workdir / f"peer-{index}"), "--min-peers", str(nproc)]
+    command = [sys.executable, "-c", ORPHAN_GUARD, str(os.getpid()), *script,
+               "--checkpoint-dir", str(workdir / f"peer-{index}"), "--min-peers", str(nproc)]
     if peers:
         command += ["--peers", *peers]
     # Its own session: a Ctrl-C reaches the launcher only, which stops the peers in order.

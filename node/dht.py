@@ -14,34 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import os
-import signal
-import sys
 import time
 from typing import Callable, Sequence
 
 import hivemind
 
 from .clock import DEFAULT_MAX_OFFSET, SwarmClock, decide, measure, run_hivemind_on
+from .parentdeath import die_with_parent
 from .tempdir import node_temp_dir
-
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> bool:
-    """Make the calling process receive SIGKILL when its parent exits (Linux; elsewhere a no-op
-    that returns False)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    parent = os.getppid()
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os._exit(1)
-    return True
-
 
 # The longest path of a unix socket (sun_path holds 108 bytes with its terminating NUL), and
 # the longest name hivemind gives p2pd's sockets in a folder ("hivemind-p2pclient-" + 11 + ".sock").

@@ -163,7 +163,7 @@ class NodeProcess:
 
     def kill_all(self) -> None:
         """SIGKILL the node's process group; its DHT process and p2pd, in a group of their own,
-        die with it (node/dht.py ``die_with_parent``)."""
+        die with it (node/parentdeath.py)."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -145,6 +145,24 @@ def test_only_the_launchers_main_thread_can_take_a_stop_signal(launch) -> None:
     assert proc.returncode == 128 + signal.SIGTERM
 
 
+def test_a_launcher_killed_outright_takes_its_peers_along(launch, tmp_path) -> None:
+    # SIGKILL (or the OOM killer) gives the launcher no chance to stop its peers, which run in
+    # sessions of their own: they trained on as orphans. The kernel now sends each a SIGTERM.
+    proc = launch(2, "--train")
+    ready = set()
+    for line in proc.stdout:
+        if "example_ready" in line:
+            ready.add(line.split()[0])
+        if len(ready) == 2:
+            break
+    peers = [psutil.Process(int(path.read_text())) for path in sorted((tmp_path / "runs").glob("peer-*/pid"))]
+    assert len(peers) == 2
+    proc.kill()
+    proc.wait()
+    gone, alive = psutil.wait_procs(peers, timeout=60)
+    assert not alive, f"peers outlived a killed launcher: {alive}"
+
+
 def test_a_peer_count_below_one_is_a_usage_error(launch) -> None:
     proc = launch(0)
     _, err = proc.communicate(timeout=60)
