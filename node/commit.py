@@ -48,7 +48,8 @@ class Committer:
 
     def __init__(self, state: GlobalState, trainer: TrainerPort, *, swarm: SwarmPort, donor: StateDonor,
                  train_thread: TrainThread, codec_executor: Executor, reports: ReportQueue, metrics: NodeMetrics,
-                 stats: RunStats, codec: codecs.Codec, evaluate_global: Callable[[torch.Tensor], float],
+                 stats: RunStats, codec: codecs.Codec,
+                 evaluate_global: Callable[[torch.Tensor, dict[str, torch.Tensor] | None], float],
                  write_checkpoint: CheckpointWriter) -> None:
         self.state = state
         self.trainer = trainer
@@ -60,7 +61,7 @@ class Committer:
         self.metrics = metrics
         self.stats = stats
         self.codec = codec
-        self.evaluate_global = evaluate_global  # report thread: eval loss of a flat θ_global
+        self.evaluate_global = evaluate_global  # report thread: eval loss of a flat θ_global with buffers
         self.write_checkpoint = write_checkpoint
         self.eval_failures = 0  # rounds whose eval the user's eval_fn failed (report thread)
 
@@ -172,7 +173,8 @@ class Committer:
 
         def evaluate_and_save() -> float:
             try:
-                return self.evaluate_global(frozen["params"])
+                # With the model's buffers as this round left them (BatchNorm's statistics: node/buffers.py)
+                return self.evaluate_global(frozen["params"], trainer_state.get("buffers"))
             except EvalFnFailed as err:  # the user's bug costs the round its eval: none reported
                 self.eval_failures += 1
                 if self.eval_failures == 1:  # its traceback once, then one line a round

@@ -140,7 +140,8 @@ class Node:
                                        interval=max(10.0, 3 * config.node.heartbeat_interval))
         self.trainer: TrainerPort
         # Eval of θ_global in the report thread; NaN for a trainer that offers no replica.
-        self.evaluate_global: Callable[[torch.Tensor], float] = lambda _params: math.nan
+        self.evaluate_global: Callable[[torch.Tensor, dict[str, torch.Tensor] | None], float] = \
+            lambda _params, _buffers: math.nan
         self.state: GlobalState
 
     # -- small helpers ------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import copy
 
 import torch
 
+from .buffers import load_buffers
 from .trainer import Trainer, copy_flat_into, mean_eval_loss
 
 
@@ -28,6 +29,9 @@ class Evaluator:
         self.device = trainer.device
 
     @torch.no_grad()
-    def evaluate(self, flat: torch.Tensor) -> float:
+    def evaluate(self, flat: torch.Tensor, buffers: dict[str, torch.Tensor] | None = None) -> float:
+        """``buffers``: the model's as the round left them (node/buffers.py), else the replica's."""
         copy_flat_into(self.params, flat)
+        if buffers is not None:
+            load_buffers(self.model, buffers)
         return mean_eval_loss(self.model, self.eval_set, self.device)

@@ -12,7 +12,8 @@ own tools load:
 
 and beside it ``lowcomm.json`` (the outer step, the params hash that ``lowcomm-node status``
 shows, the run, the checkpoint) and the run's ``tokenizer.json`` when ``[data] tokenizer`` names
-one. Buffers (not averaged, never checkpointed) are the model's initial ones.
+one. Buffers (BatchNorm's statistics...) are not averaged: they are the checkpointing peer's own
+(node/buffers.py), or the model's initial ones in checkpoints written before they were saved.
 
 Only the model has to match: the checkpoint's model description and sequence length are compared
 with the config's, not its [train] or [sync] keys. The folder appears whole or not at all (written
@@ -36,6 +37,7 @@ from lowcomm import __version__
 from ..protocol.handshake import describe_difference
 from ..protocol.snapshot import params_sha256
 from . import checkpoint
+from .buffers import load_buffers
 from .config import Config
 from .trainer import copy_flat_into
 
@@ -134,6 +136,14 @@ def export(config: Config, out: Path) -> Exported:
     _check_same_model(payload, config, path)
     params = payload["params"]
     copy_flat_into(list(model.parameters()), params)
+    trainer_state = payload.get("trainer")
+    if isinstance(trainer_state, dict) and "buffers" in trainer_state:
+        # The peer's own buffers (BatchNorm's statistics: node/buffers.py); older checkpoints hold
+        # none, and the model keeps its initial ones.
+        try:
+            load_buffers(model, trainer_state["buffers"])
+        except ValueError as err:
+            raise ExportError(f"checkpoint {path}: {err}; export with the run config that wrote it") from None
 
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:

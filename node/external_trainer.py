@@ -28,6 +28,7 @@ import torch.nn as nn
 from .errors import FatalError
 from .models import ModelError, check_float32, shapes_digest
 from .ports import PhaseStats
+from .buffers import load_buffers, persistent_buffers
 from .trainer import FlatParams, copy_flat_into
 
 WAIT_SLICE = 0.5  # seconds; waits are cut into slices so that Ctrl-C reaches a waiting main thread
@@ -203,11 +204,17 @@ class ExternalTrainer(FlatParams):
     # -- checkpointable local state -------------------------------------------------------------
 
     def local_state(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "inner_steps_done": self.inner_steps_done}
+        return {"buffers": persistent_buffers(self.model), "optimizer": self.optimizer.state_dict(),
+                "inner_steps_done": self.inner_steps_done}
 
     def load_local_state(self, state: dict) -> None:
         if "optimizer" not in state:
             raise ModelError("the checkpoint holds no inner optimizer state")
+        if "buffers" in state:  # checkpoints of before 2026-12-07 hold none: the model's own stay
+            try:
+                load_buffers(self.model, state["buffers"])
+            except ValueError as err:
+                raise ModelError(f"{err}; resume with the model that wrote the checkpoint") from None
         try:
             self.optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError) as err:
@@ -220,7 +227,7 @@ class EvaluatingExternalTrainer(ExternalTrainer):
     """With an ``eval_fn``: θ_global of every committed round is evaluated on a replica of the
     model in the node's report thread (``ReplicaEvaluating``), while the user trains on."""
 
-    def replica_evaluator(self) -> Callable[[torch.Tensor], float]:
+    def replica_evaluator(self) -> Callable[[torch.Tensor, dict[str, torch.Tensor] | None], float]:
         import copy
 
         replica = copy.deepcopy(self.model)  # the node's turn: no step is half done
@@ -231,8 +238,11 @@ class EvaluatingExternalTrainer(ExternalTrainer):
         assert eval_fn is not None
 
         @torch.no_grad()
-        def evaluate(flat: torch.Tensor) -> float:
+        def evaluate(flat: torch.Tensor, buffers: dict[str, torch.Tensor] | None = None) -> float:
+            # ``buffers``: the model's as the round left them (node/buffers.py), else the replica's
             copy_flat_into(params, flat)
+            if buffers is not None:
+                load_buffers(replica, buffers)
             return call_eval_fn(eval_fn, replica)
 
         return evaluate

@@ -84,8 +84,9 @@ class ReplicaEvaluating(Protocol):
     """Optional for a trainer: an evaluator of θ_global on a replica of the model, called from the
     node's report thread while training goes on (the daemon's ``Trainer`` offers one)."""
 
-    def replica_evaluator(self) -> Callable[[torch.Tensor], float]:
-        """Built in the training thread while it is idle; the callable takes a flat vector."""
+    def replica_evaluator(self) -> Callable[[torch.Tensor, dict[str, torch.Tensor] | None], float]:
+        """Built in the training thread while it is idle; the callable takes a flat vector and the
+        model's buffers as ``local_state`` gave them (or None: the replica's own)."""
 
 
 class SwarmPort(Protocol):

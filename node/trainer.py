@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 from torch.nn.utils import parameters_to_vector
 
+from .buffers import load_buffers, persistent_buffers
 from .config import Config
 from .data import Corpus, DataError, ShardSampler, eval_batches, load_data
 from .errors import FatalError
@@ -221,7 +222,7 @@ class Trainer(FlatParams):
         """Mean loss of the current model on the fixed held-out batches."""
         return mean_eval_loss(self.model, self.eval_set, self.device)
 
-    def replica_evaluator(self) -> Callable[[torch.Tensor], float]:
+    def replica_evaluator(self) -> Callable[[torch.Tensor, dict[str, torch.Tensor] | None], float]:
         """The eval of θ_global on a replica of the model (node/evaluator.py)."""
         from .evaluator import Evaluator  # it imports this module
 
@@ -231,6 +232,7 @@ class Trainer(FlatParams):
 
     def local_state(self) -> dict:
         return {
+            "buffers": persistent_buffers(self.model),  # local, as the optimizer's state (node/buffers.py)
             "optimizer": self.optimizer.state_dict(),
             "inner_steps_done": self.inner_steps_done,
             "sampler_shard": self.sampler.shard,
@@ -238,6 +240,8 @@ class Trainer(FlatParams):
         }
 
     def load_local_state(self, state: dict) -> None:
+        if "buffers" in state:  # checkpoints of before 2026-12-07 hold none: the model's own stay
+            load_buffers(self.model, state["buffers"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.inner_steps_done = int(state["inner_steps_done"])
         self.sampler.shard = int(state["sampler_shard"]) % self.sampler.shards

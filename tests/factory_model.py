@@ -54,6 +54,24 @@ def build_pair(vocab_size: int = 256, width: int = 32) -> tuple[nn.Module, objec
     return BigramLogits(vocab_size, width), next_token_loss
 
 
+class NormalizedBigram(BigramLoss):
+    """A Bigram whose mix is batch-normalized: a model with running statistics (buffers)."""
+
+    def __init__(self, vocab_size: int, width: int) -> None:
+        super().__init__(vocab_size, width)
+        self.norm = nn.BatchNorm1d(width)
+
+    def logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        here = self.embed(inputs)
+        before = torch.cat([torch.zeros_like(here[:, :1]), here[:, :-1]], dim=1)
+        mixed = self.norm(self.mix(torch.cat([here, before], dim=-1)).transpose(1, 2)).transpose(1, 2)
+        return self.head(torch.tanh(mixed))
+
+
+def build_normalized(vocab_size: int = 256, width: int = 16) -> nn.Module:
+    return NormalizedBigram(vocab_size, width)
+
+
 def build_unlabelled(vocab_size: int = 100, width: int = 16) -> tuple[nn.Module, object]:
     """A model without a ``vocab_size`` attribute, so the node cannot check the data's ids up front."""
     net = nn.Sequential(nn.Embedding(vocab_size, width), nn.Linear(width, vocab_size))

@@ -181,7 +181,7 @@ class Harness:
         committer = Committer(self.state, self.trainer, swarm=self.swarm, donor=donor,
                               train_thread=self.train_thread, codec_executor=self.codec_executor,
                               reports=self.reports, metrics=self.metrics, stats=self.stats,
-                              codec=codecs.get_codec("int8"), evaluate_global=lambda params: 0.0,
+                              codec=codecs.get_codec("int8"), evaluate_global=lambda params, buffers: 0.0,
                               write_checkpoint=lambda frozen, *_: self.checkpoints.append(int(frozen["step"])))
         averager: Any = self.averager  # duck-typed: the driver uses the attributes FakeAverager has
         self.driver = RoundDriver(self.config, self.trainer, self.state, averager=averager,

@@ -197,7 +197,7 @@ def test_the_committer_serves_a_step_with_the_state_and_residuals_its_state_roun
     reports = ReportQueue(report_pool)
     committer = Committer(state, trainer, swarm=FakeSwarm(state), donor=donor, train_thread=train_thread,
                           codec_executor=pool, reports=reports, metrics=NodeMetrics(), stats=RunStats(),
-                          codec=codecs.get_codec("int8"), evaluate_global=lambda params: 0.0,
+                          codec=codecs.get_codec("int8"), evaluate_global=lambda params, buffers: 0.0,
                           write_checkpoint=lambda frozen, *_: written.append(frozen))
 
     async def scenario() -> None:
