@@ -13,10 +13,18 @@ never raise the bar by itself, and with a majority of honest members med(r) is a
 1. **Finite values.** A contribution holding NaN or ±inf is dropped (reason ``non_finite``).
    Remote contributions are checked on arrival already; this also covers the owner's own.
 
-2. **Norm bound** (``norm_bound_factor`` = β > 1, or ``None`` for none). With med(r) over the
-   finite contributions, every x_i with r_i > β·med(r) is dropped (reason ``norm``). The median
-   contribution itself always passes (β > 1), so the bound never empties a round. The survivors'
-   weights are renormalised by the rules below (they divide by the sum of the kept weights).
+2. **Norm bound** (``norm_bound_factor`` = β > 1, or ``None`` for none). Norms are compared at
+   equal weight: ρ_i = r_i · med(w) / w_i, with med(w) the lower median weight (ρ_i = r_i when
+   the weights are equal). A member that trained more inner steps brings a larger weight and a
+   longer Δ: in a group of two, a peer that joined an overlapped round after 1 of 10 steps
+   made the reference, and the other's honest 10-step Δ (23× longer, weight capped at 4×)
+   was dropped. With med(ρ) over the finite contributions, every x_i with ρ_i > β·med(ρ) is
+   dropped (reason ``norm``). The weights are bounded before they get here (at most
+   ``accumulator.MAX_WEIGHT_RATIO`` × the median), so a member claiming a larger weight buys at
+   most that factor of norm, as it buys at most that factor of pull on the mean. The median
+   contribution itself always passes (β > 1), so the bound never empties a round. The
+   survivors' weights are renormalised by the rules below (they divide by the sum of the kept
+   weights).
 
 3. **Rule** over the m kept contributions (W now their weight sum):
 
@@ -136,17 +144,25 @@ def _checked(contributions: Sequence[Contribution]) -> tuple[list[Contribution],
 
 def apply_norm_bound(contributions: Sequence[Contribution], factor: float | None,
                      norms: dict[str, float] | None = None) -> tuple[list[Contribution], list[Rejection]]:
-    """Drop every contribution whose norm exceeds ``factor`` × the lower median norm of all of them."""
+    """Drop every contribution whose norm at the median weight exceeds ``factor`` × the lower
+    median of those norms (rule 2 of this module's docstring)."""
     if factor is None or not contributions:
         return list(contributions), []
     norms = norms if norms is not None else {s: contribution_norm(x) for s, _, x in contributions}
-    median = lower_median(norms[s] for s, _, _ in contributions)
+    median_weight = lower_median(w for _, w, _ in contributions)
+    at_median_weight = {s: norms[s] * (median_weight / w) for s, w, _ in contributions}
+    median = lower_median(at_median_weight.values())
     kept, rejected = [], []
     for contribution in contributions:
+        sender, weight = contribution[0], contribution[1]
         try:
-            check_norm(norms[contribution[0]], median, factor)
+            check_norm(at_median_weight[sender], median, factor)
         except ContributionRejected as err:
-            rejected.append(Rejection(contribution[0], err.reason, str(err)))
+            detail = str(err) if weight == median_weight or err.reason != "norm" else (
+                f"norm {norms[sender]:.4g} at {weight / median_weight:.3g} x the median weight "
+                f"({at_median_weight[sender]:.4g} at the median weight) exceeds {factor:g} x the median "
+                f"{median:.4g} of this shard's contributions at the median weight")
+            rejected.append(Rejection(sender, err.reason, detail))
             continue
         kept.append(contribution)
     return kept, rejected

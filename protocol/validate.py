@@ -9,8 +9,8 @@ Checks, in the order a contribution meets them (DESIGN §4 "Trust"):
 2. **finite values** (``check_contribution``, reason ``non_finite``): one NaN or infinity would
    poison every member's parameters.
 3. **norm bound** (``check_norm``, reason ``norm``): relative to the other contributions of the
-   same shard in the same round, so it can only be applied once they are all in; the shard
-   owner applies it when it computes the average (``aggregation.apply_norm_bound``).
+   same shard in the same round, at equal weight, so it can only be applied once they are all
+   in; the shard owner applies it when it computes the average (``aggregation.apply_norm_bound``).
 
 Every rejected contribution is left out of the average (weights renormalised), counted by reason
 and logged with its sender by the registry's ``on_reject`` callback. The reasons used here

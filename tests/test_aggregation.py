@@ -202,13 +202,34 @@ def test_norm_bound_keeps_the_median_and_drops_only_what_exceeds_it(contribution
     sender, weight, x = contributions[victim]
     contributions = list(contributions)
     contributions[victim] = (sender, weight, x * scale)
-    norms = {s: contribution_norm(c) for s, _, c in contributions}
+    # Compared at equal weight: each norm scaled to the lower median weight.
+    median_weight = lower_median(w for _, w, _ in contributions)
+    norms = {s: contribution_norm(c) * (median_weight / w) for s, w, c in contributions}
     median = lower_median(norms.values())
     out = aggregate(contributions, Aggregation("mean", norm_bound_factor=factor))
     assert out.used and set(out.used) | {r.sender for r in out.rejected} == set(norms)
     assert all(norms[s] <= factor * median for s in out.used)
     assert all(r.reason == "norm" and norms[r.sender] > factor * median for r in out.rejected)
     assert any(norms[s] == median for s in out.used)
+
+
+def test_norm_bound_compares_contributions_at_equal_weight():
+    # Two honest members: one joined an overlapped round after 1 of 10 inner steps (weight 1),
+    # the other trained all 10 (weight capped at 4x the median): its Δ is 23.6x longer. Compared
+    # as raw norms, the longer one was dropped as an attack.
+    gen = torch.Generator().manual_seed(3)
+    short = torch.randn(1000, generator=gen) * 0.01
+    long = short * 23.6
+    out = aggregate([("p1", 1.0, short), ("p2", 4.0, long)], Aggregation("mean", norm_bound_factor=20.0))
+    assert out.used == ["p1", "p2"] and not out.rejected
+    # At equal weights nothing changes, and a weight claim buys at most its own factor of norm.
+    for weight, scale in ((1.0, 23.6), (4.0, 100.0)):
+        out = aggregate([("p1", 1.0, short), ("p2", weight, short * scale)], Aggregation("mean", norm_bound_factor=20.0))
+        assert out.used == ["p1"] and [r.sender for r in out.rejected] == ["p2"]
+    claimed, honest = contribution_norm(short * 100.0), contribution_norm(short)
+    assert out.rejected[0].detail == (f"norm {claimed:.4g} at 4 x the median weight ({claimed / 4:.4g} at the median "
+                                      f"weight) exceeds 20 x the median {honest:.4g} of this shard's contributions "
+                                      f"at the median weight")
 
 
 # -- through the all-reduce -----------------------------------------------------------------------
