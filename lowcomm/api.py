@@ -117,23 +117,30 @@ class Swarm:
         self._stop_lock = threading.Lock()
         self._signals: dict[int, Any] = {}  # stop signals' handlers replaced while open
         self._exited = False
+        self._made_from: Path | None = None  # the outermost folder of checkpoint_dir that open() made
+        self._discard_if_unused = False  # open() failed: remove that folder if nothing of value is in it
         self._restore_logging: Callable[[], None] = lambda: None
 
     # -- entering and leaving -------------------------------------------------------------------
 
     def __enter__(self) -> "Swarm":
-        if self._thread is not None:
-            raise RuntimeError("a Swarm can be entered once; make a new one to join again")
-        from lowcomm.node.cli import read_credentials, start_dht, lock_checkpoint_dir
+        if self._thread is not None or self._exited:
+            raise SwarmError("a Swarm can be entered (opened) once; make a new lowcomm.Swarm to join again")
+        from lowcomm.node.cli import (_first_missing, _remove_if_never_used, lock_checkpoint_dir, read_credentials,
+                                      start_dht)
         from lowcomm.node.memory import limit_malloc_arenas, share_tensors_by_descriptor
 
         self._claim_the_process()  # before the checkpoint folder is locked: the other may hold it
         cfg = self.config
+        directory = Path(cfg.node.checkpoint_dir)
+        self._made_from = _first_missing(directory)  # as `lowcomm-node join`: a failed start leaves no new folder
         try:
             secret, tls = read_credentials(cfg.node)
-            self._lock = lock_checkpoint_dir(cfg.node.checkpoint_dir)
+            self._lock = lock_checkpoint_dir(directory)
         except RuntimeError as err:
             self._release_the_process()  # nothing started
+            if not (directory / ".lock").exists():  # else another node made the folder meanwhile and holds it
+                _remove_if_never_used(directory, self._made_from)
             raise SwarmError(_in_api_terms(str(err))) from None
         try:
             if self._to_load is not None:
@@ -159,6 +166,7 @@ class Swarm:
             self._signals = take_stop_signals()  # SIGTERM, SIGHUP: leave as on Ctrl-C (api_signals.py)
             self._trainer.handoff.wait_started(self._thread.is_alive)
         except BaseException as err:
+            self._discard_if_unused = True  # a folder this open() made and nothing was written in: removed
             self._close(err)
             if isinstance(err, SwarmStopped):
                 raise SwarmError(str(err)) from None
@@ -182,13 +190,12 @@ class Swarm:
         self.__exit__(None, None, None)
 
     def _require_open(self, what: str) -> ExternalTrainer:
-        """The trainer ``what`` talks to; a RuntimeError before the Swarm is open, SwarmStopped once left."""
+        """The trainer ``what`` talks to; SwarmError before the Swarm is open, SwarmStopped once left."""
         if self._exited:
-            raise SwarmStopped(f"Swarm.{what}() after the Swarm was left (closed): its node is gone; make a new "
+            raise SwarmStopped(f"Swarm.{what} after the Swarm was left (closed): its node is gone; make a new "
                                f"Swarm to join again")
         if self._trainer is None:
-            raise RuntimeError(f"Swarm.{what}() works once the Swarm is open: inside `with lowcomm.Swarm(...) as "
-                               f"swarm:`, or after swarm.open()")
+            raise _not_open(what)
         return self._trainer
 
     def _run_node(self, secret: bytes | None, tls: Any) -> None:
@@ -260,6 +267,11 @@ class Swarm:
         finally:
             if self._dht is not None:
                 self._dht.shutdown()
+            if self._discard_if_unused and not (self._thread is not None and self._thread.is_alive()):
+                from lowcomm.node.cli import _remove_if_never_used
+
+                # Still holding the lock: no other node can have started in the folder meanwhile.
+                _remove_if_never_used(Path(self.config.node.checkpoint_dir), self._made_from)
             if self._lock is not None:
                 self._lock.close()
             self._restore_logging()
@@ -326,7 +338,7 @@ class Swarm:
         weight in the average; say the same unit on every peer, e.g. tokens or samples). ``loss``:
         for the logs and metrics. Every ``[train] inner_steps`` calls it runs a round (see the
         module docstring). Raises ``SwarmStopped`` when the node is gone."""
-        trainer = self._require_open("step")
+        trainer = self._require_open("step()")
         if isinstance(tokens, torch.Tensor) and tokens.numel() == 1 and not tokens.is_floating_point():
             tokens = int(tokens.item())  # attention_mask.sum()
         if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens <= 0:
@@ -386,12 +398,13 @@ class Swarm:
         call it before entering; the node then restores θ_global, the outer state, the step and
         the inner optimizer, and the model starts from θ_global. A swarm further ahead is caught up
         with as usual."""
-        if self._thread is not None:
-            raise RuntimeError("call load_state_dict before entering the Swarm: a running peer takes its state from "
-                               "the swarm, not from a file")
+        if self._thread is not None or self._exited:
+            raise SwarmError("call load_state_dict before entering the Swarm (or opening it): a running peer takes "
+                             "its state from the swarm, not from a file")
         if not isinstance(state, Mapping):
-            raise SwarmError(f"load_state_dict takes the dict Swarm.state_dict() returned (or torch.load of a "
-                             f"checkpoint the node wrote), not {type(state).__name__}")
+            raise SwarmError(f"load_state_dict takes the dict Swarm.state_dict() returned (or "
+                             f"lowcomm.node.checkpoint.read(path) of a checkpoint file the node wrote), not "
+                             f"{type(state).__name__}")
         missing = [key for key in ("step", "params", "momentum", "params_sha256", "trainer") if key not in state]
         if missing:
             raise SwarmError(f"the state given to load_state_dict lacks {', '.join(missing)}: pass what "
@@ -418,9 +431,11 @@ class Swarm:
         """What ``lowcomm-node status --json`` prints: step, params hash, swarm peers, losses, ..."""
         from lowcomm.node.cli import status_dict
 
+        self._require_open("status()")
         node, loop = self._node, self._loop
         if node is None or loop is None or loop.is_closed():
-            raise SwarmStopped("the node is not running")
+            raise SwarmStopped("Swarm.status(): the node is not running (it stopped or failed); make a new Swarm to "
+                               "join again")
         return status_dict(asyncio.run_coroutine_threadsafe(node.status(), loop).result(10))
 
     def wait_for_peers(self, count: int, timeout: float | None = None) -> int:
@@ -428,7 +443,7 @@ class Swarm:
         and return how many it has: a launcher's first peer waits for the others this way
         instead of training its first rounds alone. The node's view is refreshed every
         ``[node] heartbeat_interval``. Raises ``TimeoutError`` after ``timeout`` seconds."""
-        trainer = self._require_open("wait_for_peers")
+        trainer = self._require_open("wait_for_peers()")
         if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
             raise ValueError(f"count must be a whole number of peers, at least 1 (this one), got {count!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -443,30 +458,48 @@ class Swarm:
                 raise TimeoutError(f"the swarm has {seen} peer(s) after {timeout:.0f} s, not {count}")
             time.sleep(PEER_POLL)
 
+    # Once open, these stay readable after the Swarm is left: the last values of its run. Before it is
+    # open there is nothing to read (the step comes from the checkpoint the node restores as it
+    # starts): SwarmError, as for every other use of a Swarm that is not open.
+
     @property
     def peer_id(self) -> str:
-        return str(self._require_dht().peer_id)
+        """This peer's libp2p id."""
+        return str(self._require_dht("peer_id").peer_id)
 
     @property
     def multiaddrs(self) -> list[str]:
         """Where other peers join this one: pass one of them as their ``peers``."""
         node = self._node
-        return list(node.multiaddrs) if node is not None else [str(m) for m in self._require_dht().get_visible_maddrs()]
+        if node is not None:
+            return list(node.multiaddrs)
+        return [str(m) for m in self._require_dht("multiaddrs").get_visible_maddrs()]
 
     @property
     def outer_step(self) -> int:
+        """The committed outer step (the one restored from the checkpoint, before the first round)."""
+        if self._trainer is None:
+            raise _not_open("outer_step")
         node = self._node
         return node.state.published()[0] if node is not None and hasattr(node, "state") else 0
 
     @property
     def inner_steps(self) -> int:
         """Inner steps this peer took, over all its runs from the same checkpoints."""
-        return self._trainer.inner_steps_done if self._trainer is not None else 0
+        if self._trainer is None:
+            raise _not_open("inner_steps")
+        return self._trainer.inner_steps_done
 
-    def _require_dht(self) -> Any:
+    def _require_dht(self, what: str) -> Any:
         if self._dht is None:
-            raise RuntimeError("the Swarm is not entered yet")
+            raise _not_open(what)
         return self._dht
+
+
+def _not_open(what: str) -> SwarmError:
+    """The one error of every use of a Swarm that needs its node, before the Swarm is open."""
+    return SwarmError(f"Swarm.{what} needs an open Swarm: use it inside `with lowcomm.Swarm(...) as swarm:`, or "
+                      f"after swarm = lowcomm.Swarm(...).open()")
 
 
 def _close_when_the_program_ends(swarm: Swarm) -> None:

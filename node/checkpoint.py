@@ -17,12 +17,13 @@ import io
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, Union
 
 import torch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+PathLike = Union[str, os.PathLike]  # what every function here takes as a path
 
 MAGIC = b"LOWCOMM-CKPT-1\n"
 KEEP = 2
@@ -112,9 +113,10 @@ class _Body(io.RawIOBase):
         return self.fh.readinto(buffer)
 
 
-def save(directory: Path, step: int, payload: dict[str, Any]) -> Path:
+def save(directory: PathLike, step: int, payload: dict[str, Any]) -> Path:
     """Write ``payload`` as the checkpoint of ``step``; a CheckpointWriteError when the system
     refuses (the earlier checkpoints stay)."""
+    directory = Path(directory)
     final = _path(directory, step)
     tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
     try:
@@ -146,22 +148,27 @@ def save(directory: Path, step: int, payload: dict[str, Any]) -> Path:
     return final
 
 
-def remove_stale_temporaries(directory: Path) -> list[Path]:
+def remove_stale_temporaries(directory: PathLike) -> list[Path]:
     """Delete temp files left by a process killed mid-write (call while holding the directory lock)."""
+    directory = Path(directory)
     stale = sorted(directory.glob(".step-*.tmp")) if directory.is_dir() else []
     for path in stale:
         path.unlink(missing_ok=True)
     return stale
 
 
-def list_checkpoints(directory: Path) -> list[Path]:
+def list_checkpoints(directory: PathLike) -> list[Path]:
     """Checkpoint files, oldest first."""
+    directory = Path(directory)
     if not directory.is_dir():
         return []
     return sorted(directory.glob("step-*.ckpt"))
 
 
-def read(path: Path) -> dict[str, Any]:
+def read(path: PathLike) -> dict[str, Any]:
+    """The payload of the checkpoint file ``path`` (a plain ``torch.load`` cannot read it: the file
+    starts with a header); a CheckpointError when the file is not one or fails its hash check."""
+    path = Path(path)
     with open(path, "rb") as fh:
         head = fh.read(HEADER)
         if len(head) < HEADER or not head.startswith(MAGIC):
@@ -177,12 +184,12 @@ def read(path: Path) -> dict[str, Any]:
         return torch.load(io.BufferedReader(_Body(fh)), weights_only=True)
 
 
-def load_latest(directory: Path) -> tuple[dict[str, Any], Path] | None:
+def load_latest(directory: PathLike) -> tuple[dict[str, Any], Path] | None:
     """The newest checkpoint that passes its hash check; logs every file it had to skip."""
     return load_newest(directory, lambda payload: payload)
 
 
-def load_newest(directory: Path, parse: Callable[[dict[str, Any]], T]) -> tuple[T, Path] | None:
+def load_newest(directory: PathLike, parse: Callable[[dict[str, Any]], T]) -> tuple[T, Path] | None:
     """``parse`` of the newest checkpoint whose file hash checks out *and* that ``parse``
     accepts (it raises ``KeyError``/``ValueError``/``CheckpointError`` for a payload it cannot
     use, e.g. parameters that do not match the hash stored with them): a damaged newest

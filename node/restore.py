@@ -43,20 +43,7 @@ def restore(config: Config, trainer: TrainerPort) -> Restored:
 
     def parse(payload: dict[str, Any]) -> tuple[GlobalState, dict[str, Any]]:
         if payload.get("config_fingerprint") != cfg.run_fingerprint():
-            made_with = payload.get("run_config")  # checkpoints from before it was kept lack it
-            if _model_kind(made_with) == "external":
-                # No run config describes that model, so "the run config it was made with" cannot help.
-                raise FatalError(
-                    f"a checkpoint in {cfg.node.checkpoint_dir} was written by a lowcomm.Swarm script for a model "
-                    f"of its own, which lowcomm-node cannot build; use another --checkpoint-dir (resume that run "
-                    f"with the script that wrote it)"
-                )
-            differs = (f" ({describe_difference(made_with, cfg.run_config_json(), 'checkpoint', 'now')})"
-                       if isinstance(made_with, str) else "")
-            raise FatalError(
-                f"a checkpoint in {cfg.node.checkpoint_dir} belongs to another run config{differs}; use another "
-                f"--checkpoint-dir or the run config it was made with"
-            )
+            raise FatalError(_another_run(cfg, payload.get("run_config"), _is_swarm(trainer)))
         if not isinstance(payload.get("trainer"), dict):
             raise KeyError("trainer state missing")
         return GlobalState.from_checkpoint(payload, cfg.sync.outer_lr, cfg.sync.outer_momentum, synced), payload
@@ -91,12 +78,81 @@ def restore(config: Config, trainer: TrainerPort) -> Restored:
     return Restored(state, 0, must_download=bool(damaged))
 
 
-def _model_kind(run_config: Any) -> Any:
-    """``[model] kind`` of a checkpoint's stored run config JSON (None: none readable)."""
+def _is_swarm(trainer: TrainerPort) -> bool:
+    """The node runs inside a ``lowcomm.Swarm`` (the user's model and loop), not ``lowcomm-node``."""
+    from .external_trainer import ExternalTrainer
+
+    return isinstance(trainer, ExternalTrainer)
+
+
+def _another_run(cfg: Config, made_with: Any, swarm: bool) -> str:
+    """Why a checkpoint of another run config (``made_with``: the run config JSON stored with it,
+    absent in checkpoints of before it was kept) cannot be resumed, and what to do instead."""
+    directory = cfg.node.checkpoint_dir
+    theirs, ours = _parsed(made_with), cfg.run_config()
+    external = (_model_kind(theirs) == "external", _model_kind(ours) == "external")
+    if external[0] and not swarm:
+        # lowcomm-node meets a Swarm's checkpoint: no run config describes that model, so "the run
+        # config it was made with" cannot help.
+        return (f"a checkpoint in {directory} was written by a lowcomm.Swarm script for a model of its own, which "
+                f"lowcomm-node cannot build; use another --checkpoint-dir (resume that run with the script that "
+                f"wrote it)")
+    if swarm and any(external):
+        # A Swarm whose model (or config) changed since its checkpoint: say what differs, in the
+        # script's terms (a parameter count, not a digest of shapes).
+        differs = f" ({_swarm_difference(theirs, ours)})" if theirs is not None else ""
+        return (f"a checkpoint in {directory} was written for another model or run config{differs}; resume with "
+                f"the model and config that wrote it, or use another --checkpoint-dir")
+    differs = (f" ({describe_difference(made_with, cfg.run_config_json(), 'checkpoint', 'now')})"
+               if isinstance(made_with, str) else "")
+    return (f"a checkpoint in {directory} belongs to another run config{differs}; use another --checkpoint-dir "
+            f"or the run config it was made with")
+
+
+def _swarm_difference(theirs: dict[str, Any], ours: dict[str, Any]) -> str:
+    """How a checkpoint's run config differs from a Swarm's, where one of the two models is a
+    model object of a script (``[model] kind = "external"``: its parameter count and a digest
+    of its parameters' names and shapes)."""
+    model_a, model_b = theirs.get("model") or {}, ours.get("model") or {}
+    diffs = []
+    if model_a.get("kind") == "external" and model_b.get("kind") == "external":
+        count_a, count_b = model_a.get("parameters"), model_b.get("parameters")
+        if count_a != count_b:
+            diffs.append(f"the checkpoint's model has {_count(count_a)} parameters, this one {_count(count_b)}")
+        elif model_a != model_b:
+            diffs.append(f"the checkpoint's model has other parameter names or shapes ({_count(count_a)} "
+                         f"parameters, as this one)")
+        sections = (set(theirs) | set(ours)) - {"model"}
+    else:
+        def what(model: dict[str, Any]) -> str:
+            return ("the script's own (no [model] section)" if model.get("kind") == "external"
+                    else "the config's [model] section")
+
+        diffs.append(f"the checkpoint's model is {what(model_a)}, this one {what(model_b)}")
+        sections = (set(theirs) & set(ours)) - {"model"}  # the others describe the model of one side
+    rest = describe_difference(json.dumps({k: theirs[k] for k in sections if k in theirs}),
+                               json.dumps({k: ours[k] for k in sections if k in ours}), "checkpoint", "now")
+    if not diffs or {k: theirs.get(k) for k in sections} != {k: ours.get(k) for k in sections}:
+        diffs.append(rest)
+    return "; ".join(diffs)
+
+
+def _count(value: Any) -> str:
+    return f"{value:,}" if isinstance(value, int) else "?"
+
+
+def _parsed(run_config: Any) -> dict[str, Any] | None:
+    """A checkpoint's stored run config JSON as a dict (None: none readable)."""
     try:
-        model = json.loads(run_config).get("model")
-    except (TypeError, ValueError, AttributeError):
+        parsed = json.loads(run_config)
+    except (TypeError, ValueError):
         return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def _model_kind(run_config: dict[str, Any] | None) -> Any:
+    """``[model] kind`` of a run config (None: none readable, or a kind that names no ``kind``)."""
+    model = (run_config or {}).get("model")
     return model.get("kind") if isinstance(model, dict) else None
 
 
