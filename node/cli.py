@@ -21,10 +21,18 @@ from typing import Any, Sequence
 
 from lowcomm import __version__
 
-from .config import NODE_KEYS, Config, ConfigError, NodeSection, load_config
+from .config import (NODE_KEYS, Config, ConfigError, NodeSection, load_config, read_layers, validate_layers,
+                     warn_ignored_settings)
 
+# 2: what was given is wrong (a config key, a flag, --peers, --data), as argparse's own errors;
+# 1: the node could not do its work (an unreachable peer, a busy port, a failed round).
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
+
+
+class UsageError(RuntimeError):
+    """A mistake in what was given (a malformed --peers multiaddr): exits with EXIT_USAGE. A
+    RuntimeError, as every other start failure that lowcomm.Swarm turns into a SwarmError."""
 
 
 def _fail(message: str, code: int = EXIT_FAILURE) -> int:
@@ -104,12 +112,13 @@ _UNANSWERED_PINGS = "none of the initial_peers responded to a ping"
 _sleep = time.sleep  # a seam for the tests
 
 
-def start_dht(config: Config):
+def start_dht(config: Config, sources: dict[tuple[str, str], str] | None = None):
     """Create the hivemind DHT before any event loop or gRPC object exists (it forks).
 
     On the way the DHT process measures this machine's clock offset from the bootstrap peers and
     adopts it (node/clock.py); a warning says so here. When the bootstrap peers are reachable
     but none answers the DHT's ping in time, the start is tried again (``BOOTSTRAP_RETRY_PAUSES``).
+    ``sources``: where each config key came from (config.ConfigLayers), for the messages.
     """
     from hivemind.dht.protocol import ValidationError
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
@@ -117,10 +126,15 @@ def start_dht(config: Config):
     from .clock import ClockOffsetError
     from .dht import SupervisedDHT
 
+    # Here, the first step of a node's start that follows the logging setup of both `join` and
+    # lowcomm.Swarm (which prints the "lowcomm" logger's records): each key the config sets in
+    # vain is said once, as the node starts.
+    warn_ignored_settings(config, sources)
     node = config.node
     host = node.host
     proto = "ip6" if ":" in host else "ip4"
-    _check_peer_multiaddrs(node.peers)
+    peers_source = (sources or {}).get(("node", "peers"), _PEERS_FLAG)
+    _check_peer_multiaddrs(node.peers, peers_source)
     _check_identity_path(config.identity_path)
     _check_dht_address(host, node.dht_port)
     began = time.monotonic()
@@ -174,7 +188,7 @@ def start_dht(config: Config):
                                f"new path to make one") from None
         raise RuntimeError(f"the DHT daemon failed to start: {text.splitlines()[0] if text else err}") from None
     except ValueError as err:  # malformed multiaddrs
-        raise RuntimeError(f"invalid --peers multiaddr: {err}") from None
+        raise UsageError(f"{_invalid_multiaddr(peers_source)}: {err}") from None
     except OSError as err:  # the DHT process could not write the identity file (a race with the checks above)
         raise RuntimeError(f"cannot use identity file {config.identity_path}: {err}; choose another with "
                            f"--identity or --checkpoint-dir") from None
@@ -182,17 +196,30 @@ def start_dht(config: Config):
     return dht
 
 
-def _check_peer_multiaddrs(peers: list[str]) -> None:
+_PEERS_FLAG = "flag --peers"  # config.ConfigLayers' name of the flag as a source
+
+
+def _invalid_multiaddr(source: str) -> str:
+    """The start of a bad-multiaddr message, naming where the peers came from: ``--peers``, or
+    the config file (variable, --set) and its key, which a ``--peers`` would send the user
+    looking for on a command line that has none."""
+    return "invalid --peers multiaddr" if source == _PEERS_FLAG else f"{source}: [node] peers: invalid multiaddr"
+
+
+def _check_peer_multiaddrs(peers: list[str], source: str = _PEERS_FLAG) -> None:
     """Each ``--peers`` address parsed before p2pd starts: p2pd's refusal comes as "the DHT daemon
     failed to start" with its log time stamp, or as "invalid p2p multiaddr", naming neither the
-    address nor the fix."""
+    address nor the fix. ``source``: where the peers came from (config.ConfigLayers.sources)."""
+    if not peers:
+        return
     from hivemind.utils.multiaddr import Multiaddr
     from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
 
     fix = "copy the whole address the first peer printed after `--peers`"
+    invalid = _invalid_multiaddr(source)
     for maddr in peers:
         if "/p2p/" not in maddr:
-            raise RuntimeError(f"invalid --peers multiaddr {maddr}: it must end in /p2p/<peer id>; {fix}")
+            raise UsageError(f"{invalid} {maddr}: it must end in /p2p/<peer id>; {fix}")
         try:
             Multiaddr(maddr)
         except (MultiaddrError, ValueError) as err:
@@ -200,7 +227,7 @@ def _check_peer_multiaddrs(peers: list[str]) -> None:
             why = str(err).split(f"{maddr}' ", 1)[-1]
             if why.startswith("protocol p2p"):  # "Inconsistent multihash length ...": say what it means
                 why = f"{maddr.split('/p2p/')[1].split('/')[0]!r} is not a peer id ({why})"
-            raise RuntimeError(f"invalid --peers multiaddr {maddr}: {why}; {fix}") from None
+            raise UsageError(f"{invalid} {maddr}: {why}; {fix}") from None
 
 
 def _check_identity_path(path: Path) -> None:
@@ -287,8 +314,11 @@ def _client_tls(args: argparse.Namespace):
 
 def cmd_join(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.config, _join_flags(args), args.overrides)
-    except ConfigError as err:
+        layers = read_layers(args.config, _join_flags(args), args.overrides)
+        config = validate_layers(layers)
+        # Before anything starts: a malformed multiaddr is a usage error like a bad key.
+        _check_peer_multiaddrs(config.node.peers, layers.sources.get(("node", "peers"), _PEERS_FLAG))
+    except (ConfigError, UsageError) as err:
         return _fail(str(err), EXIT_USAGE)
     try:
         run_secret, tls = read_credentials(config.node)
@@ -322,11 +352,11 @@ def cmd_join(args: argparse.Namespace) -> int:
     share_tensors_by_descriptor()  # before hivemind's first future: no torch_shm_manager process
     freeze_before_fork()
     try:
-        dht = start_dht(config)
+        dht = start_dht(config, layers.sources)
     except RuntimeError as err:
         lock.close()
         _remove_if_never_used(directory, made_from)
-        return _fail(str(err))
+        return _fail(str(err), EXIT_USAGE if isinstance(err, UsageError) else EXIT_FAILURE)
     failed = True
     try:
         import uvloop
@@ -337,7 +367,9 @@ def cmd_join(args: argparse.Namespace) -> int:
             code = uvloop.run(Node(config, dht, human, run_secret, tls).run())
             failed = code != 0
             return code
-        except (FatalError, DataError) as err:
+        except DataError as err:  # the [data] config (--data) names what cannot be used: a usage error
+            return _fail(str(err), EXIT_USAGE)
+        except FatalError as err:
             return _fail(str(err))
     finally:
         dht.shutdown()

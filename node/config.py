@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import tomllib
@@ -32,6 +33,7 @@ from .config_sections import (  # noqa: F401
     METHOD_FIXED,
     METHOD_OPTIMIZER,
     STATE_NAMES,
+    TEXT_KEYS,
     ConfigSection,
     DataSection,
     ModelSection,
@@ -153,14 +155,29 @@ ENV_PREFIX = "LOWCOMM_"
 
 @dataclass
 class ConfigLayers:
-    """The merged raw config plus, for every key, where its value came from."""
+    """The merged raw config plus, for every key, where its value came from, and which keys came
+    from text (variables, flags, ``--set``) rather than from a file that writes its types."""
 
     values: dict[str, dict[str, Any]] = field(default_factory=dict)
     sources: dict[tuple[str, str], str] = field(default_factory=dict)
+    text: set[tuple[str, str]] = field(default_factory=set)
 
-    def set(self, section: str, key: str, value: Any, source: str) -> None:
+    def set(self, section: str, key: str, value: Any, source: str, text: bool = False) -> None:
         self.values.setdefault(section, {})[key] = value
         self.sources[(section, key)] = source
+        if text:
+            self.text.add((section, key))
+        else:
+            self.text.discard((section, key))
+
+    def context(self) -> dict[str, Any]:
+        """The validation context: the keys whose values are converted from text, per section
+        class (config_sections.TEXT_KEYS); every other value must have its key's type."""
+        keys: dict[type, set[str]] = {}
+        for section, key in self.text:
+            if section in Config.model_fields:
+                keys.setdefault(Config.model_fields[section].annotation, set()).add(key)
+        return {TEXT_KEYS: keys}
 
     def merge_file(self, data: Mapping[str, Any], source: str) -> None:
         for section, body in data.items():
@@ -212,6 +229,16 @@ def load_config(
     ``flags`` maps a node key (or an alias such as ``data``) to a value given on the command line;
     keys whose value is ``None`` were not given and do not override anything.
     """
+    return validate_layers(read_layers(config_file, flags, overrides, environ))
+
+
+def read_layers(
+    config_file: Path | None = None,
+    flags: Mapping[str, Any] | None = None,
+    overrides: list[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ConfigLayers:
+    """The sources of ``load_config`` merged, not validated yet (the CLI names them in its messages)."""
     environ = os.environ if environ is None else environ
     layers = ConfigLayers()
     if config_file is None and environ.get(ENV_PREFIX + "CONFIG"):
@@ -223,20 +250,23 @@ def load_config(
     for key, (section, target) in env_keys.items():
         var = ENV_PREFIX + key.upper()
         if var in environ and environ[var] != "":
-            layers.set(section, target, environ[var], f"environment variable {var}")
+            layers.set(section, target, environ[var], f"environment variable {var}", text=True)
 
     for key, value in (flags or {}).items():
         if value is None:
             continue
         section, target = ALIASES.get(key, ("node", key))
-        layers.set(section, target, value, f"flag --{key.replace('_', '-')}")
+        layers.set(section, target, value, f"flag --{key.replace('_', '-')}", text=True)
 
     for text in overrides or []:
         section, key, value = parse_override(text)
-        layers.set(section, key, value, f"--set {text}")
+        layers.set(section, key, value, f"--set {text}", text=True)
+    return layers
 
+
+def validate_layers(layers: ConfigLayers) -> Config:
     try:
-        return Config.model_validate(layers.values)
+        return Config.model_validate(layers.values, context=layers.context())
     except ValidationError as err:
         raise ConfigError(describe_validation_error(err, layers)) from None
 
@@ -267,6 +297,9 @@ def describe_validation_error(err: ValidationError, layers: ConfigLayers) -> str
             lines.append(f"{_sources_of(layers, {section}, message)}: [{section}] is invalid: {message}")
             continue
         where = f"[{section}] {key}" if key else f"[{section}]"
+        if problem["type"] == "lowcomm_wrong_type":  # its message quotes what was given
+            lines.append(f"{source}: {where}: {problem['msg']}")
+            continue
         got = problem.get("input")
         got = str(got).lower() if isinstance(got, bool) else repr(got)  # as TOML writes it
         lines.append(f"{source}: {where} = {got} is invalid: {problem['msg'].removeprefix('Value error, ')}")
@@ -286,3 +319,31 @@ def _sources_of(layers: ConfigLayers, sections: set[str], message: str | None = 
         keys = named or keys
     sources = list(dict.fromkeys(layers.sources[key] for key in keys))
     return ", ".join(sources) or "defaults"
+
+
+def ignored_settings(config: Config, sources: Mapping[tuple[str, str], str] | None = None) -> list[str]:
+    """One line for each key set to a value that the kind the config chose never reads (a jsonl
+    ``field`` with ``format = "text"``, a preset's ``dropout`` with a factory model, ...; the
+    sections' ``ignored()`` rules), naming where it was set when ``sources`` says. A key at its
+    default (or at the value its ``[sync] method`` gives it) is not reported: `init-config`
+    writes every key, and a run config may be shared across kinds, so this is no error."""
+    lines = []
+    for section in Config.model_fields:
+        body = getattr(config, section)
+        for key, why in body.ignored().items():
+            default = type(body).model_fields[key].default
+            if section == "sync":
+                default = {**METHOD_DEFAULTS[body.method], **METHOD_FIXED[body.method]}.get(key, default)
+            if getattr(body, key) == default:
+                continue
+            source = (sources or {}).get((section, key))
+            lines.append(f"{source + ': ' if source else ''}[{section}] {key} is ignored: {why}")
+    return lines
+
+
+def warn_ignored_settings(config: Config, sources: Mapping[tuple[str, str], str] | None = None) -> None:
+    """Log ``ignored_settings`` as warnings, through the ``lowcomm`` logger (which a
+    ``lowcomm.Swarm`` prints as well as the CLI)."""
+    log = logging.getLogger("lowcomm.node.config")
+    for line in ignored_settings(config, sources):
+        log.warning("%s", line, extra={"event": "config_key_ignored"})

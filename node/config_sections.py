@@ -6,11 +6,16 @@ defaults, the TOML file, the environment and flags.
 from __future__ import annotations
 
 import ipaddress
+import json
+import math
 import re
+import tomllib
+import types
 from pathlib import Path
-from typing import Any, Literal, Mapping, get_args, get_origin
+from typing import Any, Literal, Mapping, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 CODEC_CHOICES = ("fp32", "fp16", "bf16", "int8", "int4", "topk", "sparseloco")
 
@@ -28,6 +33,56 @@ def _numeric_values(annotation: Any) -> bool:
     return get_origin(annotation) is dict and len(args) == 2 and _numeric_only(args[1])
 
 
+# Where a value came from decides how its type is read. A TOML file writes its types (so does a
+# dict given to lowcomm.Swarm): `inner_steps = "5"` or `client_mode = "true"` there is a mistake,
+# which pydantic's lax mode ran as 5 and True. The environment, flags and --set hand over text,
+# which must still convert ("5" is 5; --set values are read as TOML literals first, bare words as
+# strings). So values are read as typed unless load_config names their keys in the validation
+# context under TEXT_KEYS ({section class: {key, ...}}); pydantic's own lax checks run after.
+TEXT_KEYS = "lowcomm_text_keys"
+_EXPECTED = {bool: "a boolean (true or false)", int: "an integer", float: "a number"}
+
+
+def _from_text(cls: type, info: ValidationInfo) -> bool:
+    """Whether this value of ``cls``'s field came from text (a variable, a flag, ``--set``)."""
+    return info.field_name in ((info.context or {}).get(TEXT_KEYS) or {}).get(cls, ())
+
+
+def _scalar_kinds(annotation: Any) -> set[type]:
+    """The scalar types a field takes when they are only numbers and booleans (``int``, ``float | None``);
+    empty for any other field."""
+    kinds = set(get_args(annotation)) if get_origin(annotation) in (Union, types.UnionType) else {annotation}
+    kinds.discard(type(None))
+    return kinds if kinds and kinds <= set(_EXPECTED) else set()
+
+
+def _mistyped(value: Any, kinds: set[type]) -> str | None:
+    """What is wrong with a value written with its type (TOML) for a field of ``kinds``: a
+    string for a number or boolean, or a number for a boolean; None when nothing is."""
+    if not kinds:
+        return None
+    expected = " or ".join(_EXPECTED[kind] for kind in (bool, int, float) if kind in kinds)
+    if isinstance(value, str):
+        try:
+            unquoted = tomllib.loads(f"v = {value}")["v"] if "\n" not in value else None
+        except tomllib.TOMLDecodeError:
+            unquoted = None
+        fits = (isinstance(unquoted, bool) and bool in kinds
+                or type(unquoted) is int and bool(kinds & {int, float})
+                or type(unquoted) is float and float in kinds and math.isfinite(unquoted))
+        return (f"expected {expected}, got the string {json.dumps(value, ensure_ascii=False)}"
+                + (" (write it without quotes)" if fits else ""))
+    if kinds == {bool} and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"expected {expected}, got the number {value!r}"
+    return None
+
+
+def _wrong_type(message: str) -> PydanticCustomError:
+    # Its own error type: describe_validation_error (node/config.py) writes it as "[section] key:
+    # message", without the value that the message already quotes.
+    return PydanticCustomError("lowcomm_wrong_type", "{message}", {"message": message})
+
+
 class ConfigSection(BaseModel):
     # Unknown keys are errors: a typo in a run config must not silently fall back to a default.
     # inf and nan are refused everywhere: an outer_lr of inf committed a NaN model to the
@@ -41,7 +96,8 @@ class ConfigSection(BaseModel):
     def _no_boolean_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
         # pydantic's lax mode reads true as 1 and false as 0: `inner_steps = true` would train one
         # step a round and `--set train.seed=false` pick seed 0. Numbers given as strings (the
-        # LOWCOMM_* variables, flags) still convert.
+        # LOWCOMM_* variables, flags) still convert; written as strings in a file they do not
+        # (TEXT_KEYS above).
         annotation = cls.model_fields[info.field_name].annotation
         if isinstance(value, bool) and _numeric_only(annotation):
             raise ValueError(f"expected a number, got the boolean {str(value).lower()}")
@@ -49,7 +105,21 @@ class ConfigSection(BaseModel):
             for key, item in value.items():
                 if isinstance(item, bool):
                     raise ValueError(f"{key} = {str(item).lower()}: expected a number, got a boolean")
+        if _from_text(cls, info):
+            return value
+        mistake = _mistyped(value, _scalar_kinds(annotation))
+        if mistake is None and isinstance(value, Mapping) and _numeric_values(annotation):  # {exp_avg = "3"}
+            kinds = _scalar_kinds(get_args(annotation)[1])
+            mistake = next((f"{key}: {wrong}" for key, item in value.items()
+                            if (wrong := _mistyped(item, kinds)) is not None), None)
+        if mistake is not None:
+            raise _wrong_type(mistake)
         return value
+
+    def ignored(self) -> dict[str, str]:
+        """Keys of this section that do nothing with the kind it chose (another format, model,
+        optimizer...), each with why; node/config.py's ``ignored_settings`` warns of those set."""
+        return {}
 
 
 class RunSection(ConfigSection):
@@ -137,6 +207,11 @@ class ModelSection(ConfigSection):
                 return key  # type: ignore[return-value]
         return "preset"
 
+    def ignored(self) -> dict[str, str]:
+        if self.kind == "preset":
+            return {}
+        return {"dropout": f"it is the dropout of lowcomm's preset models, and this [model] sets {self.kind}"}
+
 
 class DataSection(ConfigSection):
     format: Literal["text", "jsonl", "tokens", "hf"] = "text"
@@ -178,6 +253,15 @@ class DataSection(ConfigSection):
             raise ValueError(f"format = \"{self.format}\" needs path (only text has a default corpus)")
         return self
 
+    def ignored(self) -> dict[str, str]:
+        found = {}
+        if self.format not in ("jsonl", "hf"):
+            found["field"] = (f"it names the text field of format = \"jsonl\" files (the column of format = \"hf\"), "
+                              f"and format is \"{self.format}\"")
+        if self.format != "tokens":
+            found["token_dtype"] = f"it is the id type of format = \"tokens\" files, and format is \"{self.format}\""
+        return found
+
 
 class TrainSection(ConfigSection):
     inner_steps: int = Field(50, ge=1)
@@ -215,6 +299,12 @@ class TrainSection(ConfigSection):
             raise ValueError(f"lr × weight_decay is {self.lr * self.weight_decay:g}: each step scales the weights by "
                              f"1 − lr·weight_decay, so it must stay below 1 (e.g. weight_decay = 0.1 with lr = 1e-3)")
         return self
+
+    def ignored(self) -> dict[str, str]:
+        if self.optimizer == "mtdao":
+            return {}
+        why = f"it tunes optimizer = \"mtdao\", and optimizer is \"{self.optimizer}\""
+        return {"mtdao_beta_slow": why, "mtdao_slow_weight": why}
 
 
 # ``[sync] method``: a named sync algorithm sets several keys together (README, "Sync options").
@@ -310,7 +400,8 @@ class SyncSection(ConfigSection):
     member is several times slower: protocol/layout.py choose_schedule), and a butterfly every
     10th step, which refreshes the bandwidths; it needs what a ring needs."""
     group_size: int = Field(16, ge=2)
-    """Largest group a leader closes."""
+    """Largest group a leader closes, except that no group is left with one member (size 2 and an
+    odd count: one group of three) and client-mode peers join the groups of reachable ones."""
     outer_lr: float = Field(1.0, gt=0.0, le=10.0)
     """Learning rate of the outer Nesterov SGD step. 1.0 with momentum 0.5 measured best at 4 peers and
     H=50 (bench/RESULTS.md section 1c; the DiLoCo paper's 0.7 / 0.9 ended 1.4 % higher). At most
@@ -381,6 +472,20 @@ class SyncSection(ConfigSection):
         if self.mode == "gossip" and self.codec == "sparseloco":
             raise ValueError("codec = \"sparseloco\" (and method = \"sparseloco\") work with mode = \"allreduce\" only")
         return self
+
+    def ignored(self) -> dict[str, str]:
+        found = {}
+        if self.mode != "gossip":
+            found["gossip_partners"] = f"it is the partner count of mode = \"gossip\", and mode is \"{self.mode}\""
+        for key, aggregation in (("clip_factor", "clipped_mean"), ("trim_fraction", "trimmed_mean")):
+            if self.aggregation != aggregation:
+                found[key] = (f"it applies to aggregation = \"{aggregation}\", and aggregation is "
+                              f"\"{self.aggregation}\"")
+        if self.overlap == "none":
+            found["overlap_apply"] = "it applies to overlap = \"delayed\" or \"eager\", and overlap is \"none\""
+        if not self.state_sync:
+            found["state_codec"] = "it encodes the optimizer states of state_sync, and state_sync is empty"
+        return found
 
     @model_validator(mode="after")
     def _robust_aggregation_needs_allreduce(self) -> "SyncSection":
@@ -494,10 +599,18 @@ class NodeSection(ConfigSection):
 
     @field_validator("peers", mode="before")
     @classmethod
-    def _split_peers(cls, value: Any) -> Any:
-        # From the environment, peers arrive as one string: accept commas and whitespace.
+    def _split_peers(cls, value: Any, info: ValidationInfo) -> Any:
+        # From the environment, peers arrive as one string: accept commas and whitespace. A
+        # string in a file is a mistake (TEXT_KEYS): `peers = "notalist"` was reported as an
+        # invalid --peers multiaddr, which named neither the file nor what to write.
         if isinstance(value, str):
-            return [part for part in value.replace(",", " ").split() if part]
+            parts = [part for part in value.replace(",", " ").split() if part]
+            if _from_text(cls, info):
+                return parts
+            example = ", ".join(json.dumps(part) for part in parts) if parts and all(
+                part.startswith("/") for part in parts) else '"/ip4/<address>/tcp/<port>/p2p/<peer id>"'
+            given = json.dumps(value, ensure_ascii=False)
+            raise _wrong_type(f"expected a list of multiaddrs, got the string {given}: write peers = [{example}]")
         return value
 
     @model_validator(mode="after")
