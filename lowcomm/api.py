@@ -126,21 +126,21 @@ class Swarm:
     def __enter__(self) -> "Swarm":
         if self._thread is not None or self._exited:
             raise SwarmError("a Swarm can be entered (opened) once; make a new lowcomm.Swarm to join again")
-        from lowcomm.node.cli import (_first_missing, _remove_if_never_used, lock_checkpoint_dir, read_credentials,
-                                      start_dht)
+        from lowcomm.node.checkpoint_dir import first_missing, lock_checkpoint_dir, remove_if_never_used
+        from lowcomm.node.cli import read_credentials, start_dht
         from lowcomm.node.memory import limit_malloc_arenas, share_tensors_by_descriptor
 
         self._claim_the_process()  # before the checkpoint folder is locked: the other may hold it
         cfg = self.config
         directory = Path(cfg.node.checkpoint_dir)
-        self._made_from = _first_missing(directory)  # as `lowcomm-node join`: a failed start leaves no new folder
+        self._made_from = first_missing(directory)  # as `lowcomm-node join`: a failed start leaves no new folder
         try:
             secret, tls = read_credentials(cfg.node)
             self._lock = lock_checkpoint_dir(directory)
         except RuntimeError as err:
             self._release_the_process()  # nothing started
             if not (directory / ".lock").exists():  # else another node made the folder meanwhile and holds it
-                _remove_if_never_used(directory, self._made_from)
+                remove_if_never_used(directory, self._made_from)
             raise SwarmError(_in_api_terms(str(err))) from None
         try:
             if self._to_load is not None:
@@ -268,10 +268,10 @@ class Swarm:
             if self._dht is not None:
                 self._dht.shutdown()
             if self._discard_if_unused and not (self._thread is not None and self._thread.is_alive()):
-                from lowcomm.node.cli import _remove_if_never_used
+                from lowcomm.node.checkpoint_dir import remove_if_never_used
 
                 # Still holding the lock: no other node can have started in the folder meanwhile.
-                _remove_if_never_used(Path(self.config.node.checkpoint_dir), self._made_from)
+                remove_if_never_used(Path(self.config.node.checkpoint_dir), self._made_from)
             if self._lock is not None:
                 self._lock.close()
             self._restore_logging()

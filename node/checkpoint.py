@@ -179,7 +179,7 @@ def read(path: PathLike) -> dict[str, Any]:
         if sha.digest() != head[len(MAGIC):]:
             raise CheckpointError(f"{path} is corrupted (its hash does not match its content)")
         fh.seek(HEADER)
-        # The directory is locked by this node (cli.lock_checkpoint_dir): nothing rewrites the
+        # The directory is locked by this node (checkpoint_dir.lock_checkpoint_dir): nothing rewrites the
         # file between the hash check and the load.
         return torch.load(io.BufferedReader(_Body(fh)), weights_only=True)
 

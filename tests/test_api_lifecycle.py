@@ -201,12 +201,12 @@ def test_a_failed_open_removes_the_checkpoint_folder_it_made_and_leaves_one_that
 
 
 def test_a_folder_another_node_made_and_locked_meanwhile_is_left_to_it(tmp_path, monkeypatch):
-    from lowcomm.node import cli
+    from lowcomm.node import checkpoint_dir
 
     folder = tmp_path / "busy"
-    lock = cli.lock_checkpoint_dir(folder)  # another node's
+    lock = checkpoint_dir.lock_checkpoint_dir(folder)  # another node's
     # As if the folder did not exist yet when this Swarm looked, and the other node made it just after.
-    monkeypatch.setattr(cli, "_first_missing", lambda directory: folder)
+    monkeypatch.setattr(checkpoint_dir, "first_missing", lambda directory: folder)
     try:
         model = nn.Linear(4, 1)
         swarm = lowcomm.Swarm(model, torch.optim.SGD(model.parameters(), lr=0.1),

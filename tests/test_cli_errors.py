@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lowcomm.node import cli
+from lowcomm.node import checkpoint_dir, cli
 from lowcomm.node.checkpoint import list_checkpoints, read
 from lowcomm.node.localswarm import node_command
 
@@ -273,13 +273,13 @@ def test_a_checkpoint_folder_on_a_full_disk_is_one_clear_error(tmp_path, monkeyp
     def disk_full(fd: int, data: bytes, offset: int) -> int:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(cli.os, "pwrite", disk_full)
+    monkeypatch.setattr(checkpoint_dir.os, "pwrite", disk_full)
     with pytest.raises(RuntimeError) as info:
-        cli.lock_checkpoint_dir(tmp_path / "ckpt")
+        checkpoint_dir.lock_checkpoint_dir(tmp_path / "ckpt")
     assert str(info.value) == (f"cannot use checkpoint directory {tmp_path / 'ckpt'}: No space left on device; free "
                                "space there, or choose another with --checkpoint-dir (or LOWCOMM_CHECKPOINT_DIR)")
     monkeypatch.undo()
-    cli.lock_checkpoint_dir(tmp_path / "ckpt").close()  # the failed attempt held no lock
+    checkpoint_dir.lock_checkpoint_dir(tmp_path / "ckpt").close()  # the failed attempt held no lock
 
 
 _INTERRUPTED_IMPORT = """
