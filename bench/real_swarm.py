@@ -122,14 +122,16 @@ def buckets_on(settings: list[str]) -> bool:
     as the node reads ``--set``, else the node's default (on since commit 90f09ea: records before
     it lack this field)."""
     from lowcomm.node.config import parse_override
-    from lowcomm.node.config_sections import SyncSection
+    from lowcomm.node.config_sections import TEXT_KEYS, SyncSection
 
     chosen: dict[str, object] = {}
     for item in settings:
         section, key, value = parse_override(item)
         if (section, key) == ("sync", "matchmaking_buckets"):
             chosen = {key: value}
-    return SyncSection(**chosen).matchmaking_buckets
+    # --set text converts as the node converts it ("True" is a boolean there, not a file's string).
+    text_keys = {TEXT_KEYS: {SyncSection: set(chosen)}}
+    return SyncSection.model_validate(chosen, context=text_keys).matchmaking_buckets
 
 
 def main(argv: list[str] | None = None) -> int:
