@@ -265,5 +265,5 @@ class CatchUp:
                                                                                  snapshot_and_hashes)
         self.donor.publish(snapshot)
         self.must_download = False
-        self.metrics.outer_step.set(state.step)
+        self.metrics.set_outer_step(state.step)
         return state_hashes

@@ -153,7 +153,7 @@ class Committer:
         m.round_group_size.set(report.group_size)
         m.round_duration.observe(report.seconds)
         m.last_sync_timestamp.set(time.time())
-        m.outer_step.set(self.state.step)
+        m.set_outer_step(self.state.step)
         event = {"outer_step": self.state.step, "params_sha256": self.state.params_hash,
                  "loss": stats.last_loss, "group_size": report.group_size,
                  "round_seconds": report.seconds, "allreduce_seconds": report.allreduce_seconds,

@@ -201,7 +201,7 @@ class Node:
                 self.evaluate_global = await self.in_train_thread(self.trainer.replica_evaluator)
             self.stats.last_eval = await self.in_train_thread(self.trainer.evaluate)
             self.metrics.eval_loss.set(self.stats.last_eval)
-            self.metrics.outer_step.set(self.state.step)
+            self.metrics.set_outer_step(self.state.step)
             if self.stop_requested.is_set():  # while the model loaded or evaluated: nothing to save yet
                 log.info("stopped during start-up, before joining the swarm (outer step %d)", self.state.step)
                 return 0

@@ -47,6 +47,7 @@ class NodeMetrics:
         self.swarm_outer_step_max = Gauge(
             "lowcomm_swarm_outer_step_max", "Highest outer step published in the DHT by any live peer.", registry=r
         )
+        self._own_step = self._published_step_max = 0  # set_outer_step, set_swarm_outer_step_max
         self.swarm_peers = Gauge("lowcomm_swarm_peers", "Live peers in the DHT, this node included, as of the node's last "
                                  "full read of the peer table (every ceil(peers / 16) heartbeats at most).",
                                  registry=r)
@@ -137,6 +138,20 @@ class NodeMetrics:
             self.round_failures.labels(reason=reason)
         for reason in REJECTION_REASONS:
             self.rejected_contributions.labels(reason=reason)
+
+    def set_outer_step(self, step: int) -> None:
+        """This node's committed outer step; the swarm's highest is never below it."""
+        self._own_step = step
+        self.outer_step.set(step)
+        self.swarm_outer_step_max.set(max(self._published_step_max, step))
+
+    def set_swarm_outer_step_max(self, published_max: int) -> None:
+        """The highest outer step the DHT showed at the last read (heartbeats), or our own if
+        higher: a commit raises it at once, where it used to trail our step until the next
+        read and a dashboard's lag (max - own) went negative. A read may lower it (the leading
+        peer left)."""
+        self._published_step_max = published_max
+        self.swarm_outer_step_max.set(max(published_max, self._own_step))
 
     def set_build_info(self, codec: str, mode: str) -> None:
         self.build_info.info({"version": __version__, "codec": codec, "mode": mode})

@@ -104,7 +104,7 @@ class SwarmLink:
         self.has_view = True
         self.pace.read_full(marks, self.position())
         self.metrics.swarm_peers.set(len(self.view.peers | {self.peer_id: None}))
-        self.metrics.swarm_outer_step_max.set(max(self.view.max_step, self.state.step))
+        self.metrics.set_swarm_outer_step_max(max(self.view.max_step, self.state.step))
         return self.view
 
     async def current_view(self) -> SwarmView:
