@@ -109,6 +109,15 @@ class ShardAccumulator:
         if not self.expected:
             self.all_arrived.set()
 
+    def unreachable(self, sender: str) -> None:
+        """Our own call to ``sender`` could not reach it (it died, or its link is down): unless its
+        stream to us has begun (that stream ends, or fails, on its own), stop waiting for it. A
+        dead member used to hold this shard until the deadline (the whole reduce timeout in a
+        group of two, where the quorum is the one other sender); one that is alive but sends
+        after this gets its part refused as late and keeps it in its residual."""
+        if sender not in self.announced:
+            self.give_up(sender)
+
     async def wait_for_senders(self, deadline: float, quorum: float) -> None:
         """Wait until every sender is in, or the deadline, or an adaptive grace after a quorum.
 

@@ -9,6 +9,7 @@ from typing import AsyncIterator, Callable
 import grpc
 
 from . import wire
+from .channels import wait_for_reconnect
 from ._pb.lowcomm.v1 import averaging_pb2, averaging_pb2_grpc
 from .transport import CallFailed, Code, Refused
 
@@ -41,9 +42,10 @@ class GrpcMatchmakingTransport:
 
     async def join(self, address: str, request: averaging_pb2.JoinRequest,
                    timeout: float) -> averaging_pb2.JoinResponse:
-        stub = averaging_pb2_grpc.AveragingStub(self._channel_for()(address))
+        channel = self._channel_for()(address)
+        timeout -= await wait_for_reconnect(channel, timeout)
         try:
-            return await stub.JoinGroup(request, timeout=timeout)
+            return await averaging_pb2_grpc.AveragingStub(channel).JoinGroup(request, timeout=max(timeout, 0.001))
         except grpc.aio.AioRpcError as err:
             raise call_failed(err) from None
 
@@ -57,9 +59,10 @@ class GrpcReduceTransport:
     async def reduce(self, address: str, requests: AsyncIterator[averaging_pb2.ReduceMessage],
                      timeout: float) -> AsyncIterator[averaging_pb2.ReduceMessage]:
         # Not the generated stub: chunks go out and come in as views, without protobuf's copies (wire.py).
-        reduce = self._channel_for(address).stream_stream(
-            REDUCE_METHOD, request_serializer=wire.serialize, response_deserializer=wire.parse)
-        call = reduce(requests, timeout=timeout)
+        channel = self._channel_for(address)
+        timeout -= await wait_for_reconnect(channel, timeout)
+        reduce = channel.stream_stream(REDUCE_METHOD, request_serializer=wire.serialize, response_deserializer=wire.parse)
+        call = reduce(requests, timeout=max(timeout, 0.001))
         try:
             async for message in call:
                 yield message
@@ -71,6 +74,8 @@ class GrpcReduceTransport:
 
     async def report_shards(self, address: str, report: averaging_pb2.ShardReport,
                             timeout: float) -> averaging_pb2.ShardReport:
+        # No wait for a reconnect here: a member of this round whose channel is backing off failed
+        # in this round already (it is dead, or its link is), and the exchange must not wait for it.
         try:
             return await averaging_pb2_grpc.AveragingStub(self._channel_for(address)).ReportShards(
                 report, timeout=timeout)

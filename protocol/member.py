@@ -244,6 +244,9 @@ async def run_allreduce(
                 log.warning("shard %d (owner %s) failed for this peer: %s", index, owner.peer_id, detail)
                 if isinstance(err, CallFailed) and err.code == Code.INVALID_ARGUMENT:
                     refused.add(index)
+                if isinstance(err, CallFailed) and err.code == Code.UNAVAILABLE:
+                    for acc in mine:  # an owner we cannot reach will not send us its part either
+                        acc.unreachable(owner.peer_id)
                 average = None
             finally:
                 stages.done(index)  # also when the stream failed before its upload ended

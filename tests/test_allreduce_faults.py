@@ -88,6 +88,39 @@ def test_dead_owner_shard_is_skipped_by_everybody_and_kept_in_residuals():
     run(scenario(), 20)
 
 
+def test_a_dead_owner_does_not_hold_the_survivors_shards_until_their_deadline():
+    """The survivors learn that the dead member is gone when their call to it fails: their own
+    shards stop waiting for its part at once instead of at the deadline (the walkthrough's
+    survivor of a peer killed mid-round waited its whole reduce timeout, ~70 s)."""
+    async def scenario():
+        reduce_timeout = 600.0  # the bound below is far shorter: only a round that does not wait passes
+        peers = await start_peers(3, NUMEL, "fp32", reduce_timeout=reduce_timeout)
+        try:
+            groups = await asyncio.gather(*(p.form(0, {p.peer_id for p in peers}) for p in peers))
+            group = groups[0]
+            dead, survivors = peers[2], peers[:2]
+            owners = [group.members[i].peer_id for i in group.shard_owners]
+            await dead.stop()
+
+            deltas = random_deltas(2)
+            old = seed_residuals(survivors)
+            contributions = [d + o for d, o in zip(deltas, old)]
+            async with asyncio.timeout(30):
+                results = await asyncio.gather(*(p.reduce(group, d) for p, d in zip(survivors, deltas)))
+
+            mean = (contributions[0] + contributions[1]) / 2  # the survivors' parts, renormalised
+            for i, sl in enumerate(results[0].slices):
+                if owners[i] == dead.peer_id:
+                    assert all(r.averages[i] is None for r in results)
+                    continue
+                assert torch.equal(results[0].averages[i], results[1].averages[i])
+                assert torch.allclose(results[0].averages[i], mean[sl], atol=1e-7, rtol=1e-6)
+        finally:
+            await stop_peers(peers)
+
+    run(scenario(), 60)
+
+
 # -- (b) a member forms the group but never sends ----------------------------------------------
 
 
