@@ -96,7 +96,8 @@ class NodeMetrics:
             registry=r,
         )
         self.rejected_contributions = Counter(
-            "lowcomm_rejected_contributions", "Received contributions left out of an average, by reason.", ["reason"],
+            "lowcomm_rejected_contributions", "Received contributions left out of an average, by reason "
+            "(config: a peer of another run config refused).", ["reason"],
             registry=r,
         )
         self.state_downloads = Counter("lowcomm_state_downloads", "Global states downloaded from peers.", registry=r)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 from . import PROTOCOL_VERSION
 from ._pb.lowcomm.v1 import handshake_pb2
@@ -20,6 +21,9 @@ class Identity:
     peer_id: str
     config_fingerprint: str
     run_config_json: str
+    # Called with the other peer's id whenever ``check`` refuses it for another run config (the
+    # node counts these: lowcomm_rejected_contributions_total{reason="config"}).
+    on_other_config: Callable[[str], None] | None = field(default=None, compare=False)
 
     def hello(self) -> handshake_pb2.Hello:
         return handshake_pb2.Hello(
@@ -40,6 +44,8 @@ class Identity:
             # Both sides are named by peer id: the message travels to the other peer (in the
             # gRPC status) and is printed there too, where "ours" would mean the wrong side.
             other = theirs.peer_id or "?"
+            if self.on_other_config is not None:
+                self.on_other_config(other)
             raise IncompatiblePeer(
                 f"peer {other} runs a different run config than peer {self.peer_id}: "
                 f"{describe_difference(self.run_config_json, theirs.run_config_json, self.peer_id, other)}"

@@ -447,6 +447,20 @@ def test_handshake_names_protocol_version_and_differing_keys():
         ours.check(garbled)
 
 
+def test_a_peer_refused_for_another_run_config_is_told_to_the_node():
+    """The node counts these refusals (lowcomm_rejected_contributions_total{reason="config"}
+    stayed 0 while the walkthrough's node refused a peer of another config every round)."""
+    a = load_config(environ={})
+    b = load_config(overrides=["sync.codec=int4"], environ={})
+    refused: list[str] = []
+    ours = Identity("A", a.run_fingerprint(), a.run_config_json(), on_other_config=refused.append)
+    ours.check(Identity("C", a.run_fingerprint(), a.run_config_json()).hello())
+    assert refused == []
+    with pytest.raises(IncompatiblePeer):
+        ours.check(Identity("B", b.run_fingerprint(), b.run_config_json()).hello())
+    assert refused == ["B"]
+
+
 # -- one overall deadline -----------------------------------------------------------------------
 
 
