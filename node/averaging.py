@@ -44,6 +44,7 @@ from .faults import Faults
 from .globalstate import GlobalState
 from .metrics import NodeMetrics
 from .ports import SwarmPort
+from .repeated import RepeatedLine
 from .runstats import RunStats
 
 if TYPE_CHECKING:
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
     from .swarm import SwarmView
 
 log = logging.getLogger("lowcomm.node")
+# How often "nobody averaged with us" may show while it repeats (Averager._say_alone).
+ALONE_LINE_EVERY_SECONDS = 60.0
 
 
 @dataclass
@@ -133,6 +136,19 @@ class Averager:
         self.last_contribution: tuple[int, torch.Tensor] | None = None
         self._phase_task: asyncio.Task | None = None
         self._round_calls = 0  # rounds this process attempted (fault injection counts them)
+        self._alone = RepeatedLine(ALONE_LINE_EVERY_SECONDS)
+
+    def _say_alone(self, step: int, others: int) -> None:
+        """A round nobody else joined, said at most once a minute: a peer whose others are busy
+        (catching up, averaging elsewhere) fails one round per inner phase, every second with a
+        small model, and the same line every second buried the rest of the log."""
+        unsaid = self._alone.due()
+        if unsaid is None:
+            log.debug("nobody averaged with us at step %d although %d peer(s) are live; training on", step, others)
+            return
+        since = f" ({unsaid} more such round(s) since this line last showed)" if unsaid else ""
+        log.warning("nobody averaged with us at step %d although %d peer(s) are live; training on%s",
+                    step, others, since, extra={"event": "round_alone", "outer_step": step, "live_peers": others})
 
     async def _in_codec_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.codec_executor, fn, *args)
@@ -251,6 +267,7 @@ class Averager:
         self.stats.rounds_attempted += 1
         if len(group.members) > 1:
             self.stats.group_rounds += 1
+            self._alone.reset()
         log.debug("group of %d formed for step %d", len(group.members), step,
                   extra={"event": "group_formed", "outer_step": step, "group_size": len(group.members)})
         await self._fault_hold(step, group)
@@ -261,8 +278,7 @@ class Averager:
             # and its progress goes into the next round.
             view = self.swarm.last_view()
             if not decisions.solo_step_allowed(view, self.swarm.position()):
-                log.warning("nobody averaged with us at step %d although %d peer(s) are live; training on",
-                            step, len(decisions.others(view, self.swarm.position())))
+                self._say_alone(step, len(decisions.others(view, self.swarm.position())))
                 self.metrics.round_failures.labels(reason="no_group").inc()
                 return None
             outcome = self._solo_step(fragment, delta)
