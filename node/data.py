@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import logging
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
     from .config import DataSection
 
 
+log = logging.getLogger("lowcomm.node")
+
+
 class DataError(Exception):
     """The configured corpus cannot be used; the message says why and what to change."""
 
@@ -41,18 +45,52 @@ def default_corpus_files() -> tuple[Path, list[Path]]:
     return root, files
 
 
-def resolve_files(pattern: str | None) -> tuple[Path, list[Path]]:
+# A glob of the files each format reads, for the hints of a path that matches none. Token files
+# have no fixed name: nanoGPT's prepare.py writes train.bin and val.bin, lowcomm reads any file.
+EXAMPLE_GLOBS = {"text": "**/*.txt", "jsonl": "**/*.jsonl", "tokens": "*.bin"}
+
+
+def resolve_files(pattern: str | None, fmt: str = "text") -> tuple[Path, list[Path]]:
+    """The files of ``[data] path`` (a glob) for ``[data] format`` ``fmt``, whose hints name
+    files of that format."""
     if pattern is None:
         return default_corpus_files()
     expanded = Path(pattern).expanduser()
     files = [p for p in sorted(Path(p) for p in glob.glob(str(expanded), recursive=True)) if p.is_file()]
+    example = EXAMPLE_GLOBS.get(fmt, EXAMPLE_GLOBS["text"])
     if not files and expanded.is_dir():
         folder = pattern.rstrip("/")
-        raise DataError(f"[data] path {pattern!r} is a folder; give a glob of its files, such as '{folder}/**/*.txt'")
+        raise DataError(f"[data] path {pattern!r} is a folder; give a glob of its files, such as "
+                        f"'{folder}/{example}'{_what_it_reads(fmt)}")
     if not files:
-        raise DataError(f"[data] path {pattern!r} matches no files; give a glob such as 'corpus/**/*.txt'"
-                        f"{relative_to_cwd(pattern)}")
+        raise DataError(f"[data] path {pattern!r} matches no files; give a glob such as 'corpus/{example}'"
+                        f"{_what_it_reads(fmt)}{relative_to_cwd(pattern)}")
     return expanded.parent, files
+
+
+def _what_it_reads(fmt: str) -> str:
+    """For tokens: what its files are, since unlike text they have no usual extension to guess."""
+    if fmt != "tokens":
+        return ""
+    return (" (format = \"tokens\" reads each file the glob matches as one flat array of token ids of [data] "
+            "token_dtype, as nanoGPT's train.bin; any name will do, so leave files such as meta.pkl out of the glob)")
+
+
+# Names of JSON files: read as text, their syntax is trained on too.
+JSON_SUFFIXES = (".jsonl", ".json")
+
+
+def warn_json_as_text(files: list[Path]) -> None:
+    """One warning when format = "text" reads files named .jsonl/.json: it trains on their raw
+    JSON (braces, keys, escapes), which may be meant, but is more often a forgotten
+    format = "jsonl" (it trained without a word)."""
+    named = [path for path in files if path.suffix.lower() in JSON_SUFFIXES]
+    if not named:
+        return
+    more = f" (and {len(named) - 1} more .jsonl/.json file(s))" if len(named) > 1 else ""
+    log.warning("[data] path matches %s%s, which format = \"text\" reads as plain text, JSON syntax and all; to "
+                "train on the text of each record instead, set [data] format = \"jsonl\" (and [data] field, "
+                "default \"text\")", named[0], more, extra={"event": "data_json_as_text"})
 
 
 def _is_eval(relative_name: str, eval_fraction: float) -> bool:
@@ -123,6 +161,8 @@ class Corpus:
 def load_corpus(pattern: str | None, eval_fraction: float, max_bytes: int = 64 * 2**20) -> Corpus:
     """The text format with the byte tokenizer (the default corpus): at most ``max_bytes`` read."""
     root, files = resolve_files(pattern)
+    if pattern is not None:
+        warn_json_as_text(files)
     train_parts: list[bytes] = []
     eval_parts: list[bytes] = []
     total = 0
@@ -214,7 +254,9 @@ def _load_formatted(section: "DataSection", max_bytes: int) -> Corpus:
         else:
             held_out = TokenArray([formats.join(held_rows, sep, dtype)])
         return Corpus(train=train, eval=held_out, files=1, vocab_size=vocab)
-    root, files = resolve_files(section.path)
+    root, files = resolve_files(section.path, section.format)
+    if section.format == "text":
+        warn_json_as_text(files)
     if section.format == "tokens":
         maps = [(_name(path, root), formats.open_tokens(path, section.token_dtype)) for path in files]
         train = TokenArray([m for name, m in maps if not _is_eval(name, section.eval_fraction)])

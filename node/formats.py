@@ -14,6 +14,7 @@ text format has always joined files.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import hashlib
 import json
@@ -32,20 +33,45 @@ class FormatError(FatalError):
     with one line too."""
 
 
-# A text file with more of its bytes outside UTF-8 (or NUL) than this is binary: most likely a
-# file of token ids given without ``format = "tokens"``. Text in Latin-1 stays well below it.
+# A text file with more of its bytes outside UTF-8 (or NUL) than this is refused; below it, the
+# stray bytes (a few Latin-1 accents in English text) are replaced and the text trains.
 NOT_TEXT_SHARE = 0.1
+
+# Bytes that text in no encoding in use puts in its prose: NUL and the C0 controls other than
+# whitespace, ESC (terminal colours) and SUB (DOS end of file). Token ids are full of them (an id
+# below 8192 has one as its high byte, a uint32 id two NULs); Latin-1 or Windows-1251 text, whose
+# letters are the bytes above 127, has none.
+CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\v\f\r\x1a\x1b")
+
+# A refused file with more control bytes than this is binary (token ids given without
+# format = "tokens"); with fewer it is text in another encoding than UTF-8.
+BINARY_SHARE = 0.05
 
 
 def decode_text(path: Path, raw: bytes) -> str:
     """``raw`` (the content of ``path``) as UTF-8 text, a stray invalid byte replaced; a file that
-    is not text raises FormatError."""
+    is not UTF-8 text raises FormatError."""
     text = raw.decode("utf-8", errors="replace")
     share = (raw.count(0) + text.count("\ufffd")) / max(1, len(raw))
     if share > NOT_TEXT_SHARE:
-        raise FormatError(f"{path} is not text: {share:.0%} of its bytes are NUL or not UTF-8; for a file of token "
-                          f"ids set [data] format = \"tokens\" (and token_dtype), or point [data] path at text files")
+        raise FormatError(_not_text_message(path, raw, share))
     return text
+
+
+def _not_text_message(path: Path, raw: bytes, share: float) -> str:
+    """Why ``path`` is refused, and the fix for what it most likely is: text in another encoding
+    (convert it) or binary token ids (the tokens format). Both used to get the tokens hint, which
+    sent a user with a Latin-1 file to a format that would have trained on its bytes as ids."""
+    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # before the NUL count: UTF-16 is half NUL
+        return (f"{path} is UTF-16 text (it starts with a UTF-16 byte-order mark), not UTF-8: convert it, "
+                f"e.g. `iconv -f utf-16 -t utf-8 OLD > NEW`")
+    controls = (len(raw) - len(raw.translate(None, CONTROL_BYTES))) / max(1, len(raw))
+    if controls > BINARY_SHARE:
+        return (f"{path} is not text: {share:.0%} of its bytes are NUL or not UTF-8; for a file of token "
+                f"ids set [data] format = \"tokens\" (and token_dtype), or point [data] path at text files")
+    return (f"{path} is not UTF-8: {share:.0%} of its bytes are not UTF-8, and it looks like text in another "
+            f"encoding (such as Latin-1, Windows-1252 or Windows-1251): convert it to UTF-8, e.g. "
+            f"`iconv -f latin1 -t utf-8 OLD > NEW` (-f names its encoding; `iconv -l` lists them)")
 
 
 class ByteTokenizer:
@@ -69,7 +95,9 @@ class FileTokenizer:
         try:
             self.tokenizer = Tokenizer.from_file(str(Path(path).expanduser()))
         except Exception as err:  # noqa: BLE001 - the library raises a bare Exception on bad files
-            raise FormatError(f"[data] tokenizer {path} is not a readable tokenizer.json: {err}") from None
+            raise FormatError(f"[data] tokenizer {path} is not a readable tokenizer.json ({err}): give the "
+                              f"tokenizer.json of the model's tokenizer (as the tokenizers library or "
+                              f"save_pretrained writes it), or \"bytes\"") from None
         self.vocab_size = int(self.tokenizer.get_vocab_size(with_added_tokens=True))
         self.dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
 
@@ -94,7 +122,8 @@ def tokenizer_definition(path: str) -> dict[str, Any]:
     try:
         content = Path(path).expanduser().read_bytes()
     except OSError as err:
-        raise FormatError(f"[data] tokenizer {path}: {err.strerror}") from None
+        raise FormatError(f"[data] tokenizer {path} cannot be read ({err.strerror}): give a readable "
+                          f"tokenizer.json, or \"bytes\"") from None
     return {"tokenizer_sha256": hashlib.sha256(content).hexdigest(),
             "vocab_size": FileTokenizer(path).vocab_size}
 
@@ -123,10 +152,34 @@ def jsonl_documents(path: Path, field: str) -> Iterator[str]:
                 record = json.loads(line)
             except ValueError as err:
                 raise FormatError(f"{path}:{number} is not JSON ({err.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                keys = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
-                raise FormatError(f"{path}:{number} has no text under {field!r} (it has: {keys}); set [data] field")
-            yield record[field]
+            yield _record_text(path, number, record, field)
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type (what the user sees in the file, not Python's)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):  # before int: bool is an int in Python
+        return "boolean"
+    return {dict: "object", list: "array", str: "string"}.get(type(value), "number")
+
+
+def _record_text(path: Path, number: int, record: Any, field: str) -> str:
+    """The text of one parsed record (line ``number``), or a FormatError that says which of the
+    three things is wrong: not an object, no such key, or a value under the key that is no text."""
+    if not isinstance(record, dict):
+        raise FormatError(f"{path}:{number} is a JSON {json_type(record)}, not an object; format = \"jsonl\" reads "
+                          f"one object per line, its text under [data] field")
+    if field not in record:
+        raise FormatError(f"{path}:{number} has no text under {field!r} (it has: {', '.join(sorted(record))}); "
+                          f"set [data] field")
+    value = record[field]
+    if not isinstance(value, str):
+        # Not "has no text under": the key is there (the old message listed it as present).
+        raise FormatError(f"{path}:{number}: the value under {field!r} is a JSON {json_type(value)}, not a string; "
+                          f"each record's text must be one string (e.g. {{{json.dumps(field)}: \"...\"}}): write "
+                          f"the file that way, or set [data] field to the key that holds the text")
+    return value
 
 
 def open_tokens(path: Path, dtype: str) -> np.ndarray:

@@ -7,6 +7,7 @@ here is locked. The global parameters cross the boundary as flat float32 CPU ten
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from typing import Callable
@@ -20,6 +21,8 @@ from .data import Corpus, DataError, ShardSampler, eval_batches, load_data
 from .errors import FatalError
 from .models import build_model_for, vocab_size_of
 from .ports import PhaseStats  # noqa: F401 (re-exported: part of this module's API)
+
+log = logging.getLogger("lowcomm.node")
 
 
 def pick_device(choice: str) -> torch.device:
@@ -134,6 +137,34 @@ class FlatParams:
         self.optimizer.state.clear()
 
 
+def vocabulary_fix(config: Config, needed: int, has: int) -> str:
+    """How to fit a tokenizer of ``needed`` ids to the model of ``config`` (which takes ``has``):
+    where a model's vocabulary is set depends on its kind (the presets have no key for it; "a model
+    with vocab_size >= N" sent users to a [model] vocab_size that does not exist)."""
+    model = config.model
+    if model.kind == "hf_config":
+        return (f"set \"vocab_size\" to {needed} or more in the config.json of [model] hf_config "
+                f"({model.hf_config}), or use a tokenizer of at most {has} ids")
+    if model.kind == "hf_pretrained":
+        return f"use the tokenizer.json made for the model in {model.hf_pretrained} ([model] hf_pretrained)"
+    if model.kind == "factory":
+        return (f"make [model] factory build a module that takes {needed} or more token ids (its vocab_size "
+                f"attribute says how many), e.g. through [model] factory_kwargs, or use a tokenizer of at most "
+                f"{has} ids")
+    return (f"lowcomm's preset models are byte-level and no key changes their vocabulary: set [data] tokenizer = "
+            f"\"bytes\", or train a model of your own with {needed} or more token ids ([model] hf_config, a "
+            f"config.json with \"vocab_size\": {needed}, or [model] factory)")
+
+
+def data_summary(config: Config, corpus: Corpus, parameters: int) -> str:
+    """One line of what the node trains on, so that a wrong glob or format shows at start (a run
+    on the wrong data otherwise looks like any other run)."""
+    data = config.data
+    source = f"[data] path {data.path!r}" if data.path else "the standard library's .py files (no [data] path)"
+    return (f"data: {source}, format {data.format}, tokenizer {data.tokenizer}: {corpus.files} file(s), "
+            f"{len(corpus.train):,} training tokens, {len(corpus.eval):,} held out; model: {parameters:,} parameters")
+
+
 class Trainer(FlatParams):
     """The daemon's trainer: a ``TrainerPort`` (node/ports.py) that is also ``ReplicaEvaluating``."""
 
@@ -150,8 +181,7 @@ class Trainer(FlatParams):
         vocab = vocab_size_of(self.model)
         if vocab is not None and corpus.vocab_size is not None and corpus.vocab_size > vocab:
             raise DataError(f"[data] tokenizer {config.data.tokenizer!r} has a vocabulary of {corpus.vocab_size}, "
-                            f"more than the model's {vocab}: use the model's tokenizer, or a model with "
-                            f"vocab_size >= {corpus.vocab_size}")
+                            f"more than the model's {vocab}: {vocabulary_fix(config, corpus.vocab_size, vocab)}")
         # Ids of tokens files (whose vocabulary nothing states) are checked batch by batch.
         try:
             self.sampler = ShardSampler(corpus.train, config.data.seq_len, config.train.batch_size,
@@ -161,6 +191,9 @@ class Trainer(FlatParams):
         except DataError as err:  # name the data the split came from
             source = f"[data] path {config.data.path!r}" if config.data.path else "the bundled corpus"
             raise DataError(f"{source}: {err}") from None
+        log.info("%s", data_summary(config, corpus, self.numel), extra={
+            "event": "data_loaded", "files": corpus.files, "train_tokens": len(corpus.train),
+            "eval_tokens": len(corpus.eval), "parameters": self.numel})
         self.optimizer = build_optimizer(config, self.params)
         self.inner_steps_done = 0
         # bf16 autocast on CUDA: the usual speed-up for transformer training, weights stay fp32.

@@ -42,6 +42,31 @@ def test_a_file_of_token_ids_given_as_text_is_refused_with_the_fix(tmp_path):
     assert len(load_data(data_section(f"data.path={tmp_path / 'latin.txt'}")).train) > 0
 
 
+
+@pytest.mark.parametrize("name,raw,encoding", [
+    ("fr.txt", "Élève à côté, été déjà là; où ça? ".encode("latin-1") * 300, "latin1"),  # 35% accents
+    ("ru.txt", "Съешь же ещё этих мягких французских булок. ".encode("cp1251") * 300, "latin1"),
+    ("win.txt", "\ufeffplain text from Notepad\r\n".encode("utf-16") * 300, "utf-16"),
+])
+def test_text_in_another_encoding_is_refused_with_the_hint_to_convert_it(tmp_path, name, raw, encoding):
+    # It was told to set format = "tokens", which would have trained on its bytes as token ids.
+    (tmp_path / name).write_bytes(raw)
+    with pytest.raises(DataError, match=rf"{name} is (not )?UTF-(8|16).*convert it.*`iconv -f {encoding} -t utf-8 "
+                                        rf"OLD > NEW`") as caught:
+        load_data(data_section(f"data.path={tmp_path / name}"))
+    assert "tokens" not in str(caught.value)
+
+
+def test_a_folder_given_to_the_tokens_format_gets_the_hint_of_token_files(tmp_path):
+    # It got the text format's "such as 'DIR/**/*.txt'".
+    (np.arange(5_000) % 1000).astype(np.uint16).tofile(tmp_path / "train.bin")
+    hint = r"reads each file the glob matches as one flat array of token ids of \[data\] token_dtype"
+    with pytest.raises(DataError, match=rf"is a folder; give a glob of its files, such as '.*/\*\.bin' \(.*{hint}"):
+        load_data(data_section("data.format=tokens", f"data.path={tmp_path}"))
+    with pytest.raises(DataError, match=rf"matches no files; give a glob such as 'corpus/\*\.bin' \(.*{hint}"):
+        load_data(data_section("data.format=tokens", f"data.path={tmp_path}/*.npy"))
+
+
 # -- tokens -----------------------------------------------------------------------------------------
 
 
@@ -108,6 +133,46 @@ def test_jsonl_reads_the_configured_field(tmp_path):
         load_data(data_section("data.format=jsonl", f"data.path={tmp_path / 'bad.jsonl'}"))
 
 
+
+@pytest.mark.parametrize("value,kind", [(5, "number"), (["a", "b"], "array"), ({"t": "x"}, "object"),
+                                        (None, "null"), (True, "boolean")])
+def test_a_jsonl_record_whose_text_is_not_a_string_names_its_json_type(tmp_path, value, kind):
+    # It said "has no text under 'content' (it has: content)": the key it said was missing.
+    path = tmp_path / "docs.jsonl"
+    path.write_text(json.dumps({"content": "fine"}) + "\n" + json.dumps({"content": value, "id": 2}) + "\n")
+    with pytest.raises(DataError, match=rf"docs.jsonl:2: the value under 'content' is a JSON {kind}, not a string; "
+                                        r"each record's text must be one string \(e.g. \{\"content\": \"...\"\}\)"):
+        load_data(data_section("data.format=jsonl", f"data.path={path}", "data.field=content"))
+
+
+def test_a_jsonl_line_that_is_not_an_object_says_so(tmp_path):
+    (tmp_path / "docs.jsonl").write_text('["a list", "of text"]\n')
+    with pytest.raises(DataError, match=r"docs.jsonl:1 is a JSON array, not an object; format = \"jsonl\" reads"):
+        load_data(data_section("data.format=jsonl", f"data.path={tmp_path / 'docs.jsonl'}"))
+
+
+def data_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if getattr(r, "event", None) == "data_json_as_text"]
+
+
+def test_json_files_read_as_text_train_with_one_warning_to_set_the_jsonl_format(tmp_path, caplog):
+    # It trained on the raw JSON without a word.
+    for name in ("a.jsonl", "b.json"):
+        (tmp_path / name).write_text("\n".join(json.dumps({"text": doc}) for doc in DOCS[:5]))
+    (tmp_path / "c.txt").write_text(DOCS[5])
+    caplog.set_level("WARNING", logger="lowcomm.node")
+    corpus = load_data(data_section(f"data.path={tmp_path}/*"))
+    assert len(corpus.train) > 0  # raw JSON may be meant: it still trains
+    [warning] = data_warnings(caplog)
+    assert warning.startswith(f"[data] path matches {tmp_path / 'a.jsonl'} (and 1 more .jsonl/.json file(s)), "
+                              f"which format = \"text\" reads as plain text")
+    assert 'set [data] format = "jsonl"' in warning
+    caplog.clear()
+    load_data(data_section(f"data.path={tmp_path}/*.txt"))
+    load_data(data_section("data.format=jsonl", f"data.path={tmp_path}/*.jsonl"))
+    assert data_warnings(caplog) == []
+
+
 def test_text_and_jsonl_read_no_more_than_the_cap_of_a_file_larger_than_it(tmp_path):
     # The cap applied after a whole file was read: a 600 MB file cost 1.5 GB at start.
     text = "\n".join(DOCS)
@@ -118,6 +183,23 @@ def test_text_and_jsonl_read_no_more_than_the_cap_of_a_file_larger_than_it(tmp_p
     corpus = load_data(data_section("data.format=jsonl", f"data.path={tmp_path / 'big.jsonl'}"), max_bytes=10_000)
     held = bytes(as_array(corpus.train)) + bytes(as_array(corpus.eval))
     assert held == "\n".join(DOCS[:4]).encode()  # whole records, up to the first that reaches the cap
+
+
+def test_the_node_says_what_it_trains_on_in_one_line(tmp_path, caplog):
+    """A wrong glob or format used to show nowhere: the node trained on whatever it matched."""
+    from lowcomm.node.trainer import Trainer
+
+    (tmp_path / "a.txt").write_text(DOCS[0])
+    (tmp_path / "b.txt").write_text(DOCS[1])
+    config = load_config(overrides=["data.seq_len=16", f"data.path={tmp_path}/*.txt"], environ={})
+    caplog.set_level("INFO", logger="lowcomm.node")
+    trainer = Trainer(config, "peer")
+    [line] = [r for r in caplog.records if getattr(r, "event", None) == "data_loaded"]
+    corpus = load_data(config.data)
+    assert line.getMessage() == (
+        f"data: [data] path '{tmp_path}/*.txt', format text, tokenizer bytes: 2 file(s), "
+        f"{len(corpus.train):,} training tokens, {len(corpus.eval):,} held out; model: {trainer.numel:,} parameters")
+    assert (line.files, line.train_tokens + line.eval_tokens) == (2, len(DOCS[0].encode()) + len(DOCS[1].encode()))
 
 
 def test_formats_other_than_text_need_a_path():
@@ -145,6 +227,29 @@ def test_text_through_a_trained_tokenizer(tmp_path, tokenizer):
     assert Tokenizer.from_file(str(tokenizer)).decode(ids.tolist()) == DOCS[0]
     assert len(ids) < len(DOCS[0]) / 1.5  # merges: fewer tokens than bytes
     assert ids.max() >= 256  # ids beyond the byte range: a uint8 array would have wrapped them
+
+
+
+def test_a_json_file_read_as_text_through_a_tokenizer_is_warned_about_too(tmp_path, tokenizer, caplog):
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": doc}) for doc in DOCS[:5]))
+    caplog.set_level("WARNING", logger="lowcomm.node")
+    load_data(data_section(f"data.path={tmp_path / 'docs.jsonl'}", f"data.tokenizer={tokenizer}"))
+    assert len(data_warnings(caplog)) == 1
+
+
+def test_a_tokenizer_larger_than_the_preset_model_names_a_fix_that_exists(tmp_path, tokenizer):
+    # It said "or a model with vocab_size >= 400": [model] has no vocab_size key (a config error).
+    from lowcomm.node.trainer import Trainer
+
+    (tmp_path / "a.txt").write_text("\n".join(DOCS))
+    config = load_config(overrides=["data.seq_len=16", f"data.path={tmp_path / 'a.txt'}",
+                                    f"data.tokenizer={tokenizer}"], environ={})
+    with pytest.raises(DataError, match=r"has a vocabulary of 400, more than the model's 256: lowcomm's preset "
+                                        r"models are byte-level and no key changes their vocabulary: set \[data\] "
+                                        r"tokenizer = \"bytes\", or train a model of your own with 400 or more token "
+                                        r"ids \(\[model\] hf_config, a config.json with \"vocab_size\": 400") as caught:
+        Trainer(config, "peer-a")
+    assert "vocab_size >=" not in str(caught.value)
 
 
 def test_the_tokenizer_enters_the_fingerprint_by_content(tmp_path, tokenizer):

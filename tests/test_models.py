@@ -222,5 +222,6 @@ def test_data_outside_the_models_vocabulary_is_refused(tmp_path):
         Trainer(config(f"model.hf_config={path}", "data.format=tokens", f"data.path={ids}"), "peer-a")
     text = tmp_path / "corpus.txt"
     text.write_bytes(stdlib_text(100_000))
-    with pytest.raises(DataError, match="vocabulary of 256, more than the model's 128"):
+    with pytest.raises(DataError, match=r"vocabulary of 256, more than the model's 128: set \"vocab_size\" to 256 or "
+                                        r"more in the config.json of \[model\] hf_config"):
         Trainer(config(f"model.hf_config={path}", f"data.path={text}"), "peer-a")
