@@ -25,8 +25,9 @@ from .checkpoint_dir import first_missing, lock_checkpoint_dir, remove_if_never_
 from .config import (NODE_KEYS, Config, ConfigError, NodeSection, load_config, read_layers, validate_layers,
                      warn_ignored_settings)
 
-# 2: what was given is wrong (a config key, a flag, --peers, --data), as argparse's own errors;
-# 1: the node could not do its work (an unreachable peer, a busy port, a failed round).
+# 2: what was given is wrong (a config key, a flag, --peers, --data, a port another process holds,
+# a tokenizer or model file that cannot be used), as argparse's own errors;
+# 1: the node could not do its work (an unreachable peer, a failed round).
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
 
@@ -174,9 +175,8 @@ def start_dht(config: Config, sources: dict[tuple[str, str], str] | None = None)
                 f"none of the peers answered: {' '.join(node.peers)}; check the multiaddr "
                 f"(it must end in /p2p/<peer id>) and that the peer is running and reachable"
             ) from None
-        if "address already in use" in text:
-            raise RuntimeError(f"DHT port {node.dht_port} on {host} is already in use; "
-                               f"choose another with --dht-port (or LOWCOMM_DHT_PORT)") from None
+        if "address already in use" in text:  # taken since _check_dht_address's probe
+            raise UsageError(_busy_port_message("dht_port", host, node.dht_port)) from None
         if "is already taken by another peer" in text:  # hivemind found our peer id in the swarm
             raise RuntimeError(f"identity file {config.identity_path} is in use by another running node (a copied "
                                f"checkpoint folder?): every node needs its own peer id; give this one another "
@@ -264,9 +264,59 @@ def _check_dht_address(host: str, port: int) -> None:
         raise RuntimeError(f"--host {host} is not an address of this machine ({err.strerror}): give one of its "
                            f"own, or 0.0.0.0 for every interface (--announce-host sets the address peers are told)")
     if err.errno == errno.EADDRINUSE and port != 0:
-        raise RuntimeError(f"DHT port {port} on {host} is already in use; choose another with --dht-port "
-                           f"(or LOWCOMM_DHT_PORT)")
+        raise UsageError(_busy_port_message("dht_port", host, port))
     # Another problem: p2pd's own message names it.
+
+
+# The node's listening ports (config keys) and the servers they belong to, for the messages.
+_PORT_SERVERS = {"dht_port": "DHT", "grpc_port": "gRPC", "metrics_port": "metrics"}
+
+
+def _port_flag(key: str) -> str:
+    """How to set the port ``key``: ``--grpc-port (or LOWCOMM_GRPC_PORT)``."""
+    return f"--{key.replace('_', '-')} (or LOWCOMM_{key.upper()})"
+
+
+def _busy_port_message(key: str, host: str, port: int) -> str:
+    return (f"{_PORT_SERVERS[key]} port {port} on {host} is already in use by another process; choose another "
+            f"with {_port_flag(key)}, or 0 for any free port")
+
+
+def check_ports(node: NodeSection) -> None:
+    """Refuse, before anything starts, a port of the node's servers (DHT, gRPC, metrics) that another
+    process listens on: gRPC's and the metrics server's own binds came only after the DHT's start
+    (12 s on a loaded machine). A UsageError: the port is the user's to change. The probe binds as
+    the servers do (protocol/bindprobe.py: address reuse, no port sharing; prometheus_client's HTTP
+    server reuses addresses too), so what it refuses they would; a port taken between the probe and
+    the server's bind is still named there (node/daemon.py). One port given to two servers is a
+    config error already (NodeSection); a --host that is not this machine's is left to
+    ``_check_dht_address``, which names it."""
+    from lowcomm.protocol.bindprobe import bind_probe_error
+
+    for key in _PORT_SERVERS:
+        port = getattr(node, key)
+        if port == 0:  # any free port: never busy
+            continue
+        err = bind_probe_error(node.host, port)
+        if err is not None and err.errno == errno.EADDRINUSE:
+            raise UsageError(_busy_port_message(key, node.host, port))
+
+
+def check_run_files(config: Config) -> None:
+    """Read what the run config names in files before anything starts (the checkpoint folder, the
+    DHT): a tokenizer.json the tokenizers library cannot read, or a Hugging Face model whose
+    positions are fewer than [data] seq_len, were found only as the node built its fingerprint and
+    model after the DHT's start, and ended it with code 1 as if the node had failed. Raises
+    FormatError or ModelError. The model is not built here (node/models/hf.py check_seq_len): that
+    would start torch's threads before the DHT process is forked."""
+    if config.data.tokenizer != "bytes":
+        from .formats import tokenizer_definition
+
+        tokenizer_definition(config.data.tokenizer)  # cached: the fingerprint reads it again for free
+    if config.model.kind in ("hf_config", "hf_pretrained"):
+        from .models.hf import check_seq_len
+
+        check_seq_len(config.model, config.data.seq_len)
 
 
 def _read_file(path: Path, what: str) -> bytes:
@@ -323,10 +373,11 @@ def cmd_join(args: argparse.Namespace) -> int:
         return _fail(str(err), EXIT_USAGE)
     try:
         run_secret, tls = read_credentials(config.node)
+        check_ports(config.node)  # before the checkpoint folder is made and the DHT starts
     except RuntimeError as err:
         return _fail(str(err), EXIT_USAGE)
 
-    from .errors import FatalError
+    from .errors import FatalError, SettingError
 
     if config.node.device == "cuda":  # before the DHT starts and the checkpoint folder is made
         from .trainer import pick_device
@@ -339,6 +390,13 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     human = setup_logging(config.node.log_format, config.node.log_level)
     from .data import DataError
+    from .formats import FormatError
+    from .models import ModelError
+
+    try:
+        check_run_files(config)  # before the checkpoint folder is made and the DHT starts
+    except (FormatError, ModelError) as err:
+        return _fail(str(err), EXIT_USAGE)
 
     directory = config.node.checkpoint_dir
     made_from = first_missing(directory)  # the folder this start makes (None: it exists)
@@ -368,7 +426,9 @@ def cmd_join(args: argparse.Namespace) -> int:
             code = uvloop.run(Node(config, dht, human, run_secret, tls).run())
             failed = code != 0
             return code
-        except DataError as err:  # the [data] config (--data) names what cannot be used: a usage error
+        # The config names what cannot be used (--data, a model that does not build, a port taken
+        # since check_ports): the user's to change, a usage error.
+        except (DataError, FormatError, ModelError, SettingError) as err:
             return _fail(str(err), EXIT_USAGE)
         except FatalError as err:
             return _fail(str(err))

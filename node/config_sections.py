@@ -127,6 +127,12 @@ class RunSection(ConfigSection):
     """Name of the run; prefixes every DHT key, so two runs can share one DHT."""
 
 
+# The weight files transformers' from_pretrained looks for in a local directory (without the
+# from_tf, from_flax or variant arguments, which lowcomm never passes): one file or a shard index.
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                   "pytorch_model.bin.index.json")
+
+
 def relative_to_cwd(path: str) -> str:
     """For a message about a relative path that was not found: where it was looked for. A path in
     a config file is read from the current directory, not from the file's."""
@@ -186,6 +192,11 @@ class ModelSection(ConfigSection):
                 f"{value!r} is not a local directory: lowcomm loads models from local files only (no hub "
                 f"access at run time). Download it first with huggingface_hub's CLI, e.g. "
                 f"`hf download {value} --local-dir DIR`, and set hf_pretrained = \"DIR\"")
+        if value is not None and not any((Path(value).expanduser() / name).is_file() for name in HF_WEIGHT_FILES):
+            # Else from_pretrained said so only as the model was built, after the DHT's start.
+            raise ValueError(f"{value!r} holds a config.json but no weights ({', '.join(HF_WEIGHT_FILES)}); give the "
+                             f"directory that save_pretrained (or `hf download`) wrote, or set hf_config to its "
+                             f"config.json instead for random initial weights")
         return value
 
     @model_validator(mode="after")

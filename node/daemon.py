@@ -55,7 +55,7 @@ from .commit import Committer
 from .config import Config, fingerprint_of
 from .dht import swarm_clock
 from .driver import RoundDriver, StopSignals
-from .errors import FatalError
+from .errors import FatalError, SettingError
 from .executors import TrackedThreadPool, shutdown_without_blocking
 from .faults import Faults
 from .globalstate import GlobalState
@@ -91,7 +91,8 @@ class Node:
         self.human = human
         self.peer_id = str(dht.peer_id)
         run_config = config.run_config_json()
-        self.identity = Identity(self.peer_id, fingerprint_of(run_config), run_config)
+        self.identity = Identity(self.peer_id, fingerprint_of(run_config), run_config,
+                                 on_other_config=lambda _: self.metrics.rejected_contributions.labels(reason="config").inc())
         self.codec = codecs.get_codec(config.sync.codec)
         self.metrics = NodeMetrics()
         self.metrics.set_build_info(config.sync.codec, config.sync.mode)
@@ -288,8 +289,10 @@ class Node:
         except BindError as err:
             if err.errno not in (errno.EADDRINUSE, None):  # e.g. a port below 1024 without root
                 raise FatalError(f"{err}: choose another --host or --grpc-port") from None
-            raise FatalError(f"{err}: is gRPC port {cfg.grpc_port} already in use? "
-                             f"choose another with --grpc-port (or LOWCOMM_GRPC_PORT)") from None
+            # `join` probes it before the DHT starts (cli.check_ports): another process took it since.
+            raise SettingError(f"{err}: is gRPC port {cfg.grpc_port} already in use? "
+                               f"choose another with --grpc-port (or LOWCOMM_GRPC_PORT), or 0 for any free port"
+                               ) from None
         await server.start()
         await self.health.set(HEALTH_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
         log.info("gRPC server on port %d: %s, %s", port, "TLS" if self.tls else "plaintext",
@@ -325,8 +328,10 @@ class Node:
         try:
             return serve_metrics(self.metrics, cfg.host, cfg.metrics_port)
         except OSError as err:
-            raise FatalError(f"cannot serve metrics on {cfg.host}:{cfg.metrics_port} ({err.strerror}): "
-                             f"choose another port with --metrics-port (or LOWCOMM_METRICS_PORT)") from None
+            kind = SettingError if err.errno == errno.EADDRINUSE else FatalError  # a busy port: the user's to change
+            raise kind(f"cannot serve metrics on {cfg.host}:{cfg.metrics_port} ({err.strerror}): "
+                       f"choose another port with --metrics-port (or LOWCOMM_METRICS_PORT), or 0 for any free port"
+                       ) from None
 
     def _announce_host(self) -> str:
         cfg = self.config.node

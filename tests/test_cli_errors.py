@@ -170,13 +170,31 @@ def test_malformed_config_names_file_key_and_expectation(tmp_path):
     assert_one_line_error(run_join(tmp_path, "--config", str(config)), str(config), "not valid TOML")
 
 
-def test_busy_grpc_port_names_the_port_and_the_flag(tmp_path):
+def assert_refused_before_anything_started(result: subprocess.CompletedProcess, folder: Path) -> None:
+    """A usage error (code 2) found before the node locked ``folder`` (a checkpoint folder the user
+    made, which keeps what a start writes in it) and before its DHT wrote the identity there."""
+    assert result.returncode == 2, result.stderr
+    assert list(folder.iterdir()) == [], "the checkpoint folder was locked (or the DHT started) first"
+
+
+def run_join_on_busy_port(tmp_path: Path, flag: str,
+                          reuseport: bool = False) -> tuple[subprocess.CompletedProcess, int]:
+    """``join`` with ``flag`` set to a port this test listens on, into a checkpoint folder made here."""
+    (tmp_path / "ckpt").mkdir()
     with socket.socket() as busy:
+        if reuseport:  # as p2pd listens
+            busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = run_join(tmp_path, "--grpc-port", str(port))
-    assert_one_line_error(result, str(port), "(Address already in use)", "--grpc-port")
+        return run_join(tmp_path, flag, str(port)), port
+
+
+def test_busy_grpc_port_names_the_port_and_the_flag(tmp_path):
+    # It was found when the gRPC server bound it, after the DHT's start (12 s), with code 1.
+    result, port = run_join_on_busy_port(tmp_path, "--grpc-port")
+    assert_refused_before_anything_started(result, tmp_path / "ckpt")
+    assert_one_line_error(result, f"gRPC port {port} on 127.0.0.1 is already in use", "--grpc-port", "or 0")
     assert "add_port" not in result.stderr  # gRPC core's own error line came before ours
 
 
@@ -197,22 +215,72 @@ def test_a_host_name_instead_of_an_address_is_one_line_naming_the_flag(tmp_path)
 def test_dht_port_of_a_running_node_names_the_port_and_the_flag(tmp_path):
     # p2pd listens with SO_REUSEPORT, as this stand-in does: a second node's p2pd shared the port
     # with it (a dialled multiaddr reached either) instead of failing.
-    with socket.socket() as busy:
-        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        result = run_join(tmp_path, "--dht-port", str(port))
-    assert_one_line_error(result, str(port), "--dht-port")
+    result, port = run_join_on_busy_port(tmp_path, "--dht-port", reuseport=True)
+    assert_refused_before_anything_started(result, tmp_path / "ckpt")  # it was code 1, after the lock
+    assert_one_line_error(result, f"DHT port {port} on 127.0.0.1 is already in use", "--dht-port")
 
 
 def test_busy_metrics_port_names_the_port_and_the_flag(tmp_path):
+    # It was found when the metrics server bound it, after the DHT's start, with code 1.
+    result, port = run_join_on_busy_port(tmp_path, "--metrics-port")
+    assert_refused_before_anything_started(result, tmp_path / "ckpt")
+    assert_one_line_error(result, f"metrics port {port} on 127.0.0.1 is already in use", "--metrics-port")
+
+
+def test_a_metrics_port_taken_after_the_check_is_still_a_usage_error():
+    # A port another process takes between check_ports and the server's own bind is named there:
+    # a SettingError, which `join` ends with code 2 as the check does (it was a FatalError, code 1).
+    from types import SimpleNamespace
+
+    from lowcomm.node.config import load_config
+    from lowcomm.node.daemon import Node
+    from lowcomm.node.errors import SettingError
+    from lowcomm.node.metrics import NodeMetrics
+
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = run_join(tmp_path, "--metrics-port", str(port))
-    assert_one_line_error(result, str(port), "--metrics-port")
+        config = load_config(None, {"host": "127.0.0.1", "metrics_port": port}, [], environ={})
+        with pytest.raises(SettingError, match=f"metrics on 127.0.0.1:{port} .*--metrics-port"):
+            Node._start_metrics(SimpleNamespace(config=config, metrics=NodeMetrics()))
+
+
+@pytest.mark.parametrize("content", ['{"version": "1.0"', "not json", ""], ids=["truncated", "not-json", "empty"])
+def test_a_tokenizer_file_that_cannot_be_read_is_a_usage_error_before_anything_starts(tmp_path, content):
+    # It was found as the node built its run fingerprint, after the DHT's start, with code 1.
+    pytest.importorskip("tokenizers", reason="the hf extra (tokenizers) is not installed")
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text(content)
+    (tmp_path / "ckpt").mkdir()
+    result = run_join(tmp_path, "--set", f"data.tokenizer={tokenizer}")
+    assert_refused_before_anything_started(result, tmp_path / "ckpt")
+    assert_one_line_error(result, f"[data] tokenizer {tokenizer} is not a readable tokenizer.json", '"bytes"')
+
+
+def test_seq_len_beyond_an_hf_models_positions_is_a_usage_error_before_anything_starts(tmp_path):
+    # It was found as the node built the model, after the DHT's start, with code 1.
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    from .hf_assets import write_llama_config
+
+    config = write_llama_config(tmp_path / "llama" / "config.json", max_position_embeddings=16)
+    (tmp_path / "ckpt").mkdir()
+    result = run_join(tmp_path, "--set", f"model.hf_config={config}", "--set", "data.seq_len=32")
+    assert_refused_before_anything_started(result, tmp_path / "ckpt")
+    assert_one_line_error(result, "[data] seq_len 32 is longer than the model's max_position_embeddings 16",
+                          str(config), "--set data.seq_len=16")
+
+
+def test_hf_pretrained_directory_without_weights_is_a_usage_error_before_anything_starts(tmp_path):
+    # from_pretrained said so as the node built the model, after the DHT's start, with code 1.
+    from .hf_assets import write_llama_config
+
+    folder = write_llama_config(tmp_path / "llama" / "config.json").parent
+    (tmp_path / "ckpt").mkdir()
+    result = run_join(tmp_path, "--set", f"model.hf_pretrained={folder}")
+    assert_refused_before_anything_started(result, tmp_path / "ckpt")
+    assert_one_line_error(result, f"[model] hf_pretrained = '{folder}'", "no weights", "model.safetensors",
+                          "save_pretrained")
 
 
 def test_corrupted_checkpoint_falls_back_to_the_previous_one(tmp_path):

@@ -132,13 +132,27 @@ class CausalLM(nn.Module):
         return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def build_hf_model(section: "ModelSection", seed: int, seq_len: int) -> CausalLM:
-    transformers = _transformers()
-    config = load_config(section)
+def check_seq_len(section: "ModelSection", seq_len: int) -> None:
+    """Refuse a ``[data] seq_len`` beyond the positions of ``section``'s model, from its config.json
+    alone: the CLI asks before anything starts, where building the model found it only after the
+    DHT's start (and building it here would start torch's threads before the DHT process forks)."""
+    _check_positions(load_config(section), section, seq_len)
+
+
+def _check_positions(config: Any, section: "ModelSection", seq_len: int) -> None:
+    # The attribute, not the config.json key: transformers maps each model type's own name for
+    # it (GPT-2's n_positions) onto max_position_embeddings.
     positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and seq_len > positions:
         raise ModelError(f"[data] seq_len {seq_len} is longer than the model's max_position_embeddings "
-                         f"{positions} ({config_path(section)}); lower seq_len")
+                         f"{positions} ({config_path(section)}): set seq_len to {positions} or less "
+                         f"(--set data.seq_len={positions}), or use a model with more positions")
+
+
+def build_hf_model(section: "ModelSection", seed: int, seq_len: int) -> CausalLM:
+    transformers = _transformers()
+    config = load_config(section)
+    _check_positions(config, section, seq_len)
     auto = transformers.AutoModelForCausalLM
     # Seeded in both cases: from_pretrained initialises whatever the checkpoint lacks (a tied or
     # new head), and that must come out the same on every peer too.
