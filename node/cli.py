@@ -30,6 +30,7 @@ from .config import (NODE_KEYS, Config, ConfigError, NodeSection, load_config, r
 # 1: the node could not do its work (an unreachable peer, a failed round).
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
+EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a program that SIGPIPE ended, as `yes | head` does
 
 
 class UsageError(RuntimeError):
@@ -679,7 +680,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a reader that stopped early is caught, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader of our output stopped early (`lowcomm-node status | head -2`): end quietly as
+        # Unix tools do (a traceback said so before). stdout goes to /dev/null so that the
+        # interpreter's own flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         # A Ctrl-C before the node takes its signals (while torch imports, the first second)
         # ends the program as Unix programs do, without the INFO lines that libraries log at
