@@ -262,8 +262,7 @@ def _check_dht_address(host: str, port: int) -> None:
     if err is None:
         return
     if err.errno == errno.EADDRNOTAVAIL:
-        raise RuntimeError(f"--host {host} is not an address of this machine ({err.strerror}): give one of its "
-                           f"own, or 0.0.0.0 for every interface (--announce-host sets the address peers are told)")
+        raise UsageError(_foreign_host_message(host, err))
     if err.errno == errno.EADDRINUSE and port != 0:
         raise UsageError(_busy_port_message("dht_port", host, port))
     # Another problem: p2pd's own message names it.
@@ -278,6 +277,11 @@ def _port_flag(key: str) -> str:
     return f"--{key.replace('_', '-')} (or LOWCOMM_{key.upper()})"
 
 
+def _foreign_host_message(host: str, err: OSError) -> str:
+    return (f"--host {host} is not an address of this machine ({err.strerror}): give one of its own, or 0.0.0.0 "
+            f"for every interface (--announce-host sets the address peers are told)")
+
+
 def _busy_port_message(key: str, host: str, port: int) -> str:
     return (f"{_PORT_SERVERS[key]} port {port} on {host} is already in use by another process; choose another "
             f"with {_port_flag(key)}, or 0 for any free port")
@@ -290,10 +294,13 @@ def check_ports(node: NodeSection) -> None:
     the servers do (protocol/bindprobe.py: address reuse, no port sharing; prometheus_client's HTTP
     server reuses addresses too), so what it refuses they would; a port taken between the probe and
     the server's bind is still named there (node/daemon.py). One port given to two servers is a
-    config error already (NodeSection); a --host that is not this machine's is left to
-    ``_check_dht_address``, which names it."""
+    config error already (NodeSection). A --host that is not this machine's is refused here too,
+    whatever the ports (it was exit 1, after the checkpoint folder was locked)."""
     from lowcomm.protocol.bindprobe import bind_probe_error
 
+    err = bind_probe_error(node.host, 0)
+    if err is not None and err.errno == errno.EADDRNOTAVAIL:
+        raise UsageError(_foreign_host_message(node.host, err))
     for key in _PORT_SERVERS:
         port = getattr(node, key)
         if port == 0:  # any free port: never busy

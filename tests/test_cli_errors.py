@@ -200,9 +200,10 @@ def test_busy_grpc_port_names_the_port_and_the_flag(tmp_path):
 
 def test_a_host_address_that_is_not_this_machines_names_the_flag(tmp_path):
     # It was p2pd's Go log line: "failed to listen on any addresses: [listen tcp4 ...]".
+    (tmp_path / "ckpt").mkdir()
     result = run_join(tmp_path, "--host", "192.0.2.1")  # TEST-NET-1: never a local address
     assert_one_line_error(result, "--host 192.0.2.1 is not an address of this machine", "0.0.0.0")
-    assert not (tmp_path / "ckpt").exists()
+    assert_refused_before_anything_started(result, tmp_path / "ckpt")  # it was exit 1, after the folder's lock
 
 
 def test_a_host_name_instead_of_an_address_is_one_line_naming_the_flag(tmp_path):
