@@ -628,6 +628,13 @@ def seconds(value: str) -> float:
     return number
 
 
+def _describes_the_model(args: argparse.Namespace) -> bool:
+    """Whether export's --config or --set say which model to build; otherwise a preset model is
+    read from the checkpoint's own run config (node/export.py checkpoint_preset)."""
+    return args.config is not None or any(
+        item.partition("=")[0].strip().startswith(("model.", "data.")) for item in args.overrides)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     flags = {"checkpoint_dir": args.checkpoint_dir} if args.checkpoint_dir is not None else {}
     try:
@@ -640,7 +647,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     setup_logging(config.node.log_format, config.node.log_level, sys.stderr)  # a damaged checkpoint skipped: a warning
     try:
-        done = export(config, args.out)
+        done = export(config, args.out, model_given=_describes_the_model(args))
     except (ExportError, ModelError) as err:
         return _fail(str(err))
     print(f"exported outer step {done.outer_step} (params {done.params_sha256[:12]}) from {done.checkpoint} "
@@ -670,7 +677,8 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Write θ_global of the newest checkpoint in --checkpoint-dir as the run's model: "
                                         "a save_pretrained folder for Hugging Face models, model.pt (a state_dict) "
                                         "otherwise, with lowcomm.json (step, params hash). Give the run config the "
-                                        "node ran with; a running node's checkpoints can be exported.")
+                                        "node ran with (a preset model with the byte tokenizer is read from the "
+                                        "checkpoint); a running node's checkpoints can be exported.")
     export.add_argument("--out", type=Path, required=True, metavar="DIR", help="new folder to write (must not exist, or be empty)")
     export.add_argument("--config", type=Path, metavar="FILE", help="the run config TOML the node ran with")
     export.add_argument("--checkpoint-dir", type=Path, metavar="DIR",

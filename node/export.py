@@ -59,11 +59,30 @@ class Exported:
 
 
 def model_part(run_config: dict[str, Any]) -> dict[str, Any]:
-    """What of a run config fixes the model's parameters: its model description and the
-    sequence length (a preset's position embeddings)."""
+    """What of a run config fixes the model and what its ids mean: its model description, the
+    sequence length (a preset's position embeddings) and the tokenizer (its content hash: an
+    export without the run's tokenizer said "bytes" in lowcomm.json and wrote no tokenizer.json)."""
     part = {key: value for key, value in run_config.items() if key not in NOT_THE_MODEL}
-    part["data"] = {"seq_len": (run_config.get("data") or {}).get("seq_len")}
+    part["data"] = dict(run_config.get("data") or {"seq_len": None})
     return part
+
+
+def checkpoint_preset(payload: dict[str, Any]) -> Config | None:
+    """The run config's model as the checkpoint describes it, when that is all an export needs:
+    a preset model with the byte tokenizer (its name, dropout and sequence length fix every
+    shape). None for other models, whose files (a config.json, a tokenizer.json, a factory's
+    module) the checkpoint names only by their content."""
+    made_with = payload.get("run_config")
+    if not isinstance(made_with, str):
+        return None
+    run = json.loads(made_with)
+    model, data = run.get("model") or {}, run.get("data") or {}
+    if set(model) != {"preset", "dropout"} or set(data) != {"seq_len"}:
+        return None
+    from .config import load_config
+
+    return load_config(overrides=[f"model.preset={json.dumps(model['preset'])}", f"model.dropout={model['dropout']}",
+                                  f"data.seq_len={data['seq_len']}"], environ={})
 
 
 def _check_same_model(payload: dict[str, Any], config: Config, path: Path) -> None:
@@ -112,8 +131,10 @@ def _model_section(config: Config) -> dict[str, Any]:
     return {section.kind: getattr(section, section.kind)}
 
 
-def export(config: Config, out: Path) -> Exported:
-    """Export the newest usable checkpoint of ``config.node.checkpoint_dir`` into ``out``."""
+def export(config: Config, out: Path, model_given: bool = True) -> Exported:
+    """Export the newest usable checkpoint of ``config.node.checkpoint_dir`` into ``out``.
+    ``model_given`` False: the config does not describe the model (no --config, no [model] or
+    [data] settings), and a preset model is taken from the checkpoint's own run config."""
     from .models import build_model_for
 
     directory = config.node.checkpoint_dir
@@ -121,7 +142,6 @@ def export(config: Config, out: Path) -> Exported:
     if not checkpoint.list_checkpoints(directory):
         raise ExportError(f"no checkpoint in {directory} (a node writes one after each round and when it stops); "
                           f"give the folder with --checkpoint-dir")
-    model = build_model_for(config)
 
     def parse(payload: dict[str, Any]) -> dict[str, Any]:
         params = payload["params"]
@@ -133,7 +153,11 @@ def export(config: Config, out: Path) -> Exported:
     if found is None:
         raise ExportError(f"no usable checkpoint in {directory}: every one is damaged (see the lines above)")
     payload, path = found
+    described = None if model_given else checkpoint_preset(payload)
+    if described is not None:
+        config = config.model_copy(update={"model": described.model, "data": described.data})
     _check_same_model(payload, config, path)
+    model = build_model_for(config)
     params = payload["params"]
     copy_flat_into(list(model.parameters()), params)
     trainer_state = payload.get("trainer")

@@ -67,6 +67,12 @@ def test_a_hugging_face_model_exports_as_a_folder_that_from_pretrained_and_a_new
     assert about["outer_step"] == 3 and about["params_sha256"] == digest and about["tokens_total"] == 4096
     assert about["model"] == {"hf_config": str(config_json)} and about["tokenizer"] == "tokenizer.json"
 
+    # Without the run's tokenizer the ids of the export would mean bytes: refused (it said "bytes").
+    without = cli_export("--checkpoint-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "m2"),
+                         *sets([key for key in run if not key.startswith("data.tokenizer")]))
+    assert without.returncode == 1 and "[data] tokenizer_sha256: checkpoint '" in without.stderr, without.stderr
+    assert not (tmp_path / "m2").exists()
+
     # A new run starts from it: [model] hf_pretrained builds θ_global's weights.
     again = load_config(overrides=[f"model.hf_pretrained={tmp_path / 'model'}", "data.seq_len=64"], environ={})
     assert params_sha256(parameters_to_vector(build_model_for(again).parameters()).detach()) == digest
@@ -92,6 +98,18 @@ def test_a_factory_or_preset_model_exports_its_own_modules_state_dict(tmp_path, 
     module.load_state_dict(state)
     assert params_sha256(parameters_to_vector(module.parameters()).detach()) == digest
     assert json.loads((tmp_path / "model" / "lowcomm.json").read_text())["weights"] == "model.pt"
+
+
+def test_a_preset_model_exports_without_its_run_config_from_what_the_checkpoint_says(tmp_path) -> None:
+    run = ["model.preset=small", "model.dropout=0.1", "data.seq_len=64", "train.inner_steps=7"]
+    digest = write_trained_checkpoint(run, tmp_path / "ck")
+    done = cli_export("--checkpoint-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "model"))
+    assert done.returncode == 0, done.stderr
+    module = build_model_for(load_config(overrides=run, environ={}))
+    module.load_state_dict(torch.load(tmp_path / "model" / "model.pt", weights_only=True))
+    assert params_sha256(parameters_to_vector(module.parameters()).detach()) == digest
+    about = json.loads((tmp_path / "model" / "lowcomm.json").read_text())
+    assert (about["model"], about["seq_len"]) == ({"preset": "small", "dropout": 0.1}, 64)
 
 
 def test_mistakes_are_one_line_that_says_what_to_change_and_write_nothing(tmp_path) -> None:
