@@ -42,10 +42,12 @@ class GrpcMatchmakingTransport:
 
     async def join(self, address: str, request: averaging_pb2.JoinRequest,
                    timeout: float) -> averaging_pb2.JoinResponse:
-        channel = self._channel_for()(address)
-        timeout -= await wait_for_reconnect(channel, timeout)
+        # No wait for a reconnect: matchmaking moves on from a leader it cannot reach (it may be
+        # dead, and its record stays in the DHT until it expires), and the channel retries within a
+        # second for the next round (channels.py).
+        stub = averaging_pb2_grpc.AveragingStub(self._channel_for()(address))
         try:
-            return await averaging_pb2_grpc.AveragingStub(channel).JoinGroup(request, timeout=max(timeout, 0.001))
+            return await stub.JoinGroup(request, timeout=timeout)
         except grpc.aio.AioRpcError as err:
             raise call_failed(err) from None
 
@@ -59,6 +61,8 @@ class GrpcReduceTransport:
     async def reduce(self, address: str, requests: AsyncIterator[averaging_pb2.ReduceMessage],
                      timeout: float) -> AsyncIterator[averaging_pb2.ReduceMessage]:
         # Not the generated stub: chunks go out and come in as views, without protobuf's copies (wire.py).
+        # The owner was alive when the group formed: a channel backing off now most likely lost a
+        # peer that restarted or a link that dropped for a moment, so it gets one more attempt.
         channel = self._channel_for(address)
         timeout -= await wait_for_reconnect(channel, timeout)
         reduce = channel.stream_stream(REDUCE_METHOD, request_serializer=wire.serialize, response_deserializer=wire.parse)

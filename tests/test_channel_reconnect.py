@@ -1,5 +1,6 @@
 """A peer that restarts on its ports is reached again at once (protocol/channels.py
-wait_for_reconnect, used by the JoinGroup and Reduce calls in protocol/grpc_transport.py).
+wait_for_reconnect, used by the Reduce call in protocol/grpc_transport.py, and the channels'
+reconnect backoff capped at a second).
 
 The walkthrough's defect: peer B was killed and restarted on the same ports. A's channel to B
 sat in gRPC's reconnect backoff (grown to tens of seconds while B was away), so A's Reduce call to
@@ -18,16 +19,12 @@ import pytest
 
 from lowcomm.protocol._pb.lowcomm.v1 import averaging_pb2
 from lowcomm.protocol.channels import open_channel
-from lowcomm.protocol.grpc_transport import REDUCE_METHOD, GrpcMatchmakingTransport, GrpcReduceTransport
+from lowcomm.protocol.grpc_transport import REDUCE_METHOD, GrpcReduceTransport
 from lowcomm.protocol.transport import CallFailed, Code
 
 
 async def _report(request: averaging_pb2.ShardReport, context: grpc.aio.ServicerContext) -> averaging_pb2.ShardReport:
     return averaging_pb2.ShardReport(group_id=request.group_id)
-
-
-async def _join(request: averaging_pb2.JoinRequest, context: grpc.aio.ServicerContext) -> averaging_pb2.JoinResponse:
-    return averaging_pb2.JoinResponse()
 
 
 async def _reduce(requests: AsyncIterator[averaging_pb2.ReduceMessage],
@@ -38,14 +35,11 @@ async def _reduce(requests: AsyncIterator[averaging_pb2.ReduceMessage],
 
 
 async def start_server(port: int = 0) -> tuple[grpc.aio.Server, int]:
-    """A server with the three round calls of the Averaging service, on ``port`` (0: any)."""
+    """A server with the Reduce and ReportShards calls of the Averaging service, on ``port`` (0: any)."""
     handlers = {
         "ReportShards": grpc.unary_unary_rpc_method_handler(
             _report, request_deserializer=averaging_pb2.ShardReport.FromString,
             response_serializer=averaging_pb2.ShardReport.SerializeToString),
-        "JoinGroup": grpc.unary_unary_rpc_method_handler(
-            _join, request_deserializer=averaging_pb2.JoinRequest.FromString,
-            response_serializer=averaging_pb2.JoinResponse.SerializeToString),
         "Reduce": grpc.stream_stream_rpc_method_handler(
             _reduce, request_deserializer=averaging_pb2.ReduceMessage.FromString,
             response_serializer=averaging_pb2.ReduceMessage.SerializeToString),
@@ -79,21 +73,17 @@ def run(coro):
     return asyncio.run(bounded())
 
 
-@pytest.mark.parametrize("call", ["reduce", "join"])
-def test_a_peer_restarted_on_its_port_is_reached_by_the_next_call(call: str) -> None:
+def test_a_peer_restarted_on_its_port_is_reached_by_the_next_reduce() -> None:
     async def scenario() -> None:
         server, port = await start_server()
         address = f"127.0.0.1:{port}"
         channel = open_channel(address)
         reduce = GrpcReduceTransport(lambda _: channel)
-        join = GrpcMatchmakingTransport(lambda: lambda _: channel)
 
-        async def the_call() -> object:
-            if call == "reduce":
-                return (await one_reduce(reduce, address))[0].chunk
-            return type(await join.join(address, averaging_pb2.JoinRequest(), timeout=20.0)).__name__
+        async def the_call() -> bytes:
+            return (await one_reduce(reduce, address))[0].chunk
 
-        expected = {"reduce": b"averaged", "join": "JoinResponse"}[call]
+        expected = b"averaged"
         try:
             assert await the_call() == expected
             await server.stop(None)  # the peer is killed ...
