@@ -96,6 +96,17 @@ def test_a_peer_that_fails_stops_the_others_instead_of_leaving_them_waiting_for_
     assert "[peer-0] peer-0 line 299" in out  # it stopped gracefully (SIGTERM), to its last line
 
 
+def until_ready(proc: subprocess.Popen, peers: int) -> None:
+    """Read the launcher's output until each of its ``peers`` said it is ready."""
+    ready = set()
+    for line in proc.stdout:
+        if "example_ready" in line:
+            ready.add(line.split()[0])
+        if len(ready) == peers:
+            return
+    raise AssertionError(f"the launcher's output ended with {len(ready)} of {peers} peers ready")
+
+
 @pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGHUP], [signal.SIGINT],
                                      [signal.SIGTERM, signal.SIGHUP]],
                          ids=["term", "hangup", "ctrl-c", "term-and-hangup-at-once"])
@@ -105,12 +116,7 @@ def test_a_stop_signal_to_the_launcher_stops_every_peer_gracefully(launch, signa
     # the launcher and then its process group; a supervisor may send SIGTERM and SIGHUP) are one
     # stop, not a graceful one and a kill. (Two SIGTERMs sent back to back merge in the kernel.)
     proc = launch(2, "--train")
-    ready = set()
-    for line in proc.stdout:
-        if "example_ready" in line:
-            ready.add(line.split()[0])
-        if len(ready) == 2:
-            break
+    until_ready(proc, 2)
     for sent in signals:
         os.kill(proc.pid, sent)
     out, err = proc.communicate(timeout=120)
@@ -127,12 +133,7 @@ def test_only_the_launchers_main_thread_can_take_a_stop_signal(launch) -> None:
     # was pending in the main one, 3 times in 100 (the test above). Seen here in the threads'
     # blocked masks, which decide it every time.
     proc = launch(2, "--train")
-    ready = set()
-    for line in proc.stdout:
-        if "example_ready" in line:
-            ready.add(line.split()[0])
-        if len(ready) == 2:
-            break
+    until_ready(proc, 2)
     stop_mask = sum(1 << (signum - 1) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
     blocked = {}
     for task in Path(f"/proc/{proc.pid}/task").iterdir():
@@ -149,12 +150,7 @@ def test_a_launcher_killed_outright_takes_its_peers_along(launch, tmp_path) -> N
     # SIGKILL (or the OOM killer) gives the launcher no chance to stop its peers, which run in
     # sessions of their own: they trained on as orphans. The kernel now sends each a SIGTERM.
     proc = launch(2, "--train")
-    ready = set()
-    for line in proc.stdout:
-        if "example_ready" in line:
-            ready.add(line.split()[0])
-        if len(ready) == 2:
-            break
+    until_ready(proc, 2)
     peers = [psutil.Process(int(path.read_text())) for path in sorted((tmp_path / "runs").glob("peer-*/pid"))]
     assert len(peers) == 2
     proc.kill()
