@@ -267,7 +267,11 @@ class Swarm:
         finally:
             if self._dht is not None:
                 self._dht.shutdown()
-            if self._discard_if_unused and not (self._thread is not None and self._thread.is_alive()):
+            # A failed open, or a node that failed later without a checkpoint written (the folder
+            # holds its lock and identity only: remove_if_never_used checks), leaves no folder it
+            # made, as `lowcomm-node join` does; a node still running keeps it.
+            failed = self._discard_if_unused or self._error is not None
+            if failed and not (self._thread is not None and self._thread.is_alive()):
                 from lowcomm.node.checkpoint_dir import remove_if_never_used
 
                 # Still holding the lock: no other node can have started in the folder meanwhile.

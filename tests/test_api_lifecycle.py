@@ -200,6 +200,41 @@ def test_a_failed_open_removes_the_checkpoint_folder_it_made_and_leaves_one_that
                     f"lowcomm.Swarm to join again") in lines
 
 
+FAILS_AFTER_OPEN = textwrap.dedent("""
+    import errno, os, sys, torch, torch.nn as nn, lowcomm
+    from lowcomm.node import restore
+
+    def no_space(*args, **kwargs):  # every checkpoint write fails, the one at the stop too
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    restore.save = no_space
+    folder = os.path.join(sys.argv[1], "new", "nested")
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = {"train": {"inner_steps": 50}, "node": {"host": "127.0.0.1", "checkpoint_dir": folder}}
+    try:
+        with lowcomm.Swarm(model, optimizer, config=config, log=False) as swarm:
+            print("open:", sorted(os.listdir(folder)), flush=True)
+            for _ in range(3):
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                swarm.step()
+    except lowcomm.SwarmError as err:
+        print("SwarmError:", str(err).splitlines()[0], flush=True)
+""")
+
+
+def test_a_node_that_fails_before_its_first_checkpoint_leaves_no_folder_it_made(tmp_path):
+    # The folder (its lock and identity) stayed when the node failed after open().
+    result = run_script(tmp_path, "fails_later.py", FAILS_AFTER_OPEN, str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert "open: ['.lock', 'identity.key']" in lines, lines
+    assert any(line.startswith("SwarmError:") and "No space left on device" in line for line in lines), lines
+    assert list(tmp_path.iterdir()) == [tmp_path / "fails_later.py"]
+
+
 def test_a_folder_another_node_made_and_locked_meanwhile_is_left_to_it(tmp_path, monkeypatch):
     from lowcomm.node import checkpoint_dir
 
