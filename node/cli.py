@@ -295,13 +295,12 @@ def check_ports(node: NodeSection) -> None:
     server reuses addresses too), so what it refuses they would; a port taken between the probe and
     the server's bind is still named there (node/daemon.py). One port given to two servers is a
     config error already (NodeSection). A --host that is not this machine's is refused here too,
-    whatever the ports (it was exit 1, after the checkpoint folder was locked)."""
+    whatever the ports (it was exit 1, after the checkpoint folder was locked). start_dht checks the
+    host and DHT port again for lowcomm.Swarm, which starts its DHT without this check."""
     from lowcomm.protocol.bindprobe import bind_probe_error
 
-    err = bind_probe_error(node.host, 0)
-    if err is not None and err.errno == errno.EADDRNOTAVAIL:
-        raise UsageError(_foreign_host_message(node.host, err))
-    for key in _PORT_SERVERS:
+    _check_dht_address(node.host, node.dht_port)  # the host, and the DHT's port as p2pd would take it
+    for key in ("grpc_port", "metrics_port"):
         port = getattr(node, key)
         if port == 0:  # any free port: never busy
             continue

@@ -52,7 +52,7 @@ EXAMPLE_GLOBS = {"text": "**/*.txt", "jsonl": "**/*.jsonl", "tokens": "*.bin"}
 
 def resolve_files(pattern: str | None, fmt: str = "text") -> tuple[Path, list[Path]]:
     """The files of ``[data] path`` (a glob) for ``[data] format`` ``fmt``, whose hints name
-    files of that format."""
+    files of that format (and which warns of JSON files read as text)."""
     if pattern is None:
         return default_corpus_files()
     expanded = Path(pattern).expanduser()
@@ -65,6 +65,8 @@ def resolve_files(pattern: str | None, fmt: str = "text") -> tuple[Path, list[Pa
     if not files:
         raise DataError(f"[data] path {pattern!r} matches no files; give a glob such as 'corpus/{example}'"
                         f"{_what_it_reads(fmt)}{relative_to_cwd(pattern)}")
+    if fmt == "text":
+        warn_json_as_text(files)
     return expanded.parent, files
 
 
@@ -161,8 +163,6 @@ class Corpus:
 def load_corpus(pattern: str | None, eval_fraction: float, max_bytes: int = 64 * 2**20) -> Corpus:
     """The text format with the byte tokenizer (the default corpus): at most ``max_bytes`` read."""
     root, files = resolve_files(pattern)
-    if pattern is not None:
-        warn_json_as_text(files)
     train_parts: list[bytes] = []
     eval_parts: list[bytes] = []
     total = 0
@@ -255,8 +255,6 @@ def _load_formatted(section: "DataSection", max_bytes: int) -> Corpus:
             held_out = TokenArray([formats.join(held_rows, sep, dtype)])
         return Corpus(train=train, eval=held_out, files=1, vocab_size=vocab)
     root, files = resolve_files(section.path, section.format)
-    if section.format == "text":
-        warn_json_as_text(files)
     if section.format == "tokens":
         maps = [(_name(path, root), formats.open_tokens(path, section.token_dtype)) for path in files]
         train = TokenArray([m for name, m in maps if not _is_eval(name, section.eval_fraction)])

@@ -79,10 +79,7 @@ def checkpoint_preset(payload: dict[str, Any]) -> Config | None:
     model, data = run.get("model") or {}, run.get("data") or {}
     if set(model) != {"preset", "dropout"} or set(data) != {"seq_len"}:
         return None
-    from .config import load_config
-
-    return load_config(overrides=[f"model.preset={json.dumps(model['preset'])}", f"model.dropout={model['dropout']}",
-                                  f"data.seq_len={data['seq_len']}"], environ={})
+    return Config.model_validate({"model": model, "data": data})
 
 
 def _check_same_model(payload: dict[str, Any], config: Config, path: Path) -> None:
