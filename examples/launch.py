@@ -30,6 +30,12 @@ HERE = Path(__file__).resolve().parent
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, a scheduler's stop, a closed terminal
+# The longest the main thread sleeps in events.get() at a time. Python runs a signal's handler
+# when the signal interrupts that wait; one that arrives just before the wait begins (in get()'s
+# own C code) interrupts nothing, and with quiet peers the launcher slept on with its stop
+# unhandled (CI, twice: SIGTERM and SIGHUP sent back to back). Waking up to run pending handlers
+# bounds that to this many seconds.
+SIGNAL_CHECK_SECONDS = 0.5
 
 # What a peer runs before it becomes the script: the peers run in sessions of their own, so a
 # launcher killed outright (SIGKILL, the OOM killer), which cannot stop them, left them training
@@ -116,7 +122,10 @@ def main() -> int:
     ready = False
     repeats = RepeatFilter()  # a stop signal within a second of the first repeats it
     while len(exited) < len(procs):
-        kind, key, value = events.get()
+        try:
+            kind, key, value = events.get(timeout=SIGNAL_CHECK_SECONDS)
+        except queue.Empty:
+            continue  # a stop signal that came in just as get() went to sleep is handled now
         if kind == "ready" and key == 0 and not ready:
             ready = True
             if stopped_by is None and failure is None:
