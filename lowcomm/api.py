@@ -95,11 +95,12 @@ class Swarm:
             raise SwarmError(f"model must be a torch.nn.Module, not {type(model).__name__}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise SwarmError(f"inner_optimizer must be a torch.optim.Optimizer, not {type(inner_optimizer).__name__}")
-        _check_model_and_optimizer(model, inner_optimizer)
+        _check_model_holds_values(model)
         if eval_fn is not None and not callable(eval_fn):
             raise SwarmError(f"eval_fn must be a function of the model returning its held-out loss, "
                              f"not {type(eval_fn).__name__}")
         self.config: SwarmConfig = resolve_config(config, peers, model)
+        _check_model_and_optimizer(model, inner_optimizer, self.config.averages_every_parameter)
         self.model = model
         self._optimizer = inner_optimizer
         self._eval_fn = eval_fn
@@ -158,7 +159,8 @@ class Swarm:
             except RuntimeError as err:
                 raise SwarmError(_in_api_terms(str(err))) from None
             kind = EvaluatingExternalTrainer if self._eval_fn is not None else ExternalTrainer
-            self._trainer = kind(self.model, self._optimizer, self._eval_fn)
+            self._trainer = kind(self.model, self._optimizer, self._eval_fn,
+                                 every_parameter=cfg.averages_every_parameter)
             self._thread = threading.Thread(target=self._run_node, args=(secret, tls), name="lowcomm-node",
                                             daemon=True)
             self._thread.start()
@@ -529,23 +531,32 @@ def _close_when_the_program_ends(swarm: Swarm) -> None:
     register(close)
 
 
-def _check_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """What ``ExternalTrainer`` would refuse after the DHT started, as the documented ``SwarmError``
-    before anything starts; and an optimizer that steps none of the model's parameters (built
-    for another model), which would otherwise average a model that never trains."""
-    from lowcomm.node.models import ModelError, check_float32
-
-    try:
-        check_float32(model, "the model given to lowcomm.Swarm")
-    except ModelError as err:
-        raise SwarmError(str(err)) from None
+def _check_model_holds_values(model: nn.Module) -> None:
+    """Parameters on the meta device hold no values to average (or to fingerprint, when frozen)."""
     if any(p.is_meta for p in model.parameters()):
         raise SwarmError("the model given to lowcomm.Swarm has parameters on the meta device, which hold no values: "
                          "materialize them first (model.to_empty(device=...), then initialize or load weights)")
-    ours = {id(p) for p in model.parameters()}
+
+
+def _check_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, every_parameter: bool) -> None:
+    """What ``ExternalTrainer`` would refuse after the DHT started, as the documented ``SwarmError``
+    before anything starts; and an optimizer that steps none of the averaged parameters (built
+    for another model, or over frozen ones only), which would otherwise average a model that
+    never trains. ``every_parameter``: frozen parameters are averaged too (a [model] run)."""
+    from lowcomm.node.averaged_params import TrainableSplit
+    from lowcomm.node.models import ModelError, check_float32
+
+    split = TrainableSplit(model, every_parameter)
+    averaged = split.averaged
+    try:
+        check_float32(model, "the model given to lowcomm.Swarm", averaged)
+    except ModelError as err:
+        raise SwarmError(str(err)) from None
+    ours = {id(p) for p in averaged}
     if not any(id(p) in ours for group in optimizer.param_groups for p in group["params"]):
-        raise SwarmError("inner_optimizer holds none of the model's parameters: build it from the model given "
-                         "to lowcomm.Swarm (torch.optim.AdamW(model.parameters(), ...))")
+        which = "model's trainable parameters (requires_grad)" if split.frozen else "model's parameters"
+        raise SwarmError(f"inner_optimizer holds none of the {which}: build it from the model given "
+                         f"to lowcomm.Swarm (torch.optim.AdamW(model.parameters(), ...))")
 
 
 def _join(thread: threading.Thread) -> None:
@@ -591,4 +602,7 @@ def _in_api_terms(message: str) -> str:
 
     message = message.replace("copy the whole address the first peer printed after `--peers`",
                               "copy a whole address from a peer's swarm.multiaddrs")
+    if "[model] frozen_sha256:" in message and "refused" in message:  # a peer's fingerprint, not a checkpoint's
+        message += ("; the model's frozen parameters (requires_grad=False), which no state download carries, "
+                    "differ from the swarm's: load the same base weights as the other peers")
     return _FLAG.sub(key, message)

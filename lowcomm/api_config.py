@@ -47,6 +47,13 @@ class SwarmConfig(Config):
 
     _external_model: dict[str, Any] | None = PrivateAttr(None)
 
+    @property
+    def averages_every_parameter(self) -> bool:
+        """A run with a [model] section averages every parameter, as ``lowcomm-node`` peers of
+        the same config do; one without averages the model's trainable parameters only
+        (node/averaged_params.py)."""
+        return self._external_model is None
+
     def run_config(self) -> dict[str, Any]:
         run = super().run_config()
         if self._external_model is not None:

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .averaged_params import TrainableSplit, frozen_definition
 from .errors import FatalError
 from .models import ModelError, check_float32, shapes_digest
 from .ports import PhaseStats
@@ -136,10 +137,13 @@ def named_shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def external_definition(model: nn.Module) -> dict:
-    """What the run fingerprint says about a model given as an object: its parameters' names
-    and shapes, in order (two models line up exactly when these agree)."""
-    parameters, digest = shapes_digest(named_shapes(model))
-    return {"model": {"kind": "external", "parameters": parameters, "shapes_sha256": digest}}
+    """What the run fingerprint says about a model given as an object: its averaged (trainable)
+    parameters' names and shapes, in order (two models line up exactly when these agree), and
+    a digest of the frozen ones' values, which every peer must hold alike (node/averaged_params.py)."""
+    split = TrainableSplit(model, every_parameter=False)
+    parameters, digest = shapes_digest([(name, tuple(p.shape)) for name, p in split.averaged_named])
+    return {"model": {"kind": "external", "parameters": parameters, "shapes_sha256": digest,
+                      **frozen_definition(split.frozen)}}
 
 
 class EvalFnFailed(FatalError):
@@ -160,15 +164,23 @@ class ExternalTrainer(FlatParams):
     user's loop through ``handoff`` (see the module docstring)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 eval_fn: Callable[[nn.Module], float] | None = None) -> None:
-        check_float32(model, "the model given to lowcomm.Swarm")
+                 eval_fn: Callable[[nn.Module], float] | None = None, every_parameter: bool = True) -> None:
+        # ``every_parameter``: average frozen parameters too (a run with a [model] section, the
+        # CLI's); else the trainable ones only (node/averaged_params.py).
+        self.split = TrainableSplit(model, every_parameter)
+        check_float32(model, "the model given to lowcomm.Swarm", self.split.averaged)
         self.model = model
         self.optimizer = optimizer
         self.eval_fn = eval_fn
-        self.params = list(model.parameters())
+        self.params = self.split.averaged
         self.numel = sum(p.numel() for p in self.params)
         self.handoff = Handoff()
         self.inner_steps_done = 0
+
+    def get_params(self) -> torch.Tensor:
+        # At every round boundary (and checkpoint): the averaged set is still what it was.
+        self.split.check()
+        return super().get_params()
 
     # -- the inner phase: the user's loop takes the steps -------------------------------------
 
@@ -233,7 +245,7 @@ class EvaluatingExternalTrainer(ExternalTrainer):
         replica = copy.deepcopy(self.model)  # the node's turn: no step is half done
         replica.requires_grad_(False)
         replica.eval()
-        params = list(replica.parameters())
+        params = self.split.select(list(replica.parameters()))  # the frozen ones stay the model's
         eval_fn = self.eval_fn
         assert eval_fn is not None
 

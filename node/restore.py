@@ -111,14 +111,22 @@ def _another_run(cfg: Config, made_with: Any, swarm: bool) -> str:
 
 def _swarm_difference(theirs: dict[str, Any], ours: dict[str, Any]) -> str:
     """How a checkpoint's run config differs from a Swarm's, where one of the two models is a
-    model object of a script (``[model] kind = "external"``: its parameter count and a digest
-    of its parameters' names and shapes)."""
+    model object of a script (``[model] kind = "external"``: its trainable parameter count, a
+    digest of their names and shapes, and one of its frozen parameters: node/averaged_params.py)."""
     model_a, model_b = theirs.get("model") or {}, ours.get("model") or {}
     diffs = []
     if model_a.get("kind") == "external" and model_b.get("kind") == "external":
         count_a, count_b = model_a.get("parameters"), model_b.get("parameters")
+        frozen_a, frozen_b = model_a.get("frozen_parameters"), model_b.get("frozen_parameters")
         if count_a != count_b:
-            diffs.append(f"the checkpoint's model has {_count(count_a)} parameters, this one {_count(count_b)}")
+            which = "trainable parameters" if frozen_a or frozen_b else "parameters"
+            diffs.append(f"the checkpoint's model has {_count(count_a)} {which}, this one {_count(count_b)}")
+        elif model_a.get("frozen_sha256") != model_b.get("frozen_sha256"):
+            # Frozen parameters are not in the checkpoint: the model must bring the same ones.
+            diffs.append(f"the checkpoint's model has {_count(frozen_a or 0)} frozen parameters, this one "
+                         f"{_count(frozen_b or 0)}" if frozen_a != frozen_b else
+                         f"the model's frozen parameters (requires_grad=False) differ from the checkpoint's "
+                         f"run's in names, dtypes, shapes or values: load the same base weights")
         elif model_a != model_b:
             diffs.append(f"the checkpoint's model has other parameter names or shapes ({_count(count_a)} "
                          f"parameters, as this one)")

@@ -1,5 +1,6 @@
 """``lowcomm.Swarm`` in real swarms on loopback: the example script as two processes (one params
-hash per step, then a resume from its checkpoint), and an API peer in this process averaging
+hash per step, then a resume from its checkpoint), the LoRA example as two processes (the adapters
+alone averaged) beside a third of another base (refused), and an API peer in this process averaging
 with a ``lowcomm-node`` daemon peer in overlapped rounds (catch-up before the first step, state_dict/load_state_dict,
 nothing left running after the block, an eval_fn on a replica).
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -34,9 +37,9 @@ MAX_STEPS = 200  # inner steps the API peer takes at most to see its two rounds 
 WAIT = 120  # start-up (torch, transformers, hivemind) and a few rounds on a loaded 2-core machine
 
 
-def example(swarm, name: str, workdir: Path, *args: str) -> NodeProcess:
-    """examples/train_hf.py as one peer; registered with the ``swarm`` fixture, which kills it."""
-    command = [sys.executable, str(EXAMPLE), "--checkpoint-dir", str(workdir / name), *args]
+def example(swarm, name: str, workdir: Path, *args: str, script: Path = EXAMPLE) -> NodeProcess:
+    """examples/train_hf.py (or ``script``) as one peer; registered with the ``swarm`` fixture, which kills it."""
+    command = [sys.executable, str(script), "--checkpoint-dir", str(workdir / name), *args]
     node = NodeProcess(name, [], command=command, env={"OMP_NUM_THREADS": "1"})
     swarm.nodes.append(node)
     return node
@@ -69,6 +72,34 @@ def test_the_example_as_two_processes_agrees_per_step_and_resumes_from_its_check
     assert again.wait_exit(WAIT) == 0
     assert sorted(hashes(again)) == [4]  # the inner step count came back too: 10 more steps, one round
     assert again.wait_event("example_done", 1)["outer_step"] == 4
+
+
+LORA = REPO / "examples" / "finetune_lora.py"
+
+
+@pytest.mark.slow
+def test_the_lora_example_averages_the_adapters_alone_and_refuses_a_peer_of_another_base(swarm, tmp_path):
+    first = example(swarm, "peer-0", tmp_path, "--min-peers", "2", "--steps", "30", script=LORA)
+    ready = first.wait_event("example_ready", WAIT)
+    maddr = ready["multiaddrs"][0]
+    assert (ready["trainable"], ready["frozen"]) == (2048, 115008)
+    # Another base (the seed that stands in for loading it): refused, and told what to do.
+    other = tmp_path / "other_base.py"
+    source = LORA.read_text()
+    assert source.count("torch.manual_seed(0)  # stands in") == 1
+    other.write_text(source.replace("torch.manual_seed(0)  # stands in", "torch.manual_seed(1)  # stands in"))
+    refused = subprocess.run([sys.executable, str(other), "--peers", maddr, "--checkpoint-dir", str(tmp_path / "other")],
+                             capture_output=True, text=True, timeout=WAIT, stdin=subprocess.DEVNULL,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert refused.returncode == 1
+    assert "[model] frozen_sha256:" in refused.stderr and "load the same base weights" in refused.stderr, \
+        refused.stderr[-2000:]
+    second = example(swarm, "peer-1", tmp_path, "--min-peers", "2", "--steps", "30", "--peers", maddr, script=LORA)
+    assert first.wait_exit(WAIT) == 0 and second.wait_exit(WAIT) == 0
+    ours, theirs = hashes(first, 2), hashes(second, 2)
+    assert sorted(ours) == [1, 2, 3] and ours == theirs
+    for event in first.rounds():  # a round carries the adapters' Δ only: 2,048 int8 values and their scales
+        assert event["numel"] == 2048 and event["bytes_sent"] < 4096, event
 
 
 def build_llama(config_json: Path) -> torch.nn.Module:

@@ -77,6 +77,18 @@ def test_codecs(out):
     assert all(r["ratio"] >= 1 and r["encode_MBps"] > 0 for r in got)
 
 
+def test_frozen_params(out):
+    bench("frozen_params.py", "--steps", "20", "--hash-gb", "0.01", "--json-out", str(out / "frozen_params.jsonl"))
+    got = {r["variant"] + r.get("dtype", ""): r for r in records(out / "frozen_params.jsonl")}
+    assert set(got) == {"frozen", "averaged", "hashfloat32", "hashbfloat16"}
+    frozen, averaged = got["frozen"], got["averaged"]
+    # The adapters alone against the whole model: what each round's bytes are made of.
+    assert frozen["averaged_numel"] == frozen["trainable"] < averaged["averaged_numel"] == 117056
+    assert frozen["hashes_agree"] and averaged["hashes_agree"] and frozen["rounds"] == averaged["rounds"] == 2
+    assert frozen["bytes_sent_median"] < averaged["bytes_sent_median"]
+    assert got["hashfloat32"]["seconds"] > 0
+
+
 def test_convergence(out):
     # Loopback: the namespaced variant of the same runners is covered by the slow-link test.
     bench("convergence.py", "--methods", "single,ddp,diloco-int8-H5,hivemind-H5", "--network", "loopback", *TINY,

@@ -96,13 +96,23 @@ def vocab_size_of(model: torch.nn.Module) -> int | None:
     return int(vocab) if vocab is not None else None
 
 
-def check_float32(model: torch.nn.Module, what: str) -> None:
-    """θ_global is one flat float32 vector: other parameter dtypes would be rounded at every round."""
-    others = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
+def check_float32(model: torch.nn.Module, what: str, averaged: list[torch.Tensor] | None = None) -> None:
+    """θ_global is one flat float32 vector: other dtypes of the ``averaged`` parameters (default:
+    all of the model's) would be rounded at every round."""
+    every = list(model.parameters())
+    params = every if averaged is None else averaged
+    others = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
     if others:
-        raise ModelError(f"{what} has {', '.join(others)} parameters; lowcomm trains float32 parameters "
-                         "(and uses bf16 autocast on CUDA): build the model in float32")
-    if not any(True for _ in model.parameters()):
+        some_frozen = len(params) < len(every)
+        which = "trainable parameters" if some_frozen else "parameters"
+        raise ModelError(f"{what} has {', '.join(others)} {which}; lowcomm trains float32 parameters "
+                         "(and uses bf16 autocast on CUDA): build the model in float32"
+                         + (" (its frozen parameters, requires_grad=False, may keep any dtype)" if some_frozen else ""))
+    if not params:
+        if every:
+            raise ModelError(f"every parameter of {what} has requires_grad=False, so nothing would train or be "
+                             f"averaged: unfreeze the parameters to train (param.requires_grad_(True)) before "
+                             f"making the Swarm")
         raise ModelError(f"{what} has no parameters to train")
 
 
