@@ -25,7 +25,10 @@ parser.add_argument("--train", action="store_true", help="run until Ctrl-C inste
 args = parser.parse_args()
 folder = pathlib.Path(args.checkpoint_dir)
 folder.mkdir(parents=True, exist_ok=True)
-(folder / "pid").write_text(str(os.getpid()))
+# Written whole or not at all: the launcher may stop a joiner as it starts, and a pid file cut
+# between its creation and its write (empty) broke the fixture's check of what outlived the launcher.
+(folder / "pid.partial").write_text(str(os.getpid()))
+os.replace(folder / "pid.partial", folder / "pid")
 if args.joiners_fail and args.peers:
     print("cannot join", flush=True)
     sys.exit(3)
