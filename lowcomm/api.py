@@ -76,8 +76,11 @@ _open_guard = threading.Lock()
 class Swarm:
     """A lowcomm peer driven by your training loop; use it as a context manager (module docstring).
 
-    ``model``: a float32 ``torch.nn.Module`` (any device); its parameters are what peers average,
-    in ``model.parameters()`` order. ``inner_optimizer``: the optimizer your loop steps; its state
+    ``model``: a ``torch.nn.Module`` (any device); its trainable parameters (``requires_grad``
+    when the Swarm is made, float32) are what peers average, in ``model.parameters()`` order; frozen
+    ones (a LoRA fine-tune's base: any dtype) must be equal on every peer, which the run
+    fingerprint checks (node/averaged_params.py). With a ``[model]`` section in ``config`` every
+    parameter is averaged, as ``lowcomm-node`` peers of that config do. ``inner_optimizer``: the optimizer your loop steps; its state
     is checkpointed with the node's. ``config``: a ``lowcomm.node.config.Config``, a dict of the
     CLI config file's sections (``{"train": {"inner_steps": 20}, "sync": {"codec": "int8"}}``) or
     the path of such a TOML file; ``[train] inner_steps`` is H, ``[node]`` says where to listen and
