@@ -164,6 +164,7 @@ class Swarm:
             kind = EvaluatingExternalTrainer if self._eval_fn is not None else ExternalTrainer
             self._trainer = kind(self.model, self._optimizer, self._eval_fn,
                                  every_parameter=cfg.averages_every_parameter)
+            _say_frozen_parameters_are_averaged(self._trainer)
             self._thread = threading.Thread(target=self._run_node, args=(secret, tls), name="lowcomm-node",
                                             daemon=True)
             self._thread.start()
@@ -532,6 +533,19 @@ def _close_when_the_program_ends(swarm: Swarm) -> None:
 
     register = getattr(threading, "_register_atexit", atexit.register)
     register(close)
+
+
+def _say_frozen_parameters_are_averaged(trainer: ExternalTrainer) -> None:
+    """A [model] run averages its frozen parameters too (the CLI's run): one line that says what
+    they cost and how to leave them out, since a LoRA user would not expect it."""
+    frozen = [p for p, averaged in zip(trainer.model.parameters(), trainer.split.averaged_mask)
+              if averaged and not p.requires_grad]
+    if frozen:
+        count = sum(p.numel() for p in frozen)
+        log.warning("%s frozen parameters (requires_grad=False) are averaged in every round, as lowcomm-node peers "
+                    "of the config's [model] section train them: their zero Δ costs their bytes; leave [model] out "
+                    "of the config to average the trainable parameters only", f"{count:,}",
+                    extra={"event": "frozen_parameters_averaged", "parameters": count})
 
 
 def _check_model_holds_values(model: nn.Module) -> None:

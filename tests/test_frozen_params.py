@@ -8,12 +8,15 @@ The example's two-process swarm (examples/finetune_lora.py) is in tests/test_api
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn as nn
 from torch.nn.utils import parameters_to_vector
 
 import lowcomm
 import pytest
+from lowcomm.api import _say_frozen_parameters_are_averaged
 from lowcomm.api_config import SwarmError, resolve_config
 from lowcomm.node import checkpoint, restore
 from lowcomm.node.averaged_params import TrainableSetChanged
@@ -129,7 +132,7 @@ def test_the_swarm_refuses_what_cannot_train_and_takes_a_base_of_any_dtype():
         swarm(model, list(model.base.parameters()))  # an optimizer over the frozen base only
 
 
-def test_a_model_section_averages_every_parameter_as_the_daemon_does():
+def test_a_model_section_averages_every_parameter_as_the_daemon_does(caplog):
     config = {"model": {"preset": "tiny"}, "data": {"seq_len": 32}}
     gpt = build_model_for(load_config(overrides=["model.preset=tiny", "data.seq_len=32"], environ={}))
     gpt.blocks.requires_grad_(False)
@@ -138,6 +141,12 @@ def test_a_model_section_averages_every_parameter_as_the_daemon_does():
     trainer = ExternalTrainer(gpt, torch.optim.SGD(gpt.parameters(), lr=0.1),
                               every_parameter=resolved.averages_every_parameter)
     assert trainer.numel == sum(p.numel() for p in gpt.parameters())
+    with caplog.at_level(logging.WARNING, logger="lowcomm.api"):
+        _say_frozen_parameters_are_averaged(trainer)  # as the Swarm opens: what they cost, how to leave them out
+    frozen = sum(p.numel() for p in gpt.blocks.parameters())
+    [line] = [r for r in caplog.records if getattr(r, "event", None) == "frozen_parameters_averaged"]
+    assert line.parameters == frozen and f"{frozen:,} frozen parameters" in line.getMessage()
+    assert "leave [model] out of the config" in line.getMessage()
     assert not resolve_config({}, None, gpt).averages_every_parameter
 
 
