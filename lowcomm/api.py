@@ -79,8 +79,8 @@ class Swarm:
     ``model``: a ``torch.nn.Module`` (any device); its trainable parameters (``requires_grad``
     when the Swarm is made, float32) are what peers average, in ``model.parameters()`` order; frozen
     ones (a LoRA fine-tune's base: any dtype) must be equal on every peer, which the run
-    fingerprint checks (node/averaged_params.py). With a ``[model]`` section in ``config`` every
-    parameter is averaged, as ``lowcomm-node`` peers of that config do. ``inner_optimizer``: the optimizer your loop steps; its state
+    fingerprint checks (node/averaged_params.py). With a ``[model]`` section in ``config`` the
+    averaged ones are those the config's model trains, as ``lowcomm-node`` peers of it average. ``inner_optimizer``: the optimizer your loop steps; its state
     is checkpointed with the node's. ``config``: a ``lowcomm.node.config.Config``, a dict of the
     CLI config file's sections (``{"train": {"inner_steps": 20}, "sync": {"codec": "int8"}}``) or
     the path of such a TOML file; ``[train] inner_steps`` is H, ``[node]`` says where to listen and
@@ -103,7 +103,7 @@ class Swarm:
             raise SwarmError(f"eval_fn must be a function of the model returning its held-out loss, "
                              f"not {type(eval_fn).__name__}")
         self.config: SwarmConfig = resolve_config(config, peers, model)
-        _check_model_and_optimizer(model, inner_optimizer, self.config.averages_every_parameter)
+        _check_model_and_optimizer(model, inner_optimizer, self.config.averaged_mask)
         self.model = model
         self._optimizer = inner_optimizer
         self._eval_fn = eval_fn
@@ -162,8 +162,7 @@ class Swarm:
             except RuntimeError as err:
                 raise SwarmError(_in_api_terms(str(err))) from None
             kind = EvaluatingExternalTrainer if self._eval_fn is not None else ExternalTrainer
-            self._trainer = kind(self.model, self._optimizer, self._eval_fn,
-                                 every_parameter=cfg.averages_every_parameter)
+            self._trainer = kind(self.model, self._optimizer, self._eval_fn, averaged_mask=cfg.averaged_mask)
             _say_frozen_parameters_are_averaged(self._trainer)
             self._thread = threading.Thread(target=self._run_node, args=(secret, tls), name="lowcomm-node",
                                             daemon=True)
@@ -536,8 +535,9 @@ def _close_when_the_program_ends(swarm: Swarm) -> None:
 
 
 def _say_frozen_parameters_are_averaged(trainer: ExternalTrainer) -> None:
-    """A [model] run averages its frozen parameters too (the CLI's run): one line that says what
-    they cost and how to leave them out, since a LoRA user would not expect it."""
+    """A [model] run averages what the config's model trains, also where the model given freezes
+    it (lowcomm-node peers of the config train it): one line that says what they cost and how
+    to leave them out, since a LoRA user would not expect it."""
     frozen = [p for p, averaged in zip(trainer.model.parameters(), trainer.split.averaged_mask)
               if averaged and not p.requires_grad]
     if frozen:
@@ -555,15 +555,15 @@ def _check_model_holds_values(model: nn.Module) -> None:
                          "materialize them first (model.to_empty(device=...), then initialize or load weights)")
 
 
-def _check_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, every_parameter: bool) -> None:
+def _check_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, averaged_mask: list[bool]) -> None:
     """What ``ExternalTrainer`` would refuse after the DHT started, as the documented ``SwarmError``
     before anything starts; and an optimizer that steps none of the averaged parameters (built
     for another model, or over frozen ones only), which would otherwise average a model that
-    never trains. ``every_parameter``: frozen parameters are averaged too (a [model] run)."""
+    never trains. ``averaged_mask``: which parameters the run averages (SwarmConfig.averaged_mask)."""
     from lowcomm.node.averaged_params import TrainableSplit
     from lowcomm.node.models import ModelError, check_float32
 
-    split = TrainableSplit(model, every_parameter)
+    split = TrainableSplit(model, averaged_mask)
     averaged = split.averaged
     try:
         check_float32(model, "the model given to lowcomm.Swarm", averaged)

@@ -27,6 +27,7 @@ import torch.nn as nn
 from pydantic import PrivateAttr, ValidationError
 
 from lowcomm.node.config import Config, ConfigError, describe_validation_error, ConfigLayers, read_toml
+from lowcomm.node.averaged_params import trainable_mask
 from lowcomm.node.external_trainer import external_definition, named_shapes
 
 ConfigLike = Union[Config, Mapping[str, Any], str, os.PathLike, None]
@@ -46,13 +47,17 @@ class SwarmConfig(Config):
     docstring); everything else is the CLI's."""
 
     _external_model: dict[str, Any] | None = PrivateAttr(None)
+    _averaged_mask: list[bool] | None = PrivateAttr(None)
 
     @property
-    def averages_every_parameter(self) -> bool:
-        """A run with a [model] section averages every parameter, as ``lowcomm-node`` peers of
-        the same config do; one without averages the model's trainable parameters only
-        (node/averaged_params.py)."""
-        return self._external_model is None
+    def averaged_mask(self) -> list[bool]:
+        """Which of the model's parameters the run averages, in ``parameters()`` order
+        (node/averaged_params.py): without a [model] section the ones the model given trains
+        (``requires_grad`` as the Swarm was made); with one, those the config's model trains, as
+        ``lowcomm-node`` peers of it average them."""
+        if self._averaged_mask is None:
+            raise RuntimeError("averaged_mask is set by resolve_config")
+        return self._averaged_mask
 
     def run_config(self) -> dict[str, Any]:
         run = super().run_config()
@@ -105,27 +110,29 @@ def resolve_config(config: ConfigLike, peers: list[str] | None, model: nn.Module
     except ValidationError as err:
         raise SwarmError(describe_validation_error(err, layers)) from None
     if resolved.model.model_fields_set:
-        check_model_matches(model, resolved)
+        resolved._averaged_mask = check_model_matches(model, resolved)
     else:
         resolved._external_model = external_definition(model)
+        resolved._averaged_mask = trainable_mask(model)
     return resolved
 
 
-def _expected_shapes(config: Config) -> list[tuple[str, tuple[int, ...]]]:
-    """Names and shapes of the model that ``config``'s [model] section builds (on the meta
-    device where it can: no memory, no init)."""
+def _expected_model(config: Config) -> nn.Module:
+    """The model that ``config``'s [model] section builds (on the meta device where it can: no
+    memory, no init)."""
     from lowcomm.node.models import build_model_for
 
     try:
         with torch.device("meta"):
-            built = build_model_for(config)
+            return build_model_for(config)
     except Exception:  # noqa: BLE001 - a model that cannot be built on meta: build it for real
-        built = build_model_for(config)
-    return named_shapes(built)
+        return build_model_for(config)
 
 
-def check_model_matches(model: nn.Module, config: Config) -> None:
-    """The model given has the parameter names and shapes of the config's [model], in order.
+def check_model_matches(model: nn.Module, config: Config) -> list[bool]:
+    """The model given has the parameter names and shapes of the config's [model], in order, and
+    trains none of the parameters that model freezes; returns which parameters the run averages
+    (those the config's model trains: node/averaged_params.py).
 
     lowcomm wraps transformers and factory models (their parameters are named ``net.*``); the
     model given may be the wrapped module itself."""
@@ -136,13 +143,20 @@ def check_model_matches(model: nn.Module, config: Config) -> None:
                  "hf_config": f'hf_config = "{section.hf_config}"',
                  "hf_pretrained": f'hf_pretrained = "{section.hf_pretrained}"'}[section.kind]
     try:
-        expected = _expected_shapes(config)
+        built = _expected_model(config)
     except ModelError as err:
         raise SwarmError(str(err)) from None
+    expected, mask = named_shapes(built), trainable_mask(built)
     given = named_shapes(model)
     unwrapped = [(name.removeprefix("net."), shape) for name, shape in expected]
     if given in (expected, unwrapped):
-        return
+        for (name, _), averaged, param in zip(given, mask, model.parameters()):
+            if param.requires_grad and not averaged:
+                raise SwarmError(f"parameter {name} trains in the model given to lowcomm.Swarm, but the config's "
+                                 f"[model] {described} freezes it, so no peer of the run averages it and each would "
+                                 f"train it apart: freeze it (requires_grad_(False)) before making the Swarm, as "
+                                 f"the config's model does")
+        return mask
     ours = unwrapped if any(name.startswith("net.") for name, _ in expected) else expected
     where = f"the config's [model] {described}"
     if len(given) != len(ours):

@@ -1,22 +1,31 @@
-"""Which of a ``lowcomm.Swarm`` model's parameters the swarm averages: the ones that train.
+"""Which of a model's parameters a swarm averages: the ones that train.
 
-A model given to ``lowcomm.Swarm`` without a ``[model]`` section may hold parameters that do not
-train (``requires_grad=False``: the base weights of a LoRA or adapter fine-tune, frozen
-embeddings). Their Δ is zero at every round, yet averaging them would send the whole base at
-every round and hold θ_global, the outer momentum and a snapshot of it in memory: for a
-fine-tune whose adapters are 1 % of the model, a hundred times the bytes that matter. So such a
-run averages its trainable parameters only, and the frozen ones may be of any dtype (a bf16 base
-halves its memory; averaged parameters stay float32).
+A model may hold parameters that do not train (``requires_grad=False``: the base weights of a
+LoRA or adapter fine-tune, frozen embeddings). Their Δ is zero at every round, yet averaging
+them would send the whole base at every round and hold θ_global, the outer momentum and a
+snapshot of it in memory: for a fine-tune whose adapters are 1 % of the model, a hundred times
+the bytes that matter. So a swarm averages the trainable parameters only, and the frozen ones
+may be of any dtype (a bf16 base halves its memory; averaged parameters stay float32).
 
-No state download carries the frozen parameters, so they must be equal on every peer: a digest
-of their names, dtypes, shapes and values joins the run fingerprint (``frozen_definition``), and
-a peer whose base weights differ is refused by the fingerprint check like any other run-config
-difference. The split is taken when the Swarm is made; a parameter frozen or unfrozen after that
-would drift apart between peers unnoticed, so ``TrainableSplit.check`` runs at every round
-boundary and stops the node with a message that says so.
+Which ones train is part of the run: every peer must average the same set, so the set comes
+from the run's definition of the model, taken once (``averaged_mask``, in ``parameters()``
+order):
 
-A run with a ``[model]`` section averages every parameter, frozen or not: it is the CLI's run,
-and ``lowcomm-node`` peers of the same config train all of them.
+* ``lowcomm-node``: the model the config's ``[model]`` section builds, as built (a ``factory``
+  may freeze a base; the presets and Hugging Face models train everything). The fingerprint
+  names the frozen parameters (their count and a digest of names and shapes:
+  ``frozen_shapes``); their values, like the factory's code, are the run's to keep equal.
+* ``lowcomm.Swarm`` without ``[model]``: the model given, as it is when the Swarm is made. No
+  state download carries the frozen parameters, so a digest of their names, dtypes, shapes and
+  values joins the fingerprint (``frozen_definition``): a peer with another base is refused.
+* ``lowcomm.Swarm`` with ``[model]``: the config's model's set, as ``lowcomm-node`` peers of it
+  average (lowcomm/api_config.py); a parameter the given model freezes beyond it is averaged
+  with a zero Δ.
+
+A parameter outside the set that trains later would drift apart between peers unnoticed, so
+``TrainableSplit.check`` runs at every round boundary and stops the node with a message that
+says so. The other way round (a parameter of the set frozen later, as when embeddings are frozen
+after a warm-up) is harmless: its Δ is zero and it stays averaged.
 """
 
 from __future__ import annotations
@@ -30,22 +39,28 @@ from .errors import FatalError
 
 
 class TrainableSetChanged(FatalError):
-    """A parameter's ``requires_grad`` changed after the Swarm was made (see the module docstring)."""
+    """A parameter the swarm does not average was unfrozen (see the module docstring)."""
+
+
+def trainable_mask(model: nn.Module) -> list[bool]:
+    """``requires_grad`` of each of the model's parameters, in ``parameters()`` order."""
+    return [p.requires_grad for p in model.parameters()]
 
 
 class TrainableSplit:
-    """The model's parameters in ``model.parameters()`` order, split into the averaged ones and
-    the rest, as they were when the split was taken."""
+    """The model's parameters in ``parameters()`` order, split by ``averaged_mask`` (default:
+    which require grad now) into the averaged ones and the frozen rest."""
 
-    def __init__(self, model: nn.Module, every_parameter: bool) -> None:
-        self.model = model
-        self.every_parameter = every_parameter
+    def __init__(self, model: nn.Module, averaged_mask: list[bool] | None = None) -> None:
         named = list(model.named_parameters())
-        self.averaged_mask = [every_parameter or p.requires_grad for _, p in named]
-        self.averaged_named = [(name, p) for (name, p), keep in zip(named, self.averaged_mask) if keep]
+        mask = trainable_mask(model) if averaged_mask is None else list(averaged_mask)
+        if len(mask) != len(named):
+            raise ValueError(f"a mask of {len(mask)} parameters for a model of {len(named)}")
+        self.model = model
+        self.averaged_mask = mask
+        self.averaged_named = [(name, p) for (name, p), keep in zip(named, mask) if keep]
         self.averaged = [p for _, p in self.averaged_named]
-        self.frozen = [(name, p) for (name, p), keep in zip(named, self.averaged_mask) if not keep]
-        self._requires_grad = [p.requires_grad for _, p in named]
+        self.frozen = [(name, p) for (name, p), keep in zip(named, mask) if not keep]
 
     def select(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The averaged ones of ``params``, the parameters of a copy of the model in the same
@@ -53,24 +68,33 @@ class TrainableSplit:
         return [p for p, keep in zip(params, self.averaged_mask) if keep]
 
     def check(self) -> None:
-        """Raise ``TrainableSetChanged`` if a parameter was frozen or unfrozen since the split."""
-        if self.every_parameter:
-            return  # every parameter is averaged whatever trains
-        for (name, param), before in zip(self.model.named_parameters(), self._requires_grad):
-            if param.requires_grad != before:
-                now = "unfrozen" if param.requires_grad else "frozen"
-                what = ("it is not averaged, so each peer would train it apart" if param.requires_grad
-                        else "peers still average it, but no longer train it")
+        """Raise ``TrainableSetChanged`` if a parameter outside the averaged set requires grad."""
+        for name, param in self.frozen:
+            if param.requires_grad:
                 raise TrainableSetChanged(
-                    f"parameter {name} was {now} after the lowcomm.Swarm was made ({what}); the swarm averages the "
-                    f"parameters that require grad when the Swarm is made: set requires_grad before making it, and "
-                    f"make a new Swarm (a new run) to train other parameters")
+                    f"parameter {name} was unfrozen, but the swarm does not average it (it was frozen when the run's "
+                    f"set of averaged parameters was taken), so each peer would train it apart: keep it frozen, or "
+                    f"start a new run (a new lowcomm.Swarm, or a [model] that trains it) to train it")
+
+
+def frozen_shapes(frozen: list[tuple[str, torch.Tensor]]) -> dict[str, object]:
+    """The fingerprint's words on parameters that are not averaged, by names and shapes only
+    (a model built on the meta device has no values): their count and a SHA-256. Empty when
+    none is frozen, so the fingerprint of a model that trains everything is as before."""
+    if not frozen:
+        return {}
+    digest = hashlib.sha256()
+    count = 0
+    for name, param in frozen:
+        digest.update(f"{name}:{'x'.join(map(str, param.shape))};".encode())
+        count += param.numel()
+    return {"frozen_parameters": count, "frozen_shapes_sha256": digest.hexdigest()}
 
 
 def frozen_definition(frozen: list[tuple[str, torch.Tensor]]) -> dict[str, object]:
-    """What the run fingerprint says about parameters that are not averaged: their count and a
-    SHA-256 of their names, dtypes, shapes and values (peers with other base weights differ).
-    Empty when none is frozen, so the fingerprint of a model that trains everything is as before."""
+    """The fingerprint's words on parameters that are not averaged, values included: their count
+    and a SHA-256 of their names, dtypes, shapes and values (peers with other base weights
+    differ). Empty when none is frozen."""
     if not frozen:
         return {}
     digest = hashlib.sha256()

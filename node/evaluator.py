@@ -24,7 +24,7 @@ class Evaluator:
         # Built in the training thread while it is idle: the copy must not see a half-done step.
         self.model = copy.deepcopy(trainer.model)
         self.model.requires_grad_(False)
-        self.params = list(self.model.parameters())
+        self.params = trainer.split.select(list(self.model.parameters()))  # frozen ones stay the model's
         self.eval_set = trainer.eval_set  # read-only tensors, shared with the trainer
         self.device = trainer.device
 

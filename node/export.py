@@ -37,6 +37,7 @@ from lowcomm import __version__
 from ..protocol.handshake import describe_difference
 from ..protocol.snapshot import params_sha256
 from . import checkpoint
+from .averaged_params import TrainableSplit
 from .buffers import load_buffers
 from .config import Config
 from .trainer import copy_flat_into
@@ -156,7 +157,7 @@ def export(config: Config, out: Path, model_given: bool = True) -> Exported:
     _check_same_model(payload, config, path)
     model = build_model_for(config)
     params = payload["params"]
-    copy_flat_into(list(model.parameters()), params)
+    copy_flat_into(TrainableSplit(model).averaged, params)  # a factory's frozen base: as the factory built it
     trainer_state = payload.get("trainer")
     if isinstance(trainer_state, dict) and "buffers" in trainer_state:
         # The peer's own buffers (BatchNorm's statistics: node/buffers.py); older checkpoints hold

@@ -140,7 +140,7 @@ def external_definition(model: nn.Module) -> dict:
     """What the run fingerprint says about a model given as an object: its averaged (trainable)
     parameters' names and shapes, in order (two models line up exactly when these agree), and
     a digest of the frozen ones' values, which every peer must hold alike (node/averaged_params.py)."""
-    split = TrainableSplit(model, every_parameter=False)
+    split = TrainableSplit(model)
     parameters, digest = shapes_digest([(name, tuple(p.shape)) for name, p in split.averaged_named])
     return {"model": {"kind": "external", "parameters": parameters, "shapes_sha256": digest,
                       **frozen_definition(split.frozen)}}
@@ -164,10 +164,11 @@ class ExternalTrainer(FlatParams):
     user's loop through ``handoff`` (see the module docstring)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 eval_fn: Callable[[nn.Module], float] | None = None, every_parameter: bool = True) -> None:
-        # ``every_parameter``: average frozen parameters too (a run with a [model] section, the
-        # CLI's); else the trainable ones only (node/averaged_params.py).
-        self.split = TrainableSplit(model, every_parameter)
+                 eval_fn: Callable[[nn.Module], float] | None = None,
+                 averaged_mask: list[bool] | None = None) -> None:
+        # ``averaged_mask``: which parameters the run averages (node/averaged_params.py); None:
+        # the ones that require grad now.
+        self.split = TrainableSplit(model, averaged_mask)
         check_float32(model, "the model given to lowcomm.Swarm", self.split.averaged)
         self.model = model
         self.optimizer = optimizer
@@ -176,11 +177,6 @@ class ExternalTrainer(FlatParams):
         self.numel = sum(p.numel() for p in self.params)
         self.handoff = Handoff()
         self.inner_steps_done = 0
-
-    def get_params(self) -> torch.Tensor:
-        # At every round boundary (and checkpoint): the averaged set is still what it was.
-        self.split.check()
-        return super().get_params()
 
     # -- the inner phase: the user's loop takes the steps -------------------------------------
 

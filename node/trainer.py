@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from torch.nn.utils import parameters_to_vector
 
+from .averaged_params import TrainableSplit
 from .buffers import load_buffers, persistent_buffers
 from .config import Config
 from .data import Corpus, DataError, ShardSampler, eval_batches, load_data
@@ -106,14 +107,17 @@ def load_optimizer_state_flat(optimizer: torch.optim.Optimizer, params: list[tor
 
 
 class FlatParams:
-    """TrainerPort's parameter half over ``self.params`` (a model's parameters in order) and
-    ``self.optimizer``: one flat float32 CPU vector in and out. Both the daemon's Trainer and
-    lowcomm.Swarm's ExternalTrainer use it."""
+    """TrainerPort's parameter half over ``self.params`` (the model's averaged parameters in
+    order: ``self.split``, node/averaged_params.py) and ``self.optimizer``: one flat float32 CPU
+    vector in and out. Both the daemon's Trainer and lowcomm.Swarm's ExternalTrainer use it."""
 
     params: list[torch.Tensor]
+    split: TrainableSplit
     optimizer: torch.optim.Optimizer
 
     def get_params(self) -> torch.Tensor:
+        # At every round boundary (and checkpoint): no parameter outside the averaged set trains.
+        self.split.check()
         return parameters_to_vector(self.params).detach().to("cpu", torch.float32).clone()
 
     def set_params(self, flat: torch.Tensor) -> None:
@@ -156,13 +160,14 @@ def vocabulary_fix(config: Config, needed: int, has: int) -> str:
             f"config.json with \"vocab_size\": {needed}, or [model] factory)")
 
 
-def data_summary(config: Config, corpus: Corpus, parameters: int) -> str:
+def data_summary(config: Config, corpus: Corpus, parameters: int, frozen: int = 0) -> str:
     """One line of what the node trains on, so that a wrong glob or format shows at start (a run
     on the wrong data otherwise looks like any other run)."""
     data = config.data
     source = f"[data] path {data.path!r}" if data.path else "the standard library's .py files (no [data] path)"
     return (f"data: {source}, format {data.format}, tokenizer {data.tokenizer}: {corpus.files} file(s), "
-            f"{len(corpus.train):,} training tokens, {len(corpus.eval):,} held out; model: {parameters:,} parameters")
+            f"{len(corpus.train):,} training tokens, {len(corpus.eval):,} held out; model: {parameters:,} parameters"
+            + (f" averaged ({frozen:,} frozen, not averaged)" if frozen else ""))
 
 
 class Trainer(FlatParams):
@@ -176,7 +181,9 @@ class Trainer(FlatParams):
         corpus = corpus or load_data(config.data)
         # Any model kind of node/models, called as model(inputs, targets) -> (logits, loss).
         self.model: torch.nn.Module = build_model_for(config).to(self.device)
-        self.params = [p for p in self.model.parameters()]
+        # A factory's frozen parameters (a base under adapters) are not averaged: node/averaged_params.py
+        self.split = TrainableSplit(self.model)
+        self.params = self.split.averaged
         self.numel = sum(p.numel() for p in self.params)
         vocab = vocab_size_of(self.model)
         if vocab is not None and corpus.vocab_size is not None and corpus.vocab_size > vocab:
@@ -191,9 +198,10 @@ class Trainer(FlatParams):
         except DataError as err:  # name the data the split came from
             source = f"[data] path {config.data.path!r}" if config.data.path else "the bundled corpus"
             raise DataError(f"{source}: {err}") from None
-        log.info("%s", data_summary(config, corpus, self.numel), extra={
+        frozen = sum(p.numel() for _, p in self.split.frozen)
+        log.info("%s", data_summary(config, corpus, self.numel, frozen), extra={
             "event": "data_loaded", "files": corpus.files, "train_tokens": len(corpus.train),
-            "eval_tokens": len(corpus.eval), "parameters": self.numel})
+            "eval_tokens": len(corpus.eval), "parameters": self.numel, "frozen_parameters": frozen})
         self.optimizer = build_optimizer(config, self.params)
         self.inner_steps_done = 0
         # bf16 autocast on CUDA: the usual speed-up for transformer training, weights stay fp32.

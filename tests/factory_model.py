@@ -129,3 +129,11 @@ def build_held(marker: str, release: str, timeout: float = 60.0) -> nn.Module:
         while not Path(release).exists() and time.monotonic() < deadline:
             time.sleep(0.02)
     return model
+
+
+def build_frozen_embed(vocab_size: int = 256, width: int = 32) -> nn.Module:
+    """A Bigram whose embedding is frozen, as a fine-tune's pretrained part (tests/test_frozen_params.py):
+    the swarm averages the rest only."""
+    model = BigramLoss(vocab_size, width)
+    model.embed.requires_grad_(False)
+    return model

@@ -9,6 +9,10 @@ The example's two-process swarm (examples/finetune_lora.py) is in tests/test_api
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import subprocess
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -22,9 +26,15 @@ from lowcomm.node import checkpoint, restore
 from lowcomm.node.averaged_params import TrainableSetChanged
 from lowcomm.node.errors import FatalError
 from lowcomm.node.external_trainer import EvaluatingExternalTrainer, ExternalTrainer
-from lowcomm.node.globalstate import GlobalState
 from lowcomm.node.config import load_config
+from lowcomm.node.globalstate import GlobalState
+from lowcomm.node.localswarm import node_command
 from lowcomm.node.models import build_model_for
+from lowcomm.protocol.snapshot import params_sha256
+from tests.factory_model import build_frozen_embed
+
+REPO = Path(__file__).resolve().parents[1]
+WAIT = 120  # seconds: start-up and a round on a loaded 2-core machine
 
 
 class Adapted(nn.Module):
@@ -64,15 +74,15 @@ def test_the_fingerprint_counts_the_trainable_parameters_and_digests_the_frozen_
 def test_the_trainer_averages_the_trainable_parameters_and_leaves_the_frozen_ones_alone():
     model = Adapted(base_dtype=torch.bfloat16)  # a bf16 base: averaged parameters alone must be float32
     base = model.base.weight.detach().clone()
-    trainer = ExternalTrainer(model, torch.optim.SGD(model.head.parameters(), lr=0.1), every_parameter=False)
+    trainer = ExternalTrainer(model, torch.optim.SGD(model.head.parameters(), lr=0.1))
     flat = trainer.get_params()
     assert trainer.numel == flat.numel() == 68
     assert torch.equal(flat, parameters_to_vector(model.head.parameters()))
     trainer.set_params(torch.zeros(68))
     assert all(bool((p == 0).all()) for p in model.head.parameters())
     assert torch.equal(model.base.weight, base)  # untouched, bit for bit, in its own dtype
-    # The CLI's run (a [model] section) averages every parameter, frozen or not.
-    every = ExternalTrainer(Adapted(), torch.optim.SGD(model.head.parameters(), lr=0.1), every_parameter=True)
+    # A run whose definition trains every parameter (a [model] preset) averages them all, frozen here or not.
+    every = ExternalTrainer(Adapted(), torch.optim.SGD(model.head.parameters(), lr=0.1), averaged_mask=[True] * 4)
     assert every.get_params().numel() == 212
 
 
@@ -80,7 +90,7 @@ def test_the_eval_replica_takes_theta_global_into_the_trainable_parameters_only(
     model = Adapted()
     x = torch.randn(5, 8)
     trainer = EvaluatingExternalTrainer(model, torch.optim.SGD(model.head.parameters(), lr=0.1),
-                                        eval_fn=lambda replica: float(replica(x).sum()), every_parameter=False)
+                                        eval_fn=lambda replica: float(replica(x).sum()))
     evaluate = trainer.replica_evaluator()
     zeros_head = Adapted()
     with torch.no_grad():
@@ -96,20 +106,17 @@ def test_the_eval_replica_takes_theta_global_into_the_trainable_parameters_only(
     assert evaluate(theta) == pytest.approx(expected)  # the replica keeps the model's frozen base
 
 
-def test_a_parameter_frozen_or_unfrozen_after_the_swarm_was_made_stops_the_node_with_what_to_do():
+def test_a_parameter_unfrozen_outside_the_averaged_set_stops_the_node_and_one_frozen_later_is_fine():
     model = Adapted()
-    trainer = ExternalTrainer(model, torch.optim.SGD(model.head.parameters(), lr=0.1), every_parameter=False)
+    trainer = ExternalTrainer(model, torch.optim.SGD(model.head.parameters(), lr=0.1))
     trainer.get_params()
     model.base.weight.requires_grad_(True)
-    with pytest.raises(TrainableSetChanged, match=r"^parameter base\.weight was unfrozen after the lowcomm\.Swarm was "
-                                                   r"made \(it is not averaged, so each peer would train it apart\); "):
+    with pytest.raises(TrainableSetChanged, match=r"^parameter base\.weight was unfrozen, but the swarm does not "
+                                                   r"average it .* so each peer would train it apart: keep it frozen"):
         trainer.get_params()
     model.base.weight.requires_grad_(False)
-    model.head.bias.requires_grad_(False)
-    with pytest.raises(TrainableSetChanged, match=r"^parameter head\.bias was frozen .*make a new Swarm"):
-        trainer.get_params()
-    # Where every parameter is averaged anyway (a [model] run), requires_grad plays no part.
-    ExternalTrainer(model, torch.optim.SGD(model.head.parameters(), lr=0.1), every_parameter=True).get_params()
+    model.head.bias.requires_grad_(False)  # frozen after a warm-up, say: its Δ is zero, it stays averaged
+    assert trainer.get_params().numel() == 68
 
 
 def test_the_swarm_refuses_what_cannot_train_and_takes_a_base_of_any_dtype():
@@ -132,14 +139,13 @@ def test_the_swarm_refuses_what_cannot_train_and_takes_a_base_of_any_dtype():
         swarm(model, list(model.base.parameters()))  # an optimizer over the frozen base only
 
 
-def test_a_model_section_averages_every_parameter_as_the_daemon_does(caplog):
+def test_a_model_section_averages_what_the_configs_model_trains(caplog):
     config = {"model": {"preset": "tiny"}, "data": {"seq_len": 32}}
     gpt = build_model_for(load_config(overrides=["model.preset=tiny", "data.seq_len=32"], environ={}))
-    gpt.blocks.requires_grad_(False)
+    gpt.blocks.requires_grad_(False)  # frozen here, trained by lowcomm-node peers of the config
     resolved = resolve_config(config, None, gpt)
-    assert resolved.averages_every_parameter  # lowcomm-node peers of this config train them all
-    trainer = ExternalTrainer(gpt, torch.optim.SGD(gpt.parameters(), lr=0.1),
-                              every_parameter=resolved.averages_every_parameter)
+    assert resolved.averaged_mask == [True] * len(list(gpt.parameters()))
+    trainer = ExternalTrainer(gpt, torch.optim.SGD(gpt.parameters(), lr=0.1), averaged_mask=resolved.averaged_mask)
     assert trainer.numel == sum(p.numel() for p in gpt.parameters())
     with caplog.at_level(logging.WARNING, logger="lowcomm.api"):
         _say_frozen_parameters_are_averaged(trainer)  # as the Swarm opens: what they cost, how to leave them out
@@ -147,7 +153,27 @@ def test_a_model_section_averages_every_parameter_as_the_daemon_does(caplog):
     [line] = [r for r in caplog.records if getattr(r, "event", None) == "frozen_parameters_averaged"]
     assert line.parameters == frozen and f"{frozen:,} frozen parameters" in line.getMessage()
     assert "leave [model] out of the config" in line.getMessage()
-    assert not resolve_config({}, None, gpt).averages_every_parameter
+    assert resolve_config({}, None, gpt).averaged_mask == [p.requires_grad for p in gpt.parameters()]
+
+
+def test_a_factory_that_freezes_a_part_is_averaged_without_it_in_the_daemon_and_in_a_swarm():
+    run = ["model.factory=tests.factory_model:build_frozen_embed", "data.seq_len=32"]
+    config = load_config(overrides=run, environ={})
+    built = build_model_for(config)
+    embed = built.net.embed.weight.numel()
+    trainable = sum(p.numel() for p in built.parameters()) - embed
+    definition = config.run_config()["model"]
+    assert (definition["parameters"], definition["frozen_parameters"]) == (trainable, embed)
+    plain = load_config(overrides=["model.factory=tests.factory_model:build", "data.seq_len=32"], environ={})
+    assert "frozen_parameters" not in plain.run_config()["model"]  # as before for a model that trains everything
+    # lowcomm.Swarm with that [model]: the same set, and the model given must freeze what it freezes.
+    swarm_config = {"model": {"factory": "tests.factory_model:build_frozen_embed"}, "data": {"seq_len": 32}}
+    assert resolve_config(swarm_config, None, build_frozen_embed()).averaged_mask == [False, True, True, True, True]
+    unfrozen = build_frozen_embed()
+    unfrozen.embed.requires_grad_(True)
+    with pytest.raises(SwarmError, match=r"^parameter embed\.weight trains in the model given to lowcomm\.Swarm, but "
+                                         r"the config's \[model\] factory = .* freezes it"):
+        resolve_config(swarm_config, None, unfrozen)
 
 
 def test_unfreezing_a_parameter_in_a_running_swarm_ends_it_with_a_swarm_error(tmp_path):
@@ -163,7 +189,7 @@ def test_unfreezing_a_parameter_in_a_running_swarm_ends_it_with_a_swarm_error(tm
             optimizer.zero_grad()
             swarm.step(tokens=4, loss=loss)
 
-    with pytest.raises(SwarmError, match=r"^parameter base\.bias was unfrozen after the lowcomm\.Swarm was made"):
+    with pytest.raises(SwarmError, match=r"^parameter base\.bias was unfrozen, but the swarm does not average it"):
         with lowcomm.Swarm(model, optimizer, config=config, log=False) as swarm:
             train(swarm, 2)  # one round (alone) of the head's 68 parameters
             assert swarm.outer_step == 1
@@ -178,7 +204,7 @@ def test_unfreezing_a_parameter_in_a_running_swarm_ends_it_with_a_swarm_error(tm
 def test_a_checkpoint_of_another_base_says_so_and_is_kept(tmp_path):
     config = {"node": {"checkpoint_dir": str(tmp_path)}}
     model = Adapted()
-    trainer = ExternalTrainer(model, torch.optim.SGD(model.head.parameters(), lr=0.1), every_parameter=False)
+    trainer = ExternalTrainer(model, torch.optim.SGD(model.head.parameters(), lr=0.1))
     swarm_config = resolve_config(config, None, model)
     state = GlobalState.fresh(trainer.get_params(), swarm_config.sync.outer_lr, swarm_config.sync.outer_momentum)
     restore.save(swarm_config, state.to_checkpoint(), trainer.local_state(), tokens_total=0)
@@ -188,11 +214,50 @@ def test_a_checkpoint_of_another_base_says_so_and_is_kept(tmp_path):
     other = Adapted(base_seed=1)
     with pytest.raises(FatalError) as info:
         restore.restore(resolve_config(config, None, other),
-                        ExternalTrainer(other, torch.optim.SGD(other.head.parameters(), lr=0.1), every_parameter=False))
+                        ExternalTrainer(other, torch.optim.SGD(other.head.parameters(), lr=0.1)))
     assert ("(the model's frozen parameters (requires_grad=False) differ from the checkpoint's run's in names, dtypes, "
             "shapes or values: load the same base weights)") in str(info.value)
     assert written.read_bytes() == before
     # The same base resumes.
     again = Adapted()
     restore.restore(resolve_config(config, None, again),
-                    ExternalTrainer(again, torch.optim.SGD(again.head.parameters(), lr=0.1), every_parameter=False))
+                    ExternalTrainer(again, torch.optim.SGD(again.head.parameters(), lr=0.1)))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_lowcomm_node_peers_of_a_factory_with_a_frozen_part_average_the_rest_and_export_it_whole(swarm, tmp_path):
+    factory = ["model.factory=tests.factory_model:build_frozen_embed", "data.seq_len=64"]
+    run = [*(flag for key in factory for flag in ("--set", key)), "--set", "data.eval_batches=2",
+           "--set", "train.warmup_steps=0", "--set", "sync.group_size=2"]
+    env = {"PYTHONPATH": str(REPO)}  # the factory module lives in tests/
+    first = swarm.start(0, extra=run, env=env)
+    loaded = first.wait_event("data_loaded", WAIT)
+    # BigramLoss(256, 32): a frozen 256 × 32 embedding; the mix and the head train.
+    assert (loaded["parameters"], loaded["frozen_parameters"]) == (10528, 8192)
+    assert "model: 10,528 parameters averaged (8,192 frozen, not averaged)" in loaded["msg"]
+    second = swarm.start(1, [first.ready(WAIT)["multiaddrs"][0]], extra=run, env=env)
+    second.wait_for(lambda e: e.get("event") == "round_done" and e["group_size"] == 2, WAIT * 2)
+    [shared] = [e for e in second.rounds() if e["group_size"] == 2][:1]
+    ours = first.wait_event("round_done", WAIT, outer_step=shared["outer_step"])
+    assert ours["params_sha256"] == shared["params_sha256"] and ours["numel"] == shared["numel"] == 10528
+    first.signal(signal.SIGTERM)
+    assert first.wait_exit(WAIT) == 0
+    last = first.wait_event("node_stopped", 5)["outer_step"]
+    committed = {e["outer_step"]: e["params_sha256"] for e in first.rounds()}
+
+    # The export holds the whole module: the averaged parameters of the last checkpoint, and the
+    # embedding as the factory built it.
+    out = tmp_path / "model"
+    done = subprocess.run([*node_command(), "export", "--checkpoint-dir", str(swarm.workdir / "peer-0"),
+                           "--out", str(out), *(flag for key in factory for flag in ("--set", key))],
+                          capture_output=True, text=True, timeout=WAIT, env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr
+    state = torch.load(out / "model.pt", weights_only=True)
+    module = build_frozen_embed()
+    module.load_state_dict(state)
+    built = build_model_for(load_config(overrides=factory, environ={}))
+    assert torch.equal(module.embed.weight, built.net.embed.weight)
+    trainable = parameters_to_vector([p for name, p in module.named_parameters() if not name.startswith("embed.")])
+    assert done.stdout.startswith(f"exported outer step {last} (params {committed[last][:12]})"), done.stdout
+    assert params_sha256(trainable.detach()) == committed[last]

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn as nn
 
+from ..averaged_params import TrainableSplit, frozen_shapes
 from . import ModelError, check_float32, seeded, shapes_digest
 
 if TYPE_CHECKING:
@@ -135,7 +136,8 @@ def build_factory_model(section: "ModelSection", seed: int) -> FactoryModel:
         net, loss_fn = _call(section)
     _check_calls(net, loss_fn, section.factory or "")
     model = FactoryModel(net, loss_fn, section.factory or "")
-    check_float32(model, f"the model of factory {section.factory!r}")
+    # Frozen parameters (a base under adapters) are not averaged and may keep any dtype.
+    check_float32(model, f"the model of factory {section.factory!r}", TrainableSplit(model).averaged)
     return model
 
 
@@ -150,6 +152,7 @@ def factory_definition(section: "ModelSection") -> dict[str, Any]:
     except FactoryRaised:  # any failure of the function on meta: fall back to a real (seeded) call
         with seeded(0):
             net, _ = _call(section)
-    parameters, shapes = shapes_digest((name, tuple(p.shape)) for name, p in net.named_parameters())
+    split = TrainableSplit(net)  # the averaged ones: those the factory leaves trainable
+    parameters, shapes = shapes_digest((name, tuple(p.shape)) for name, p in split.averaged_named)
     return {"kind": "factory", "factory": section.factory, "factory_kwargs": section.factory_kwargs or {},
-            "parameters": parameters, "shapes_sha256": shapes}
+            "parameters": parameters, "shapes_sha256": shapes, **frozen_shapes(split.frozen)}
