@@ -58,7 +58,8 @@ def rounds(variant: str, steps: int, workdir: Path) -> dict:
     def peer(index: int, *args: str) -> Proc:
         argv = [sys.executable, str(script), "--checkpoint-dir", str(workdir / f"peer-{index}"),
                 "--min-peers", "2", "--steps", str(steps), *args]
-        return Proc(f"peer-{index}", argv, env={"OMP_NUM_THREADS": "1"})
+        # PYTHONPATH: the copy of the ``averaged`` variant imports examples/lora.py as the example does.
+        return Proc(f"peer-{index}", argv, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(EXAMPLE.parent)})
 
     with processes() as procs:
         first = peer(0)

@@ -9,11 +9,12 @@ download carries them; the run fingerprint covers a digest of them, so a peer wi
 is refused (its log names `[model] frozen_sha256`). Here the "pretrained" base is a tiny Llama
 made from a fixed seed (offline: no hub); load your own checkpoint in its place. The data is
 Python's own source code. Freeze before making the Swarm: the split is taken there.
+examples/lora.py holds the adapters, and a factory that runs the same fine-tune through
+`lowcomm-node join` on a model folder of your own.
 """
 
 import argparse
 import json
-import math
 import zlib
 
 import torch
@@ -21,6 +22,7 @@ import torch.nn as nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lowcomm
+from lora import add_lora  # examples/lora.py, next to this script
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--peers", nargs="*", default=[], help="multiaddrs of peers in the swarm")
@@ -30,32 +32,11 @@ parser.add_argument("--steps", type=int, default=200, help="train until this man
 parser.add_argument("--rank", type=int, default=4, help="rank of the LoRA adapters")
 args = parser.parse_args()
 
-
-class LoRALinear(nn.Module):
-    """``base(x) + up(down(x)) · scale``: the frozen linear layer plus a trainable low-rank update,
-    zero at the start (``up`` starts at zero), so training starts from the base model itself."""
-
-    def __init__(self, base: nn.Linear, rank: int, alpha: float = 8.0) -> None:
-        super().__init__()
-        self.base = base
-        self.down = nn.Linear(base.in_features, rank, bias=False)
-        self.up = nn.Linear(rank, base.out_features, bias=False)
-        nn.init.kaiming_uniform_(self.down.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.up.weight)
-        self.scale = alpha / rank
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.up(self.down(x)) * self.scale
-
-
 torch.manual_seed(0)  # stands in for loading pretrained weights: the same base on every peer
 model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                      num_attention_heads=4, max_position_embeddings=128))
-model.requires_grad_(False)  # the base is frozen ...
-for layer in model.model.layers:  # ... and the attention's query and value projections get adapters
-    layer.self_attn.q_proj = LoRALinear(layer.self_attn.q_proj, args.rank)
-    layer.self_attn.v_proj = LoRALinear(layer.self_attn.v_proj, args.rank)
-adapters = [p for p in model.parameters() if p.requires_grad]
+# The base is frozen and the attention's query and value projections get adapters (examples/lora.py).
+adapters = add_lora(model, args.rank, targets=("q_proj", "v_proj"), alpha=8.0)
 optimizer = torch.optim.AdamW(adapters, lr=3e-3)
 data = torch.tensor(list(open(argparse.__file__, "rb").read()))  # bytes of a stdlib module as tokens
 data, held_out = data[:-65 * 16], data[-65 * 16:].view(16, 65)  # the tail: a fixed held-out set

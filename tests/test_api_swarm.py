@@ -90,7 +90,7 @@ def test_the_lora_example_averages_the_adapters_alone_and_refuses_a_peer_of_anot
     other.write_text(source.replace("torch.manual_seed(0)  # stands in", "torch.manual_seed(1)  # stands in"))
     refused = subprocess.run([sys.executable, str(other), "--peers", maddr, "--checkpoint-dir", str(tmp_path / "other")],
                              capture_output=True, text=True, timeout=WAIT, stdin=subprocess.DEVNULL,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(LORA.parent)})
     assert refused.returncode == 1
     assert "[model] frozen_sha256:" in refused.stderr and "load the same base weights" in refused.stderr, \
         refused.stderr[-2000:]

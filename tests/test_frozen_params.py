@@ -261,3 +261,44 @@ def test_lowcomm_node_peers_of_a_factory_with_a_frozen_part_average_the_rest_and
     trainable = parameters_to_vector([p for name, p in module.named_parameters() if not name.startswith("embed.")])
     assert done.stdout.startswith(f"exported outer step {last} (params {committed[last][:12]})"), done.stdout
     assert params_sha256(trainable.detach()) == committed[last]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_lora_factory_fine_tunes_a_saved_model_through_lowcomm_node(swarm, tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    from .hf_assets import TINY_LLAMA
+
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA))
+    base.save_pretrained(tmp_path / "base")  # the pretrained model a fine-tune starts from
+    before = {name: p.detach().clone() for name, p in base.named_parameters()}
+    run = ["--set", "model.factory=examples.lora:build",
+           "--set", f'model.factory_kwargs={{ pretrained = "{tmp_path / "base"}", rank = 4 }}',
+           "--set", "data.seq_len=64", "--set", "data.eval_batches=2", "--set", "train.warmup_steps=0",
+           "--set", "sync.group_size=2"]
+    env = {"PYTHONPATH": str(REPO)}  # examples/lora.py, imported as examples.lora from the repository
+    first = swarm.start(0, extra=run, env=env)
+    loaded = first.wait_event("data_loaded", WAIT)
+    # Rank-4 adapters on q_proj and v_proj (64 × 64) of 2 layers train; the saved model is frozen.
+    assert (loaded["parameters"], loaded["frozen_parameters"]) == (4 * (64 * 4 + 4 * 64), 115008)
+    initial_eval = first.ready(WAIT)["eval_loss"]
+    second = swarm.start(1, [first.multiaddr], extra=run, env=env)
+    second.wait_for(lambda e: e.get("event") == "round_done" and e["group_size"] == 2, WAIT * 2)
+    [shared] = [e for e in second.rounds() if e["group_size"] == 2][:1]
+    ours = first.wait_event("round_done", WAIT, outer_step=shared["outer_step"])
+    assert ours["params_sha256"] == shared["params_sha256"] and shared["numel"] == 2048
+    assert ours["eval_loss"] < initial_eval  # the adapters learn
+
+    # The export holds the saved model as it was and the adapters of the last checkpoint.
+    first.signal(signal.SIGTERM)
+    assert first.wait_exit(WAIT) == 0
+    done = subprocess.run([*node_command(), "export", "--checkpoint-dir", str(swarm.workdir / "peer-0"),
+                           "--out", str(tmp_path / "out"), *run[:4], "--set", "data.seq_len=64"],
+                          capture_output=True, text=True, timeout=WAIT, env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr
+    state = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
+    for name, saved in before.items():
+        wrapped = name.replace(".q_proj.", ".q_proj.base.").replace(".v_proj.", ".v_proj.base.")
+        assert torch.equal(state[f"lm.{wrapped}"], saved), name
+    assert any(bool(state[key].abs().sum() > 0) for key in state if key.endswith(".up.weight"))  # trained from 0
