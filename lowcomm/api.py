@@ -77,14 +77,15 @@ class Swarm:
     """A lowcomm peer driven by your training loop; use it as a context manager (module docstring).
 
     ``model``: a ``torch.nn.Module`` (any device); its trainable parameters (``requires_grad``
-    when the Swarm is made, float32) are what peers average, in ``model.parameters()`` order; frozen
-    ones (a LoRA fine-tune's base: any dtype) must be equal on every peer, which the run
+    when the Swarm is made, float32) are what peers average, in ``model.parameters()`` order;
+    frozen ones (a LoRA fine-tune's base: any dtype) must be equal on every peer, which the run
     fingerprint checks (node/averaged_params.py). With a ``[model]`` section in ``config`` the
-    averaged ones are those the config's model trains, as ``lowcomm-node`` peers of it average. ``inner_optimizer``: the optimizer your loop steps; its state
-    is checkpointed with the node's. ``config``: a ``lowcomm.node.config.Config``, a dict of the
-    CLI config file's sections (``{"train": {"inner_steps": 20}, "sync": {"codec": "int8"}}``) or
-    the path of such a TOML file; ``[train] inner_steps`` is H, ``[node]`` says where to listen and
-    checkpoint (ports default to free ones). ``peers``: multiaddrs of peers in the swarm (none:
+    averaged ones are those the config's model trains, as ``lowcomm-node`` peers of it average.
+    ``inner_optimizer``: the optimizer your loop steps; its state is checkpointed with the node's.
+    ``config``: a ``lowcomm.node.config.Config``, a dict of the CLI config file's sections
+    (``{"train": {"inner_steps": 20}, "sync": {"codec": "int8"}}``) or the path of such a TOML
+    file; ``[train] inner_steps`` is H, ``[node]`` says where to listen and checkpoint (ports
+    default to free ones). ``peers``: multiaddrs of peers in the swarm (none:
     start a new swarm). ``eval_fn(model) -> float``: optional held-out loss; with it every
     committed θ_global is evaluated on a replica of the model (one more copy of the parameters).
     ``log``: lowcomm's log lines on stdout (``[node] log_format``/``log_level``); False: they
