@@ -14,7 +14,13 @@ fine-tune with adapters sends the adapters' Δ alone. Two ways to use this modul
           --set data.tokenizer=path/to/model/tokenizer.json
 
   Every peer must load the same weights: the run fingerprint names the frozen parameters but
-  does not hash a factory's values (as it does not hash its code).
+  does not hash a factory's values (as it does not hash its code). ``lowcomm-node export`` (with
+  the same ``--set`` flags) writes the trained module's state_dict; to get a plain Hugging Face
+  model of it::
+
+      module = build("path/to/model", rank=8)
+      module.load_state_dict(torch.load("trained/model.pt"))
+      merge_lora(module.lm).save_pretrained("trained/merged")
 """
 
 from __future__ import annotations
@@ -60,6 +66,20 @@ def add_lora(model: nn.Module, rank: int = 8, targets: Iterable[str] = ("q_proj"
         raise ValueError(f"no nn.Linear named one of {sorted(targets)} in the model: name the layers to adapt "
                          f"in targets")
     return [p for p in model.parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base layer (``W + up·down · scale``) and put the plain
+    ``nn.Linear`` back in its place: the model computes what it did, without adapters, and saves
+    as the architecture it came from (``save_pretrained``). Returns ``model``, changed in place."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, LoRALinear):
+                base = child.base
+                base.weight += (child.up.weight @ child.down.weight).to(base.weight.dtype) * child.scale
+                setattr(module, name, base)
+    return model
 
 
 class CausalLMLoss(nn.Module):

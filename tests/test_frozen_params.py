@@ -302,3 +302,25 @@ def test_the_lora_factory_fine_tunes_a_saved_model_through_lowcomm_node(swarm, t
         wrapped = name.replace(".q_proj.", ".q_proj.base.").replace(".v_proj.", ".v_proj.base.")
         assert torch.equal(state[f"lm.{wrapped}"], saved), name
     assert any(bool(state[key].abs().sum() > 0) for key in state if key.endswith(".up.weight"))  # trained from 0
+
+
+def test_merging_the_lora_adapters_keeps_what_the_model_computes():
+    transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    from examples.lora import LoRALinear, add_lora, merge_lora
+
+    from .hf_assets import TINY_LLAMA
+
+    torch.manual_seed(0)
+    lm = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA))
+    adapters = add_lora(lm, rank=4)
+    with torch.no_grad():
+        for p in adapters:
+            p.normal_(std=0.05)  # trained adapters: up is no longer zero
+    inputs = torch.randint(256, (2, 16))
+    with torch.no_grad():
+        adapted = lm(input_ids=inputs).logits
+        merged = merge_lora(lm)
+        assert not any(isinstance(m, LoRALinear) for m in merged.modules())
+        assert torch.allclose(merged(input_ids=inputs).logits, adapted, atol=1e-5)
+    assert [name for name, _ in merged.named_parameters()] == [
+        name for name, _ in transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA)).named_parameters()]
