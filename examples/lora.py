@@ -99,8 +99,10 @@ class CausalLMLoss(nn.Module):
 def build(pretrained: str, rank: int = 8, targets: list[str] | None = None, alpha: float = 16.0) -> nn.Module:
     """``[model] factory = "examples.lora:build"``: the model in ``pretrained`` (a local folder),
     frozen, with rank-``rank`` adapters on ``targets`` (default: ``q_proj`` and ``v_proj``)."""
-    from transformers import AutoModelForCausalLM
+    import transformers
 
-    lm = AutoModelForCausalLM.from_pretrained(pretrained, torch_dtype=torch.float32)
+    transformers.utils.logging.disable_progress_bar()  # its bars on stderr would garble the node's log lines
+    # float32: the adapters are averaged as float32, and the base computes with them
+    lm = transformers.AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32, local_files_only=True)
     add_lora(lm, rank, targets or ("q_proj", "v_proj"), alpha)
     return CausalLMLoss(lm)
