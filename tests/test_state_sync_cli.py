@@ -57,6 +57,9 @@ def test_method_syncs_its_states_and_trains(swarm, method, first_moment):
     assert rounds[full[-1]][0]["eval_loss"] < initial_eval
 
 
+# make test-slow as well (make test stays under 15 min): tests/test_state_sync.py and
+# tests/test_state_serve.py check the synced states and what a donor serves without sockets.
+@pytest.mark.slow
 def test_a_joiner_receives_the_synced_optimizer_state_and_averages_the_next_round(swarm):
     """Two DES-LOC peers sync both moments every round; a third joins, downloads the snapshot
     (format 2: θ_global, the outer momentum and its donor's AdamW state) and then holds exactly the
