@@ -20,6 +20,9 @@ pytestmark = pytest.mark.multiprocess
 MATCHMAKING, REDUCE = 15, 8  # the FAST settings of conftest.py
 
 
+# make test-slow (make test stays under 15 min): tests/test_direct_rounds.py and test_buckets_unit.py lose leaders
+# without sockets.
+@pytest.mark.slow
 def test_leader_killed_after_sending_the_group(swarm):
     env = {"LOWCOMM_FAULT_HOLD_AS_LEADER": "3"}  # whoever first leads a group of 3 stalls in it
     debug = ["--log-level", "debug"]  # group_formed events
@@ -152,6 +155,8 @@ def test_joiner_arriving_mid_round(swarm):
     assert all(e["eval_loss"] is not None for n in (first, second, joiner) for e in n.rounds())
 
 
+# make test-slow (make test stays under 15 min): tests/test_missed_rounds.py replays missed rounds without the CLI.
+@pytest.mark.slow
 def test_a_peer_that_missed_a_round_applies_its_averages_instead_of_downloading(swarm):
     first = swarm.start(0)
     second = swarm.start(1, [first.multiaddr])

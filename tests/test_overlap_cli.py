@@ -18,10 +18,10 @@ TOKENS_PER_STEP = 4 * 128  # FAST: batch_size 4, the default seq_len 128
 INNER_STEPS = 20  # FAST
 
 
-# The boundary variant runs in make test-slow (make test stays under 15 min): tests/test_driver.py
-# covers when a result applies at the boundary without sockets.
+# Two variants run in make test-slow (make test stays under 15 min): tests/test_driver.py covers
+# fragments synced in turn and when a result applies, without sockets.
 @pytest.mark.parametrize("overlap, fragments, apply", [
-    ("delayed", 2, "arrival"), ("eager", 1, "arrival"),
+    pytest.param("delayed", 2, "arrival", marks=pytest.mark.slow), ("eager", 1, "arrival"),
     pytest.param("delayed", 1, "boundary", marks=pytest.mark.slow)])
 def test_overlapped_rounds_stay_bit_identical(swarm, overlap, fragments, apply):
     extra = ["--set", f"sync.overlap={overlap}", "--set", f"sync.fragments={fragments}",
@@ -100,6 +100,8 @@ def test_failed_background_round_costs_only_its_update_and_shutdown_is_clean(swa
     assert list_checkpoints(swarm.workdir / "peer-0")
 
 
+# make test-slow (make test stays under 15 min): tests/test_driver.py cuts a slower peer's phase without sockets.
+@pytest.mark.slow
 def test_overlapped_straggler_ends_its_phase_when_the_round_starts_and_averages(swarm):
     extra = ["--set", "sync.overlap=delayed"]
     first = swarm.start(0, extra=extra)
