@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from .errors import FatalError
+from .models import shapes_digest
 
 
 class TrainableSetChanged(FatalError):
@@ -79,16 +80,12 @@ class TrainableSplit:
 
 def frozen_shapes(frozen: list[tuple[str, torch.Tensor]]) -> dict[str, object]:
     """The fingerprint's words on parameters that are not averaged, by names and shapes only
-    (a model built on the meta device has no values): their count and a SHA-256. Empty when
-    none is frozen, so the fingerprint of a model that trains everything is as before."""
+    (a model built on the meta device has no values): their count and ``shapes_digest``. Empty
+    when none is frozen, so the fingerprint of a model that trains everything is as before."""
     if not frozen:
         return {}
-    digest = hashlib.sha256()
-    count = 0
-    for name, param in frozen:
-        digest.update(f"{name}:{'x'.join(map(str, param.shape))};".encode())
-        count += param.numel()
-    return {"frozen_parameters": count, "frozen_shapes_sha256": digest.hexdigest()}
+    count, digest = shapes_digest((name, tuple(param.shape)) for name, param in frozen)
+    return {"frozen_parameters": count, "frozen_shapes_sha256": digest}
 
 
 def frozen_definition(frozen: list[tuple[str, torch.Tensor]]) -> dict[str, object]:
