@@ -32,14 +32,18 @@ what the group's average misses this round enters it in a later one (a lossless 
 error: the residual becomes zero). The owner's encoding of the average keeps its error in the
 owner residual, as the butterfly's owner does.
 
-Failure and deadlines: the ring needs every member. If a member dies, refuses, sends a malformed
-or non-finite sum, or the round passes its deadline (T·(1 + RESULT_MARGIN) after the group
-arrived, T = reduce_timeout_s), this member cancels its own stream and refuses the rest of its
-input, so the failure travels both ways round the ring within a hop's time instead of each member
-waiting for the deadline. What each member holds then (averages of the all-gather that came
-through) goes to the same shard agreement as the butterfly's (agreement.py): a shard that any
-member lacks is skipped by all, leaving every member's exact x in its residual and the owner's
-error feedback as before the round. Nothing is lost; the next round carries it.
+Failure and deadlines: the ring needs every member. If a member dies, refuses, sends a malformed or
+non-finite sum, or the round passes its deadline (T·(1 + RESULT_MARGIN) after the group arrived,
+T = reduce_timeout_s), this member cancels its own stream and, unless all of its input came, answers
+the stream from the member before it, which ends that member's round too (an answer to a ring
+stream always means "stop": ``RingBook.handle``). So the failure travels both ways round the ring
+within a hop's time instead of each member waiting for the deadline, also when a member died before
+it ever opened its stream: the member after it would wait for that stream until the deadline, but
+the member before it fails to reach it, and the break comes round the other way. What each member
+holds then (averages of the all-gather that came through) goes to the same shard agreement as the
+butterfly's (agreement.py): a shard that any member lacks is skipped by all, leaving every member's
+exact x in its residual and the owner's error feedback as before the round. Nothing is lost; the
+next round carries it.
 
 Trust: no member sees another's contribution on its own, only running sums, so a ring applies no
 norm bound, no clipping or trimming, and cannot tell who sent a bad value. It is for swarms whose
@@ -145,6 +149,9 @@ class RingInbox:
         self.messages: asyncio.Queue = asyncio.Queue()  # not bounded: the round always reads (no cycle of waits)
         self.claimed = False
         self.closed = False
+        # Set when the round here ends before the whole stream came (RingBook.close): the
+        # handler then refuses the stream at once, even while the sender has nothing to send.
+        self.cut_off = asyncio.Event()
 
     async def read(self, size: int) -> Inbox:
         """The next ``size`` bytes as one Inbox; raises RingBroken if the stream ends first."""
@@ -163,6 +170,7 @@ class RingBook:
 
     def __init__(self) -> None:
         self._inbox: RingInbox | None = None
+        self._ended: bytes | None = None  # the group of the last round that ended here
         self._changed = asyncio.Event()
 
     def open(self, inbox: RingInbox) -> None:
@@ -171,8 +179,15 @@ class RingBook:
         self._changed = asyncio.Event()
 
     def close(self, inbox: RingInbox) -> None:
-        """The round is over here: its stream, if still open, is refused from now on."""
+        """The round is over here: its stream is refused from now on, and one still open that
+        has not brought all its bytes is refused at once (``handle``). That refusal is how a break
+        travels backwards round the ring: the member before this one may be waiting for its own
+        input with nothing to send, and would otherwise learn of the break only at its deadline,
+        and the whole group with it, in the shard agreement."""
         inbox.closed = True
+        if inbox.received_bytes < inbox.expected_bytes:
+            inbox.cut_off.set()
+        self._ended = inbox.group_id
         if self._inbox is inbox:
             self._inbox = None
 
@@ -180,6 +195,8 @@ class RingBook:
         try:  # the sender may have the group before this member does: wait a little
             async with asyncio.timeout(timeout):
                 while (inbox := self._inbox) is None or inbox.group_id != group_id:
+                    if group_id == self._ended:
+                        return None
                     await self._changed.wait()
         except TimeoutError:
             return None
@@ -190,6 +207,8 @@ class RingBook:
         """Serve a ring stream: queue its chunks for the round; the answer is empty. Raises Refused."""
         inbox = await self._find(header.group_id, timeout)
         if inbox is None:
+            if header.group_id == self._ended:
+                raise Refused(Code.ABORTED, "the ring round is over on this peer")
             raise Refused(Code.NOT_FOUND, "no ring round of that group on this peer")
         if header.sender_peer_id != inbox.sender:
             raise Refused(Code.INVALID_ARGUMENT,
@@ -197,22 +216,43 @@ class RingBook:
         if inbox.claimed:
             raise Refused(Code.ALREADY_EXISTS, "the ring stream of this round is already open")
         inbox.claimed = True
+        queueing = asyncio.ensure_future(_queue_chunks(inbox, requests))
+        cut_off = asyncio.ensure_future(inbox.cut_off.wait())
         try:
-            async for message in requests:
-                if inbox.closed:
-                    raise Refused(Code.ABORTED, "the ring round is over on this peer")
-                if not message.HasField("chunk"):
-                    raise Refused(Code.INVALID_ARGUMENT, "a ring stream carries only chunks after its header")
-                inbox.received_bytes += len(message.chunk)
-                if inbox.received_bytes > inbox.expected_bytes:
-                    raise Refused(Code.INVALID_ARGUMENT, "the ring stream carries more bytes than the round needs")
-                inbox.messages.put_nowait(message.chunk)
-        except BaseException:
-            inbox.messages.put_nowait(_BROKEN)
-            raise
-        inbox.messages.put_nowait(_END)
-        return
-        yield  # an async generator that answers nothing
+            await asyncio.wait({queueing, cut_off}, return_when=asyncio.FIRST_COMPLETED)
+            if queueing.done():
+                queueing.result()  # raises its Refused
+                return
+            # Cut off. An answer tells the sender (any answer breaks its ring: _Exchange.send),
+            # which then ends the call; aborting the call here instead, with a read of its stream
+            # pending, sometimes reaches the sender as "Internal error from Core".
+            yield averaging_pb2.ReduceMessage()
+            await asyncio.wait({queueing}, timeout=timeout)
+            if not queueing.done():
+                raise Refused(Code.ABORTED, "the ring round is over on this peer")
+            if not queueing.cancelled():
+                queueing.exception()  # however the read ended after the sender hung up: nothing to say
+        finally:
+            cut_off.cancel()
+            queueing.cancel()  # a no-op once it ended; else this call was cut off or cancelled
+
+
+async def _queue_chunks(inbox: RingInbox, requests: AsyncIterator[wire.Message]) -> None:
+    """Put a ring stream's chunks in the round's inbox, then a marker of how it ended."""
+    try:
+        async for message in requests:
+            if inbox.closed:
+                raise Refused(Code.ABORTED, "the ring round is over on this peer")
+            if not message.HasField("chunk"):
+                raise Refused(Code.INVALID_ARGUMENT, "a ring stream carries only chunks after its header")
+            inbox.received_bytes += len(message.chunk)
+            if inbox.received_bytes > inbox.expected_bytes:
+                raise Refused(Code.INVALID_ARGUMENT, "the ring stream carries more bytes than the round needs")
+            inbox.messages.put_nowait(message.chunk)
+    except BaseException:
+        inbox.messages.put_nowait(_BROKEN)
+        raise
+    inbox.messages.put_nowait(_END)
 
 
 async def run_ring_allreduce(
@@ -406,8 +446,8 @@ class _Exchange:
     async def send(self, timeout: float) -> None:
         answer = self.transport.reduce(self.successor.address, self.stream(), timeout)
         try:
-            async for _ in answer:
-                raise RingBroken(f"{self.successor.peer_id} answered a ring stream")
+            async for _ in answer:  # the successor's round ended before this stream was through
+                raise RingBroken(f"{self.successor.peer_id} stopped this ring round (it ended there)")
         finally:
             close: Callable | None = getattr(answer, "aclose", None)
             if close is not None:

@@ -288,6 +288,60 @@ def test_a_ring_member_stopped_mid_round_breaks_the_ring_for_all_at_once_over_gr
     run(scenario())
 
 
+def test_a_ring_member_dead_before_the_round_breaks_it_for_all_at_once_though_its_stream_never_opens(monkeypatch):
+    """peer-02 is gone before the round starts, so its stream to peer-00 never opens and peer-00
+    never hears of a break from its input. peer-01 tries to reach peer-02 only once all of
+    peer-00's first sums have come, so peer-00 has nothing left to send that could be refused:
+    peer-01's answer on peer-00's stream must end peer-00's round, or both survivors wait for the
+    deadline (peer-01 for peer-00's report in the shard agreement)."""
+    from lowcomm.protocol import ring
+
+    numel, reduce_timeout = 100_003, 20.0
+    first_sums_read = asyncio.Event()
+    read, send = ring.RingInbox.read, ring._Exchange.send
+    reads = 0
+
+    async def counted_read(self, size):
+        nonlocal reads
+        box = await read(self, size)
+        if self.sender == "peer-00":  # peer-01's inbox
+            reads += 1
+            if reads == first_sums:
+                first_sums_read.set()
+        return box
+
+    async def send_once_the_first_sums_came(self, timeout):
+        if self.peer_id == "peer-01":
+            await first_sums_read.wait()
+        await send(self, timeout)
+
+    monkeypatch.setattr(ring.RingInbox, "read", counted_read)
+    monkeypatch.setattr(ring._Exchange, "send", send_once_the_first_sums_came)
+
+    async def scenario():
+        nonlocal first_sums
+        peers = await start_peers(3, numel, "fp32", reduce_timeout=reduce_timeout)
+        try:
+            group = grpc_ring_group(peers, numel, reduce_timeout, b"z" * 16)
+            first_sums = sum(1 for item in ring._Plan(group, 1).incoming if item.kind == "sum" and item.step == 0)
+            await peers[2].stop()
+            gen = torch.Generator().manual_seed(10)
+            deltas = [torch.randn(numel, generator=gen) * 0.01 for _ in peers]
+            started = asyncio.get_running_loop().time()
+            results = await asyncio.gather(*(p.reduce(group, d) for p, d in zip(peers[:2], deltas)))
+            elapsed = asyncio.get_running_loop().time() - started
+            assert first_sums_read.is_set()
+            for p, r, d in zip(peers, results, deltas):
+                assert all(a is None for a in r.averages)  # no sum got round a ring with a hole
+                assert torch.equal(p.residual, d)  # all of x carried
+            assert elapsed < reduce_timeout / 2  # not the deadline: (1 + margin) · 20 s
+        finally:
+            await stop_peers(peers)
+
+    first_sums = 0
+    run(scenario())
+
+
 def test_a_ring_hop_still_encoding_when_the_ring_breaks_cannot_overwrite_the_x_it_carries(monkeypatch):
     """A codec job that a thread has begun cannot be cancelled. peer-01 is adding its part to the
     first sum it received when its successor goes away; that job writes peer-01's residual. The
