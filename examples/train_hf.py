@@ -40,7 +40,8 @@ def held_out_loss(replica: torch.nn.Module) -> float:  # run on a copy of the mo
 
 with lowcomm.Swarm(model, optimizer, config=config, peers=args.peers, eval_fn=held_out_loss) as swarm:
     print(json.dumps({"event": "example_ready", "multiaddrs": swarm.multiaddrs}), flush=True)
-    swarm.wait_for_peers(args.min_peers)
+    if swarm.inner_steps < args.steps:  # a run resumed after its last step has nothing to wait for
+        swarm.wait_for_peers(args.min_peers)
     # Each peer its own batches; a resumed run goes on with new ones (seeded by where it resumed).
     sampler = torch.Generator().manual_seed(zlib.crc32(f"{swarm.peer_id}:{swarm.inner_steps}".encode()))
     while swarm.inner_steps < args.steps:
