@@ -80,6 +80,17 @@ EXIT_FORCED = 130  # exit status when the watchdog had to end the process
 EXIT_NOT_SAVED = 1  # exit status of a stop whose checkpoint could not be written
 
 
+def join_multiaddr(multiaddrs: list[str], announce_host: str) -> str:
+    """The multiaddr that the join line shows: the one at the host this node announces for gRPC,
+    else the first not on loopback, else the first. On every interface (``--host 0.0.0.0``) the
+    DHT lists 127.0.0.1 first, which only this machine can dial."""
+    for maddr in multiaddrs:
+        if maddr.split("/")[2:3] == [announce_host]:
+            return maddr
+    loopback = ("/ip4/127.", "/ip6/::1/")
+    return next((m for m in multiaddrs if not m.startswith(loopback)), multiaddrs[0])
+
+
 class Node:
     def __init__(self, config: Config, dht: hivemind.DHT, human: bool, run_secret: bytes | None = None,
                  tls: TLSConfig | None = None, trainer: TrainerPort | None = None) -> None:
@@ -350,9 +361,9 @@ class Node:
         if not maddrs:
             join_line = ""
         elif self._injected_trainer is not None:  # a lowcomm.Swarm: its peers run the same script
-            join_line = f"lowcomm.Swarm(..., peers=[\"{maddrs[0]}\"])"
+            join_line = f"lowcomm.Swarm(..., peers=[\"{join_multiaddr(maddrs, self._announce_host())}\"])"
         else:
-            join_line = f"lowcomm-node join --peers {maddrs[0]}"
+            join_line = f"lowcomm-node join --peers {join_multiaddr(maddrs, self._announce_host())}"
         log.info(
             "node %s ready: gRPC %s, metrics :%d; others join with: %s", self.peer_id,
             self.address or f"(client mode, local :{self.grpc_port})", metrics_port, join_line,
