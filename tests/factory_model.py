@@ -106,6 +106,14 @@ def build_buggy() -> nn.Module:
     raise ValueError("a bug in the user's factory")
 
 
+def build_parsing_argv() -> nn.Module:
+    """Breaks the contract: parses the command line (the node's, there) and so exits."""
+    import argparse
+
+    argparse.ArgumentParser(prog="my_model").parse_args(["--no-such-flag"])
+    return BigramLoss(256, 8)
+
+
 class Exploding(BigramLoss):
     """Trains to non-finite weights within one inner step, every time: its loss is infinite."""
 

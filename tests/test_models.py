@@ -175,6 +175,31 @@ def test_a_factory_that_raises_is_one_model_error_naming_the_call(overrides, mes
         config(*overrides).run_fingerprint()
 
 
+def test_a_factory_that_exits_is_one_model_error_not_a_silent_exit(capsys):
+    # argparse in the factory read the node's argv and exited: `join` ended with code 2 and
+    # argparse's usage line of another program, and a sys.exit(0) in it ended the node with 0, silently.
+    with pytest.raises(ModelError, match=r"'tests.factory_model:build_parsing_argv' called exit\(2\) .*must not "
+                                         r"parse the command line"):
+        build_model_for(config("model.factory=tests.factory_model:build_parsing_argv"))
+
+
+@pytest.mark.parametrize("source, message", [
+    ("x = 1 / 0\n", r"importing broken_model raised ZeroDivisionError at .*broken_model.py:1: division by zero"),
+    ("def build(:\n", r"importing broken_model raised SyntaxError at .*broken_model.py:1: invalid syntax"),
+    ("import argparse\nargparse.ArgumentParser(prog='x').parse_args(['--zz'])\n",
+     r"importing broken_model called exit\(2\); .* under `if __name__ == \"__main__\":`"),
+])
+def test_a_factory_module_whose_import_fails_is_one_model_error_naming_the_line(tmp_path, monkeypatch, capsys,
+                                                                                source, message):
+    # Only an ImportError was caught: a bug at the module's top level reached the user as a traceback.
+    (tmp_path / "broken_model.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModelError, match=message):
+        build_model_for(config("model.factory=broken_model:build"))
+    with pytest.raises(ModelError, match=message):
+        config("model.factory=broken_model:build").run_fingerprint()
+
+
 def test_token_ids_beyond_an_unlabelled_embedding_name_the_embedding():
     # No vocab_size attribute: the ids reach the embedding, whose IndexError alone said nothing of why.
     model = build_model_for(config("model.factory=tests.factory_model:build_unlabelled"))

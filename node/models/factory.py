@@ -23,6 +23,7 @@ import importlib
 import inspect
 import os
 import sys
+import traceback
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -47,10 +48,25 @@ def resolve(spec: str) -> Callable[..., Any]:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ModelError(f"[model] factory {spec!r}: cannot import {module_name} ({err})") from None
+    except SystemExit as err:  # argparse's parse_args() at the module's top level, say: it saw the node's argv
+        raise ModelError(f"[model] factory {spec!r}: importing {module_name} called exit({err.code!r}); a module "
+                         f"that parses its command line or exits must do so under "
+                         f"`if __name__ == \"__main__\":`") from None
+    except Exception as err:  # noqa: BLE001 - a bug in the user's module (SyntaxError, NameError, ...): one line
+        raise ModelError(f"[model] factory {spec!r}: importing {module_name} raised {type(err).__name__}"
+                         f"{_where(err)}: {err.msg if isinstance(err, SyntaxError) else err}") from None
     function = getattr(module, function_name, None)
     if not callable(function):
         raise ModelError(f"[model] factory {spec!r}: {module_name} has no function {function_name}")
     return function
+
+
+def _where(err: BaseException) -> str:
+    """`` at FILE:LINE`` of the user's line that raised ``err`` (a SyntaxError's own place), or ''."""
+    if isinstance(err, SyntaxError) and err.filename:
+        return f" at {err.filename}:{err.lineno}"
+    frames = [frame for frame in traceback.extract_tb(err.__traceback__) if not frame.filename.startswith("<")]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
 class FactoryModel(nn.Module):
@@ -97,7 +113,13 @@ def _call(section: "ModelSection") -> tuple[nn.Module, LossFn | None]:
     kwargs = section.factory_kwargs or {}
     try:
         result = function(**kwargs)
-    except Exception as err:  # noqa: BLE001 - the user's code: one line that names the call, not a traceback
+    # The user's code: one line that names the call, not a traceback. SystemExit too: a factory that
+    # parses "its" command line with argparse reads the node's and exits, 0 or 2, without a word of why.
+    except (Exception, SystemExit) as err:  # noqa: BLE001
+        if isinstance(err, SystemExit):
+            raise FactoryRaised(f"[model] factory {spec!r} called exit({err.code!r}) when called with factory_kwargs "
+                                f"{kwargs}; a factory returns the model: it must not parse the command line (the "
+                                f"node's) or exit") from None
         raise FactoryRaised(f"[model] factory {spec!r} raised {type(err).__name__} when called with "
                             f"factory_kwargs {kwargs}: {err}") from err
     if isinstance(result, nn.Module):
