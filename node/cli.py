@@ -439,11 +439,37 @@ def cmd_join(args: argparse.Namespace) -> int:
             return _fail(str(err), EXIT_USAGE)
         except FatalError as err:
             return _fail(str(err))
+        except (MemoryError, RuntimeError) as err:
+            # A batch, a sequence or a model larger than this machine's memory (numpy's or torch's
+            # allocation, on the CPU or the GPU) ended the node with a traceback: the settings to lower.
+            if not _out_of_memory(err):
+                raise
+            return _fail(_out_of_memory_message(err, config), EXIT_USAGE)
     finally:
         dht.shutdown()
         lock.close()
         if failed:
             remove_if_never_used(directory, made_from)
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocation that failed: numpy's MemoryError, torch's OutOfMemoryError
+    (CUDA), or the RuntimeError of torch's CPU allocator ("DefaultCPUAllocator: can't allocate memory")."""
+    if isinstance(err, MemoryError):
+        return True
+    import torch
+
+    return isinstance(err, torch.OutOfMemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(err)
+
+
+def _out_of_memory_message(err: BaseException, config: Config) -> str:
+    said = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if "DefaultCPUAllocator" in said:  # after torch's C++ location and assertion, before errno's words
+        said = said[said.index("DefaultCPUAllocator"):].split(". Error code")[0]
+    train, data = config.train, config.data
+    return (f"out of memory with [train] batch_size = {train.batch_size}, micro_batches = {train.micro_batches} "
+            f"and [data] seq_len = {data.seq_len} ({said.rstrip('.')}): lower batch_size (and raise micro_batches "
+            f"to keep batch_size × micro_batches sequences per inner step), lower seq_len, or choose a smaller model")
 
 
 # -- status and healthcheck ------------------------------------------------------------------------
@@ -592,7 +618,16 @@ def render_default_config() -> str:
 
 
 def cmd_init_config(args: argparse.Namespace) -> int:
-    print(render_default_config(), end="")
+    try:
+        print(render_default_config(), end="")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise  # a reader that stopped early: main ends quietly
+    except OSError as err:
+        # `init-config > run.toml` on a full disk was a traceback, and another at exit (the flush).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _fail(f"could not write the config to standard output: {err.strerror or err}; the file it went "
+                     f"to is incomplete: free space there, or write it elsewhere")
     return 0
 
 
@@ -612,6 +647,10 @@ def grpc_target(value: str) -> str:
     if not port.isdigit() or not 1 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"{value!r}: the port must be a number from 1 to 65535 (the node's "
                                          "--grpc-port)")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        # ::1:7701 reached gRPC as host "::1" and failed as "Misformatted domain name".
+        raise argparse.ArgumentTypeError(f"{value!r}: write an IPv6 address in brackets, as [{host.strip('[]')}]:"
+                                         f"{port}")
     return value
 
 

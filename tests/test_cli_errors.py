@@ -247,6 +247,41 @@ def test_a_metrics_port_taken_after_the_check_is_still_a_usage_error():
             Node._start_metrics(SimpleNamespace(config=config, metrics=NodeMetrics()))
 
 
+_OUT_OF_MEMORY = """
+import sys, torch
+from lowcomm.node import cli, daemon
+
+errors = {"numpy": MemoryError("Unable to allocate 384. GiB for an array with shape (400000000, 129) and data "
+                               "type int64"),
+          "cuda": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                         "capacity of 79.11 GiB\\nIf reserved but unallocated memory is large ..."),
+          "cpu": RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                              "memory: you tried to allocate 32000000000 bytes. Error code 12 (Cannot allocate memory)")}
+
+def trainer(*args):  # what a batch too large for the machine raised as the node built or ran it
+    raise errors[sys.argv[1]]
+
+daemon.Trainer = trainer
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("kind, said", [
+    ("numpy", "Unable to allocate 384. GiB for an array with shape (400000000, 129) and data type int64"),
+    ("cuda", "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB"),
+    ("cpu", "DefaultCPUAllocator: can't allocate memory: you tried to allocate 32000000000 bytes"),
+])
+def test_a_batch_larger_than_the_memory_is_one_line_naming_the_settings_to_lower(tmp_path, kind, said):
+    # `--set train.batch_size=100000000` ended the node with numpy's traceback (its eval batches),
+    # and a CUDA or CPU allocation by torch with its own, code 1.
+    command = [sys.executable, "-c", _OUT_OF_MEMORY, kind, *join_command(tmp_path)[len(node_command()):]]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert result.returncode == 2, result.stderr
+    assert_one_line_error(result, f"out of memory with [train] batch_size = 16, micro_batches = 1 and [data] seq_len "
+                                  f"= 128 ({said}): lower batch_size (and raise micro_batches")
+    assert not (tmp_path / "ckpt").exists()  # nothing was written: the folder the start made is gone
+
+
 @pytest.mark.parametrize("content", ['{"version": "1.0"', "not json", ""], ids=["truncated", "not-json", "empty"])
 def test_a_tokenizer_file_that_cannot_be_read_is_a_usage_error_before_anything_starts(tmp_path, content):
     # It was found as the node built its run fingerprint, after the DHT's start, with code 1.

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from lowcomm.node.cli import EXIT_BROKEN_PIPE
 
 
@@ -19,3 +21,14 @@ def test_output_to_a_closed_pipe_ends_quietly_with_the_shells_sigpipe_code() -> 
         os.close(write_end)
     assert result.returncode == EXIT_BROKEN_PIPE, result.stderr
     assert result.stderr == ""  # was a BrokenPipeError traceback
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+def test_output_to_a_full_disk_is_one_error_line_saying_the_file_is_incomplete() -> None:
+    # `lowcomm-node init-config > run.toml` on a full disk: an OSError traceback (ENOSPC).
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "lowcomm.node.cli", "init-config"], stdout=full,
+                                stderr=subprocess.PIPE, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == ("lowcomm-node: error: could not write the config to standard output: No space left on "
+                             "device; the file it went to is incomplete: free space there, or write it elsewhere\n")

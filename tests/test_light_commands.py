@@ -36,6 +36,18 @@ def test_a_target_without_a_usable_port_is_a_usage_error() -> None:
         assert cli.build_parser().parse_args(["healthcheck", "--target", target]).target == target
 
 
+@pytest.mark.parametrize("target", ["::1:7701", "fe80::1:7701", "[::1:7701"])
+def test_an_ipv6_target_without_brackets_says_to_add_them(capsys, target: str) -> None:
+    # ::1:7701 passed as HOST:PORT and failed later as "no node answered ... Misformatted domain name".
+    from lowcomm.node import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser().parse_args(["status", "--target", target])
+    assert exit_info.value.code == 2
+    host = target.rpartition(":")[0].strip("[]")
+    assert f"write an IPv6 address in brackets, as [{host}]:7701" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("target", ["http://127.0.0.1:33209", "https://node-3.example:7701", "grpc://[::1]:7701"])
 def test_a_target_with_a_scheme_is_a_usage_error_asking_for_host_port(capsys, target: str) -> None:
     # http://127.0.0.1:33209 passed as HOST:PORT (host "http://127.0.0.1") and failed later as an
