@@ -48,6 +48,9 @@ def unreachable_hint(err: "grpc.aio.AioRpcError", target: str, tls: "TLSConfig |
         # plaintext call tells which; the server just answered, so it answers again at once.
         return _NOT_GRPC.format(target=target) if _not_grpc(target, min(timeout, 2.0)) else (
             "the node serves plaintext gRPC: drop --tls-cert")
+    if err.code().name == "UNIMPLEMENTED":  # "Method not found!": the server answered, but it is no node
+        return (f"the gRPC server at {target} is not a lowcomm node (it does not serve the node's methods): give "
+                f"the node's --grpc-port (default 7701)")
     if tls is None and "Socket closed" in details:  # a TLS server hangs up on a plaintext HTTP/2 preface
         return "the node may serve TLS: pass --tls-cert with the run's certificate (or set LOWCOMM_TLS_CERT)"
     return None

@@ -31,11 +31,14 @@ NOT_GRPC_HINT = ("is not a gRPC port: the node's gRPC port is its --grpc-port (d
                  "--metrics-port or --dht-port")
 
 
+NOT_A_NODE_HINT = "is not a lowcomm node (it does not serve the node's methods): give the node's --grpc-port"
+
+
 class Servers:
     """Addresses of the servers the commands are pointed at, and the certificates to pass."""
 
-    def __init__(self, tls: str, plaintext: str, http: str, cert: Path, other_cert: Path) -> None:
-        self.tls, self.plaintext, self.http = tls, plaintext, http
+    def __init__(self, tls: str, plaintext: str, http: str, cert: Path, other_cert: Path, bare: str = "") -> None:
+        self.tls, self.plaintext, self.http, self.bare = tls, plaintext, http, bare
         self.cert, self.other_cert = cert, other_cert
 
 
@@ -57,17 +60,21 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     (folder / "other.pem").write_bytes(other)
     tls_server, tls_target = _health_server(grpc.ssl_server_credentials([(key, cert)]))
     plain_server, plain_target = _health_server(None)
+    bare_server = grpc.server(futures.ThreadPoolExecutor(1))  # another program's gRPC server: no node methods
+    bare_target = f"127.0.0.1:{bare_server.add_insecure_port('127.0.0.1:0')}"
+    bare_server.start()
     # Answers the HTTP/2 preface with an HTTP/1 "400 Bad Request", as the node's /metrics does.
     web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
     threading.Thread(target=web.serve_forever, daemon=True).start()
     try:
         yield Servers(tls_target, plain_target, f"127.0.0.1:{web.server_address[1]}",
-                      folder / "cert.pem", folder / "other.pem")
+                      folder / "cert.pem", folder / "other.pem", bare_target)
     finally:
         web.shutdown()
         web.server_close()
         tls_server.stop(None)
         plain_server.stop(None)
+        bare_server.stop(None)
 
 
 def light_command(*args: str) -> subprocess.CompletedProcess:
@@ -119,6 +126,17 @@ def test_a_port_that_is_not_grpc_is_named_so(servers: Servers, command: str, tls
     line = assert_one_error_line(light_command(command, "--target", servers.http, *flags),
                                  f"{servers.http} {NOT_GRPC_HINT}")
     assert PLAINTEXT_HINT not in line and TLS_HINT not in line
+
+
+@pytest.mark.parametrize("command", ["status", "healthcheck"])
+def test_a_grpc_server_that_is_not_a_node_is_named_so(servers: Servers, command: str) -> None:
+    # It said "no node answered at ...: UNIMPLEMENTED Method not found!": something did answer.
+    assert_one_error_line(light_command(command, "--target", servers.bare), f"{servers.bare} {NOT_A_NODE_HINT}")
+
+
+def test_status_of_a_server_with_a_health_service_alone_is_not_a_node_either(servers: Servers) -> None:
+    assert_one_error_line(light_command("status", "--target", servers.plaintext),
+                          f"{servers.plaintext} {NOT_A_NODE_HINT}")
 
 
 def test_the_right_certificate_still_answers(servers: Servers) -> None:
