@@ -182,11 +182,25 @@ class ConfigLayers:
     def merge_file(self, data: Mapping[str, Any], source: str) -> None:
         for section, body in data.items():
             if not isinstance(body, Mapping):
-                raise ConfigError(
-                    f"{source}: '{section}' must be a table like [{section}], got {type(body).__name__}"
-                )
+                raise ConfigError(_not_a_table(source, str(section), body))
             for key, value in body.items():
                 self.set(section, key, value, source)
+
+
+def _not_a_table(source: str, name: str, value: Any) -> str:
+    """The message for a value where a section's table belongs: a key written above every section
+    header (``inner_steps = 20`` at the top of the file, or ``{"inner_steps": 20}`` as a Swarm's
+    config) or a dotted name as a dict key (``{"train.inner_steps": 20}``): say in which section it goes."""
+    head, dot, tail = name.partition(".")
+    if dot and head in Config.model_fields and tail in Config.model_fields[head].annotation.model_fields:
+        return (f"{source}: '{name}' is not a section: in a dict write {{'{head}': {{'{tail}': ...}}}}, in a TOML "
+                f"file `{tail} = ...` under [{head}]")
+    homes = [section for section, info in Config.model_fields.items() if name in info.annotation.model_fields]
+    if homes:
+        where = " or ".join(f"[{section}]" for section in homes)
+        return (f"{source}: '{name}' is set outside any section, but it is a key of {where}: in a TOML file write "
+                f"it under the [{homes[0]}] header, in a dict as {{'{homes[0]}': {{'{name}': ...}}}}")
+    return f"{source}: '{name}' must be a table like [{name}], got {type(value).__name__}"
 
 
 def read_toml(path: Path) -> dict[str, Any]:

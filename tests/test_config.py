@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lowcomm.node.cli import render_default_config
-from lowcomm.node.config import CODEC_CHOICES, Config, ConfigError, load_config, parse_override
+from lowcomm.node.config import CODEC_CHOICES, Config, ConfigError, ConfigLayers, load_config, parse_override
 
 A_PEER = "/ip4/127.0.0.1/tcp/7700/p2p/QmXRFQRfTWsEXpbA9u6eaaWzmMBrx6k2vW1ppoC8ot9rtN"  # client mode needs one
 
@@ -133,8 +133,29 @@ def test_unknown_section_is_named(tmp_path):
 
 def test_top_level_key_outside_a_table(tmp_path):
     path = write(tmp_path, "codec = 'int8'\n")
-    with pytest.raises(ConfigError, match="must be a table"):
+    with pytest.raises(ConfigError, match=r"'codec' is set outside any section, but it is a key of \[sync\]"):
         load_config(path, environ={})
+    path = write(tmp_path, "codex = 'int8'\n")  # no section has such a key
+    with pytest.raises(ConfigError, match=r"'codex' must be a table like \[codex\], got str"):
+        load_config(path, environ={})
+
+
+def test_a_known_key_outside_its_section_names_the_section(tmp_path):
+    # It said "'inner_steps' must be a table like [inner_steps]": a section that does not exist.
+    path = write(tmp_path, "inner_steps = 20\n[sync]\ncodec = 'int8'\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert str(info.value) == (f"{path}: 'inner_steps' is set outside any section, but it is a key of [train]: in a "
+                               f"TOML file write it under the [train] header, in a dict as "
+                               f"{{'train': {{'inner_steps': ...}}}}")
+
+
+def test_a_dotted_name_as_a_dict_key_says_to_nest_it():
+    layers = ConfigLayers()
+    with pytest.raises(ConfigError) as info:
+        layers.merge_file({"train.inner_steps": 20}, "config")
+    assert str(info.value) == ("config: 'train.inner_steps' is not a section: in a dict write "
+                               "{'train': {'inner_steps': ...}}, in a TOML file `inner_steps = ...` under [train]")
 
 
 def test_wrong_value_names_file_key_and_allowed_values(tmp_path):
