@@ -104,6 +104,8 @@ def _check_same_model(payload: dict[str, Any], config: Config, path: Path) -> No
 def _free_folder(out: Path) -> None:
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise ExportError(f"--out {out} exists and is not an empty folder; choose a new one (nothing was written)")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise ExportError(f"--out {out}: {out.parent} is a file, not a folder")
     if not out.parent.is_dir():
         raise ExportError(f"--out {out}: its parent folder {out.parent} does not exist")
 
@@ -137,6 +139,9 @@ def export(config: Config, out: Path, model_given: bool = True) -> Exported:
 
     directory = config.node.checkpoint_dir
     _free_folder(out)
+    if directory.is_file():  # a checkpoint file given for its folder: "no checkpoint in" it said no more
+        raise ExportError(f"--checkpoint-dir {directory} is a file; give the folder that holds the node's "
+                          f"checkpoints (--checkpoint-dir {directory.parent}): the newest usable one is exported")
     if not checkpoint.list_checkpoints(directory):
         raise ExportError(f"no checkpoint in {directory} (a node writes one after each round and when it stops); "
                           f"give the folder with --checkpoint-dir")

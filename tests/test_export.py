@@ -127,6 +127,12 @@ def test_mistakes_are_one_line_that_says_what_to_change_and_write_nothing(tmp_pa
             f"give the folder with --checkpoint-dir",
         ("--out", str(tmp_path / "no" / "m"), "--set", "data.seq_len=64"):
             f"--out {tmp_path}/no/m: its parent folder {tmp_path}/no does not exist",
+        # Both said only "no checkpoint in" and "parent folder ... does not exist" of paths that exist.
+        ("--out", str(tmp_path / "taken" / "notes.txt" / "m"), "--set", "data.seq_len=64"):
+            f"--out {tmp_path}/taken/notes.txt/m: {tmp_path}/taken/notes.txt is a file, not a folder",
+        ("--out", str(tmp_path / "m"), "--checkpoint-dir", str(tmp_path / "ck" / "step-000000003.ckpt")):
+            f"--checkpoint-dir {tmp_path}/ck/step-000000003.ckpt is a file; give the folder that holds the node's "
+            f"checkpoints (--checkpoint-dir {tmp_path}/ck): the newest usable one is exported",
     }
     for args, message in cases.items():
         if "--checkpoint-dir" not in args:
