@@ -192,7 +192,10 @@ class Swarm:
 
     def close(self) -> None:
         """Leave the swarm as leaving the ``with`` block does, for a loop that cannot sit in one
-        (callbacks, a notebook). Idempotent; raises SwarmError if the node failed."""
+        (callbacks, a notebook). Idempotent; raises SwarmError if the node failed. A Swarm never
+        opened has nothing to leave: it stays as it was, and may still be opened."""
+        if self._thread is None and self._dht is None and self._lock is None and not self._exited:
+            return  # it marked the Swarm as left: a later open() was refused as "entered once"
         self.__exit__(None, None, None)
 
     def _require_open(self, what: str) -> ExternalTrainer:
@@ -358,6 +361,10 @@ class Swarm:
             if loss.numel() != 1:
                 raise ValueError(f"loss must be the step's scalar loss, got a tensor of shape {tuple(loss.shape)}")
             loss = float(loss.detach())
+        elif loss is not None and (isinstance(loss, bool) or not isinstance(loss, numbers.Real)):
+            # A list or a string reached float(): Python's TypeError or "could not convert string to float".
+            raise ValueError(f"loss must be the step's scalar loss (a number or a one-element tensor), got "
+                             f"{type(loss).__name__} {loss!r}"[:200])
         trainer.handoff.report(int(tokens), math.nan if loss is None else float(loss))
 
     # -- state ----------------------------------------------------------------------------------
@@ -456,6 +463,11 @@ class Swarm:
         trainer = self._require_open("wait_for_peers()")
         if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
             raise ValueError(f"count must be a whole number of peers, at least 1 (this one), got {count!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+                                    or not 0 <= timeout < math.inf):
+            # "1" failed as float + str (a TypeError); -1 timed out at once, "after -1 s".
+            raise ValueError(f"timeout must be a number of seconds, 0 or more (None: wait as long as it takes), "
+                             f"got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if trainer.handoff.closed is not None:

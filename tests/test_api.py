@@ -230,6 +230,18 @@ def test_step_outside_the_block_and_late_load_state_dict_are_refused():
         lowcomm.Swarm(model, "adam")  # type: ignore[arg-type]
 
 
+def test_closing_a_swarm_never_opened_leaves_it_to_be_opened():
+    # close() marked it as left: step() then said "after the Swarm was left (closed)" and open()
+    # "a Swarm can be entered (opened) once", of a Swarm that never was.
+    model = nn.Linear(2, 2)
+    swarm = lowcomm.Swarm(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    swarm.close()
+    swarm.close()
+    with pytest.raises(SwarmError, match=r"Swarm.step\(\) needs an open Swarm"):
+        swarm.step()
+    assert not swarm._exited  # open() may still follow
+
+
 def test_model_and_optimizer_mistakes_are_swarm_errors_before_anything_starts():
     def swarm(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> lowcomm.Swarm:
         optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.1)

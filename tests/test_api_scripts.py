@@ -28,10 +28,12 @@ SCRIPT = textwrap.dedent("""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = {"train": {"inner_steps": 3}, "node": {"host": "127.0.0.1", "checkpoint_dir": sys.argv[1]}}
     swarm = lowcomm.Swarm(model, optimizer, config=config).open()  # a loop split across callbacks
-    try:
-        swarm.wait_for_peers(0)
-    except ValueError as err:
-        print("refused:", err, flush=True)
+    for wrong in (lambda: swarm.wait_for_peers(0), lambda: swarm.wait_for_peers(2, timeout="1"),
+                  lambda: swarm.step(loss=[0.5])):  # the last two: Python's TypeError from inside lowcomm
+        try:
+            wrong()
+        except ValueError as err:
+            print("refused:", err, flush=True)
     for _ in range(7):
         x = torch.randn(32, 16)
         loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
@@ -65,6 +67,8 @@ def test_a_swarm_left_open_or_closed_by_hand_ends_the_program_with_its_checkpoin
     assert "end of script" in out and "Traceback" not in out + err
     assert ("the program ended inside a lowcomm.Swarm" in out) == (ending == "forgotten")
     assert "refused: count must be a whole number of peers, at least 1 (this one), got 0" in out
+    assert "refused: timeout must be a number of seconds, 0 or more (None: wait as long as it takes), got '1'" in out
+    assert "refused: loss must be the step's scalar loss (a number or a one-element tensor), got list [0.5]" in out
     assert ("after close: Swarm.step() after the Swarm was left (closed)" in out) == (ending == "close")
     assert "Generating new identity" not in err  # hivemind's INFO line, from its own stderr handler
     assert "stopped cleanly at outer step 2" in out  # 7 steps at H = 3: two rounds
