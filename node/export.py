@@ -101,6 +101,19 @@ def _check_same_model(payload: dict[str, Any], config: Config, path: Path) -> No
                           f"give the run config the node ran with (--config, --set)")
 
 
+def _needs_the_run_config(payload: dict[str, Any], path: Path) -> None:
+    """Without --config or model settings, a checkpoint of a model other than a preset cannot be
+    exported: say that, rather than list how the default config differs from the run's."""
+    made_with = payload.get("run_config")
+    model = (json.loads(made_with).get("model") or {}) if isinstance(made_with, str) else {}
+    kind = model.get("kind")
+    if kind in (None, "external"):
+        return  # too old to say, or a Swarm's own model: _check_same_model says what to do
+    raise ExportError(f"the checkpoints in {path.parent} hold a model of [model] kind = {kind!r}, which export "
+                      f"builds from the run's own settings and files: give the run config the node ran with "
+                      f"(--config run.toml, or the same --set model.* and data.* flags)")
+
+
 def _free_folder(out: Path) -> None:
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise ExportError(f"--out {out} exists and is not an empty folder; choose a new one (nothing was written)")
@@ -159,6 +172,8 @@ def export(config: Config, out: Path, model_given: bool = True) -> Exported:
     described = None if model_given else checkpoint_preset(payload)
     if described is not None:
         config = config.model_copy(update={"model": described.model, "data": described.data})
+    elif not model_given:
+        _needs_the_run_config(payload, path)
     _check_same_model(payload, config, path)
     model = build_model_for(config)
     params = payload["params"]

@@ -87,6 +87,12 @@ def test_a_factory_or_preset_model_exports_its_own_modules_state_dict(tmp_path, 
     done = cli_export("--checkpoint-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "model"),
                       *sets([*model, "data.seq_len=64"]))
     assert done.returncode == 0, done.stderr
+    if "factory" in model[0]:  # without the run's settings: say so, not how the defaults differ from them
+        bare = cli_export("--checkpoint-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "other"))
+        assert (bare.returncode, bare.stderr) == (1, (
+            f"lowcomm-node: error: the checkpoints in {tmp_path}/ck hold a model of [model] kind = 'factory', which "
+            f"export builds from the run's own settings and files: give the run config the node ran with "
+            f"(--config run.toml, or the same --set model.* and data.* flags)\n"))
     state = torch.load(tmp_path / "model" / "model.pt", weights_only=True)
     if "factory" in model[0]:
         from tests.factory_model import build_pair
