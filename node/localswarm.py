@@ -42,7 +42,7 @@ class NodeExited(TimeoutError):
 def node_command() -> list[str]:
     """The CLI of the running installation (the console script next to this interpreter)."""
     script = Path(sys.executable).with_name("lowcomm-node")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "lowcomm.node.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "lowcomm.node.entry"]
 
 
 class NodeProcess:

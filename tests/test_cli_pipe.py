@@ -32,3 +32,25 @@ def test_output_to_a_full_disk_is_one_error_line_saying_the_file_is_incomplete()
     assert result.returncode == 1, result.stderr
     assert result.stderr == ("lowcomm-node: error: could not write the config to standard output: No space left on "
                              "device; the file it went to is incomplete: free space there, or write it elsewhere\n")
+
+
+_INTERRUPTED_IMPORT = """
+import sys
+
+class CtrlCDuringTheImport:  # SIGINT while Python imports the CLI (torch, hivemind)
+    def find_spec(self, name, path=None, target=None):
+        if name == "lowcomm.node.cli":
+            raise KeyboardInterrupt
+
+sys.meta_path.insert(0, CtrlCDuringTheImport())
+from lowcomm.node.entry import main
+sys.exit(main(["status"]))
+"""
+
+
+def test_a_ctrl_c_while_the_cli_imports_ends_quietly_with_130() -> None:
+    # The console script pointed at lowcomm.node.cli:main, so the interrupt came out of the
+    # script's own import of it: a KeyboardInterrupt traceback.
+    result = subprocess.run([sys.executable, "-c", _INTERRUPTED_IMPORT], capture_output=True, text=True, timeout=60,
+                            stdin=subprocess.DEVNULL)
+    assert (result.returncode, result.stderr) == (130, "")
