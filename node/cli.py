@@ -220,6 +220,8 @@ def _check_peer_multiaddrs(peers: list[str], source: str = _PEERS_FLAG) -> None:
     fix = "copy the whole address the first peer printed after `--peers`"
     invalid = _invalid_multiaddr(source)
     for maddr in peers:
+        if not maddr.strip():  # `--peers ""` (an unset shell variable): the message showed no address at all
+            raise UsageError(f"{invalid}: an empty address; {fix}, or leave it out to start a new swarm")
         if "/p2p/" not in maddr:
             raise UsageError(f"{invalid} {maddr}: it must end in /p2p/<peer id>; {fix}")
         try:

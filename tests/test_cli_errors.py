@@ -57,6 +57,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+
+def test_an_empty_peer_address_says_so():
+    # `--peers ""`: "invalid --peers multiaddr : it must end in /p2p/<peer id>", the address unseen.
+    with pytest.raises(RuntimeError, match=r"^invalid --peers multiaddr: an empty address; copy the whole address "
+                                           r"the first peer printed after `--peers`, or leave it out to start a new "
+                                           r"swarm$"):
+        cli._check_peer_multiaddrs([f"/ip4/127.0.0.1/tcp/4001/p2p/{STRANGER}", " "])
+
 def test_unanswered_peers_fail_fast_naming_the_address(tmp_path):
     maddr = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{STRANGER}"
     started = time.monotonic()

@@ -148,6 +148,7 @@ def test_factory_models_are_seeded_and_train(factory, text):
     ("tests.factory_model:build_half", "torch.float16 parameters"),
     ("tests.factory_model:build_nothing", "returned int"),
     ("tests.factory_model:missing", "has no function missing"),
+    ("math:pi", r"math.pi is a float, not a function that builds the model"),
     ("tests.no_such_module:build", "cannot import tests.no_such_module"),
     ("tests.factory_model:build_logits_only",
      r"the module's forward\(inputs\) cannot be called as \(inputs, targets\).*"

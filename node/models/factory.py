@@ -56,8 +56,11 @@ def resolve(spec: str) -> Callable[..., Any]:
         raise ModelError(f"[model] factory {spec!r}: importing {module_name} raised {type(err).__name__}"
                          f"{_where(err)}: {err.msg if isinstance(err, SyntaxError) else err}") from None
     function = getattr(module, function_name, None)
-    if not callable(function):
+    if function is None:
         raise ModelError(f"[model] factory {spec!r}: {module_name} has no function {function_name}")
+    if not callable(function):
+        raise ModelError(f"[model] factory {spec!r}: {module_name}.{function_name} is a {type(function).__name__}, "
+                         f"not a function that builds the model")
     return function
 
 
