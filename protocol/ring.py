@@ -150,7 +150,7 @@ class RingInbox:
         self.claimed = False
         self.closed = False
         # Set when the round here ends before the whole stream came (RingBook.close): the
-        # handler then refuses the stream at once, even while the sender has nothing to send.
+        # handler then stops the stream at once, even while the sender has nothing to send.
         self.cut_off = asyncio.Event()
 
     async def read(self, size: int) -> Inbox:
@@ -179,9 +179,9 @@ class RingBook:
         self._changed = asyncio.Event()
 
     def close(self, inbox: RingInbox) -> None:
-        """The round is over here: its stream is refused from now on, and one still open that
-        has not brought all its bytes is refused at once (``handle``). That refusal is how a break
-        travels backwards round the ring: the member before this one may be waiting for its own
+        """The round is over here: its stream is stopped from now on, and one still open that has
+        not brought all its bytes is stopped at once (``handle``). That is how a break travels
+        backwards round the ring: the member before this one may be waiting for its own
         input with nothing to send, and would otherwise learn of the break only at its deadline,
         and the whole group with it, in the shard agreement."""
         inbox.closed = True
@@ -206,9 +206,11 @@ class RingBook:
                      timeout: float) -> AsyncIterator[averaging_pb2.ReduceMessage]:
         """Serve a ring stream: queue its chunks for the round; the answer is empty. Raises Refused."""
         inbox = await self._find(header.group_id, timeout)
+        if inbox is None and header.group_id == self._ended:
+            async for message in _stop_the_sender(timeout):
+                yield message
+            return
         if inbox is None:
-            if header.group_id == self._ended:
-                raise Refused(Code.ABORTED, "the ring round is over on this peer")
             raise Refused(Code.NOT_FOUND, "no ring round of that group on this peer")
         if header.sender_peer_id != inbox.sender:
             raise Refused(Code.INVALID_ARGUMENT,
@@ -220,21 +222,26 @@ class RingBook:
         cut_off = asyncio.ensure_future(inbox.cut_off.wait())
         try:
             await asyncio.wait({queueing, cut_off}, return_when=asyncio.FIRST_COMPLETED)
-            if queueing.done():
+            if not inbox.cut_off.is_set():
                 queueing.result()  # raises its Refused
                 return
-            # Cut off. An answer tells the sender (any answer breaks its ring: _Exchange.send),
-            # which then ends the call; aborting the call here instead, with a read of its stream
-            # pending, sometimes reaches the sender as "Internal error from Core".
-            yield averaging_pb2.ReduceMessage()
-            await asyncio.wait({queueing}, timeout=timeout)
-            if not queueing.done():
-                raise Refused(Code.ABORTED, "the ring round is over on this peer")
-            if not queueing.cancelled():
-                queueing.exception()  # however the read ended after the sender hung up: nothing to say
+            async for message in _stop_the_sender(timeout):  # also when a chunk after the cut was refused
+                yield message
         finally:
             cut_off.cancel()
             queueing.cancel()  # a no-op once it ended; else this call was cut off or cancelled
+            if queueing.done() and not queueing.cancelled():
+                queueing.exception()  # how the read ended once cut off: nothing more to say
+
+
+async def _stop_the_sender(timeout: float) -> AsyncIterator[averaging_pb2.ReduceMessage]:
+    """Stop a ring stream whose round is over here: an answer tells the sender (any answer breaks
+    its ring: _Exchange.send), which then ends the call, cancelling this one. A refusal instead
+    would end the call from this side while the sender may still be writing, which its gRPC
+    often reports as nothing but "Internal error from Core"."""
+    yield averaging_pb2.ReduceMessage()
+    await asyncio.sleep(timeout)  # the sender hangs up long before
+    raise Refused(Code.ABORTED, "the ring round is over on this peer")
 
 
 async def _queue_chunks(inbox: RingInbox, requests: AsyncIterator[wire.Message]) -> None:

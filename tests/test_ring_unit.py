@@ -258,6 +258,39 @@ def test_the_serving_side_refuses_a_stranger_a_second_stream_and_too_many_bytes(
     assert inbox.messages.get_nowait() == "broken"
 
 
+
+def test_a_stream_the_round_here_no_longer_needs_is_answered_which_stops_its_sender():
+    """Any answer ends the sender's ring round (_Exchange.send). A stream still open when the
+    round here ends without all of it, and one that comes after, get one at once; refusing them
+    instead would end the call under a sender still writing, which often hears only "Internal
+    error from Core" from its gRPC."""
+    async def chunks(*payloads: bytes):
+        for payload in payloads:
+            yield averaging_pb2.ReduceMessage(chunk=payload)
+        await asyncio.Event().wait()  # a sender with nothing more to send for now
+
+    header = averaging_pb2.RingHeader(group_id=b"g", sender_peer_id="peer-00")
+
+    async def scenario():
+        book = RingBook()
+        inbox = RingInbox(b"g", "peer-00", expected_bytes=6)
+        book.open(inbox)
+        open_stream = book.handle(header, chunks(b"1234"), timeout=60.0)
+        answered = asyncio.ensure_future(anext(open_stream))
+        assert await inbox.messages.get() == b"1234"
+        assert not answered.done()
+        book.close(inbox)  # the round here ends without the last 2 bytes
+        answers = [await answered]
+        late_stream = book.handle(header, chunks(), timeout=60.0)  # not the 60 s wait for a round to open
+        answers.append(await anext(late_stream))
+        for stream in (open_stream, late_stream):
+            await stream.aclose()  # the sender hangs up
+        return answers, inbox
+
+    answers, inbox = asyncio.run(scenario())
+    assert answers == [averaging_pb2.ReduceMessage()] * 2
+    assert inbox.messages.get_nowait() == "broken"  # what the round would read after the first chunk
+
 def test_a_leader_asked_for_a_ring_closes_one_where_it_can_and_a_butterfly_elsewhere():
     from lowcomm.protocol.layout import close_groups
 
