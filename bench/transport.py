@@ -151,14 +151,16 @@ def _ask(agents: list[Proc], cmd: dict, reply: str, timeout: float) -> list[dict
 
 def lowcomm_round(agents: list[Proc], addresses: list[str], numel: int, codec_id: int, timeout: float,
                   step: int, schedule: str = "staggered", pieces: int | None = None, mbit: float | None = None,
-                  declared: list[float] | None = None) -> dict:
+                  declared: list[float] | None = None, absent: int = 0) -> dict:
     """One round of the project's all-reduce; ``pieces`` per owner as the leader cuts them
     (protocol/layout.py) unless given, for members that declared the link's cap as their
     bandwidth (a node declares its last round's measured rate, somewhat less). ``schedule``:
     the butterfly ``staggered`` or ``all`` at once (protocol/schedule.py), ``ring`` (protocol/ring.py), or
     ``auto``: either, as a leader with ``[sync] schedule = "auto"`` picks it (the result's ``ran``).
-    ``declared``: the members' bandwidths (bytes/s) the shares are cut by; equal shares without."""
-    n = len(agents)
+    ``declared``: the members' bandwidths (bytes/s) the shares are cut by; equal shares without.
+    ``absent``: members after ``agents`` (their addresses follow) that are in the group but do not
+    take part, as peers that died after matchmaking (bench/dead_member.py)."""
+    n = len(agents) + absent
     if schedule == "auto":  # as a leader with [sync] schedule = "auto" picks it (protocol/layout.py)
         picked = choose_schedule(step, encoded_size(codec_id, numel), declared or [0.0] * n)
         schedule = "ring" if picked == RING else "staggered"
@@ -191,7 +193,8 @@ def lowcomm_round(agents: list[Proc], addresses: list[str], numel: int, codec_id
             "cpu_cores_busy": sum(d["cpu_seconds"] for d in done) / seconds if seconds > 0 else None,
             # CPU seconds of all agents per MB (10⁶ bytes) they sent: the transport's cost, nearly
             # independent of what else runs on the machine (unlike the round's wall-clock time).
-            "cpu_seconds_per_mb": sum(d["cpu_seconds"] for d in done) / (sum(d["bytes_sent"] for d in done) / 1e6)}
+            "cpu_seconds_per_mb": (sum(d["cpu_seconds"] for d in done) / (sent / 1e6)
+                                   if (sent := sum(d["bytes_sent"] for d in done)) else None)}
 
 
 def phases(trace: dict[str, list], seconds: float) -> dict[str, float] | None:

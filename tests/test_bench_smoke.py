@@ -89,6 +89,18 @@ def test_frozen_params(out):
     assert got["hashfloat32"]["seconds"] > 0
 
 
+
+def test_dead_member(out):
+    bench("dead_member.py", "--peers", "3", "--rounds", "1", "--reduce-timeout", "20",
+          "--json-out", str(out / "dead_member.jsonl"))
+    got = {r["schedule"]: r for r in records(out / "dead_member.jsonl")}
+    assert set(got) == {"staggered", "ring"}
+    for record in got.values():
+        assert record["peers"] == 3 and record["rounds"] == 1 and record["deadline_seconds"] == 25.0
+        assert record["seconds_min"] <= record["seconds"] <= record["seconds_max"]
+    # The butterfly skips the dead owner's shards only; a ring with a hole skips every shard.
+    assert 1 <= got["staggered"]["skipped_shards_per_survivor"] < got["ring"]["skipped_shards_per_survivor"]
+
 def test_convergence(out):
     # Loopback: the namespaced variant of the same runners is covered by the slow-link test.
     bench("convergence.py", "--methods", "single,ddp,diloco-int8-H5,hivemind-H5", "--network", "loopback", *TINY,
