@@ -358,12 +358,13 @@ class Node:
 
     def _announce(self, metrics_port: int) -> None:
         maddrs = self.multiaddrs
+        reachable = join_multiaddr(maddrs, self._announce_host()) if maddrs else ""
         if not maddrs:
             join_line = ""
         elif self._injected_trainer is not None:  # a lowcomm.Swarm: its peers run the same script
-            join_line = f"lowcomm.Swarm(..., peers=[\"{join_multiaddr(maddrs, self._announce_host())}\"])"
+            join_line = f"lowcomm.Swarm(..., peers=[\"{reachable}\"])"
         else:
-            join_line = f"lowcomm-node join --peers {join_multiaddr(maddrs, self._announce_host())}"
+            join_line = f"lowcomm-node join --peers {reachable}"
         log.info(
             "node %s ready: gRPC %s, metrics :%d; others join with: %s", self.peer_id,
             self.address or f"(client mode, local :{self.grpc_port})", metrics_port, join_line,

@@ -83,7 +83,9 @@ def checkpoint_preset(payload: dict[str, Any]) -> Config | None:
     return Config.model_validate({"model": model, "data": data})
 
 
-def _check_same_model(payload: dict[str, Any], config: Config, path: Path) -> None:
+def _check_same_model(payload: dict[str, Any], config: Config, path: Path, described: bool) -> None:
+    """``described``: the config says which model it is (--config, model or data settings, or a
+    preset taken from the checkpoint)."""
     made_with = payload.get("run_config")
     if not isinstance(made_with, str):
         raise ExportError(f"{path} was written by a lowcomm too old to say which model it holds; export it with "
@@ -94,24 +96,16 @@ def _check_same_model(payload: dict[str, Any], config: Config, path: Path) -> No
             f"{path} was written by a lowcomm.Swarm for a model of its own (no [model] section), which only that "
             f"script can build: after its `with lowcomm.Swarm(...)` block the model holds θ_global, or load "
             f"swarm.state_dict()['params'] into it with torch.nn.utils.vector_to_parameters")
+    if not described and (kind := (theirs.get("model") or {}).get("kind")) is not None:
+        # Not how the default config differs from the run's: what to give.
+        raise ExportError(f"the checkpoints in {path.parent} hold a model of [model] kind = {kind!r}, which export "
+                          f"builds from the run's own settings and files: give the run config the node ran with "
+                          f"(--config run.toml, or the same --set model.* and data.* flags)")
     ours = model_part(config.run_config())
     if theirs != ours:
         differs = describe_difference(json.dumps(theirs), json.dumps(ours), "checkpoint", "config")
         raise ExportError(f"the checkpoints in {path.parent} hold another model than the config describes ({differs}); "
                           f"give the run config the node ran with (--config, --set)")
-
-
-def _needs_the_run_config(payload: dict[str, Any], path: Path) -> None:
-    """Without --config or model settings, a checkpoint of a model other than a preset cannot be
-    exported: say that, rather than list how the default config differs from the run's."""
-    made_with = payload.get("run_config")
-    model = (json.loads(made_with).get("model") or {}) if isinstance(made_with, str) else {}
-    kind = model.get("kind")
-    if kind in (None, "external"):
-        return  # too old to say, or a Swarm's own model: _check_same_model says what to do
-    raise ExportError(f"the checkpoints in {path.parent} hold a model of [model] kind = {kind!r}, which export "
-                      f"builds from the run's own settings and files: give the run config the node ran with "
-                      f"(--config run.toml, or the same --set model.* and data.* flags)")
 
 
 def _free_folder(out: Path) -> None:
@@ -172,9 +166,7 @@ def export(config: Config, out: Path, model_given: bool = True) -> Exported:
     described = None if model_given else checkpoint_preset(payload)
     if described is not None:
         config = config.model_copy(update={"model": described.model, "data": described.data})
-    elif not model_given:
-        _needs_the_run_config(payload, path)
-    _check_same_model(payload, config, path)
+    _check_same_model(payload, config, path, described=model_given or described is not None)
     model = build_model_for(config)
     params = payload["params"]
     copy_flat_into(TrainableSplit(model).averaged, params)  # a factory's frozen base: as the factory built it
