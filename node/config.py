@@ -181,10 +181,25 @@ class ConfigLayers:
 
     def merge_file(self, data: Mapping[str, Any], source: str) -> None:
         for section, body in data.items():
+            if not isinstance(section, str):  # only a dict can hold one (a Swarm's config)
+                raise ConfigError(f"{source}: {section!r} is not a section name ({type(section).__name__}, not a "
+                                  f"string); the sections are {_known_sections()}")
             if not isinstance(body, Mapping):
-                raise ConfigError(_not_a_table(source, str(section), body))
+                raise ConfigError(_not_a_table(source, section, body))
+            # Validation names an unknown section too, but only by its keys: an empty one or one
+            # with a key that is not a string would be passed over or misnamed.
+            if section not in Config.model_fields and (not body or not all(isinstance(key, str) for key in body)):
+                raise ConfigError(f"{source}: unknown section [{section}] (known: {_known_sections()})")
             for key, value in body.items():
+                if not isinstance(key, str):
+                    known = ", ".join(Config.model_fields[section].annotation.model_fields)
+                    raise ConfigError(f"{source}: {key!r} in [{section}] is not a key name ({type(key).__name__}, "
+                                      f"not a string); its keys are: {known}")
                 self.set(section, key, value, source)
+
+
+def _known_sections() -> str:
+    return ", ".join(f"[{name}]" for name in Config.model_fields)
 
 
 def _not_a_table(source: str, name: str, value: Any) -> str:
@@ -300,8 +315,8 @@ def describe_validation_error(err: ValidationError, layers: ConfigLayers) -> str
         source = layers.sources.get((section, key), "defaults") if key else "config"
         if problem["type"] == "extra_forbidden":
             if key is None:
-                known = ", ".join(f"[{name}]" for name in Config.model_fields)
-                lines.append(f"{_sources_of(layers, {section})}: unknown section [{section}] (known: {known})")
+                lines.append(f"{_sources_of(layers, {section})}: unknown section [{section}] (known: "
+                             f"{_known_sections()})")
             else:
                 known = ", ".join(Config.model_fields[section].annotation.model_fields)
                 lines.append(f"{source}: unknown key '{key}' in [{section}] (known keys: {known})")

@@ -150,6 +150,29 @@ def test_a_known_key_outside_its_section_names_the_section(tmp_path):
                                f"{{'train': {{'inner_steps': ...}}}}")
 
 
+def test_an_empty_unknown_section_is_named_too(tmp_path):
+    # Validation sees sections only through their keys: an empty [trian] passed unnoticed.
+    path = write(tmp_path, "[trian]\n[train]\ninner_steps = 5\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert str(info.value) == f"{path}: unknown section [trian] (known: [run], [model], [data], [train], [sync], [node])"
+
+
+def test_a_dict_whose_names_are_not_strings_is_refused_with_what_to_write():
+    # A Swarm's config is a dict, which can hold any key: {"train": {1: 2}} was blamed on
+    # "defaults" ("[train] 1 = 1 is invalid: Keys should be strings"), and {1: {}} passed.
+    cases = {
+        "key": ({"train": {1: 2}}, "config: 1 in [train] is not a key name (int, not a string); its keys are: "
+                                    "inner_steps, batch_size"),
+        "section": ({1: {}}, "config: 1 is not a section name (int, not a string); the sections are [run], [model]"),
+        "both": ({"trian": {1: 2}}, "config: unknown section [trian] (known: [run]"),
+    }
+    for what, (data, expected) in cases.items():
+        with pytest.raises(ConfigError) as info:
+            ConfigLayers().merge_file(data, "config")
+        assert str(info.value).startswith(expected), what
+
+
 def test_a_dotted_name_as_a_dict_key_says_to_nest_it():
     layers = ConfigLayers()
     with pytest.raises(ConfigError) as info:
