@@ -45,7 +45,7 @@ test-tools:
 test: install test-tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The slower suites `make test` leaves out (marker "slow", about 14–15 min): the benchmarks' smoke
+# The slower suites `make test` leaves out (marker "slow", about 13–15 min): the benchmarks' smoke
 # runs (bench/*.py end to end on tiny settings), the network-namespace clusters (root, ip, tc;
 # they skip with the reason elsewhere) and the longest CLI swarms (buckets, cross-group, gossip,
 # Hugging Face models, CPU kernels, run secret, clock skew, state-syncing methods, SparseLoCo,
