@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import math
 import os
@@ -48,6 +49,7 @@ from lowcomm.protocol.rpc import (
 from lowcomm.protocol.state import StateDonor
 
 from . import restore
+from .announce import choose_announce_host, ipv4_hosts
 from .averaging import Averager
 from .cancel import cancel_and_wait
 from .catchup import CatchUp
@@ -309,7 +311,7 @@ class Node:
         log.info("gRPC server on port %d: %s, %s", port, "TLS" if self.tls else "plaintext",
                  "run secret required (RPCs and DHT records authenticated)" if self.auth else "open run (no secret)")
         if serve_peers:
-            self.address = f"{self._announce_host()}:{port}"
+            self.address = f"{self.announce_host}:{port}"
             self.matchmaker.address = link.address = self.address
         self.grpc_port = port
         return server
@@ -344,21 +346,27 @@ class Node:
                        f"choose another port with --metrics-port (or LOWCOMM_METRICS_PORT), or 0 for any free port"
                        ) from None
 
-    def _announce_host(self) -> str:
+    @functools.cached_property
+    def announce_host(self) -> str:
+        """The host other peers reach this node at: ``--announce-host``, else ``--host``, else,
+        on every interface, the address chosen by node/announce.py (said once in the log)."""
         cfg = self.config.node
         if cfg.announce_host:
             return cfg.announce_host
         if cfg.host not in ("0.0.0.0", "::", ""):
             return cfg.host
-        for maddr in self.multiaddrs:
-            parts = maddr.split("/")
-            if len(parts) > 2 and parts[1] == "ip4" and not parts[2].startswith("127."):
-                return parts[2]
-        return "127.0.0.1"
+        choice = choose_announce_host(self.multiaddrs, cfg.peers)
+        others = [h for h in ipv4_hosts(self.multiaddrs) if h != choice.host and not h.startswith("127.")]
+        if others:
+            log.log(logging.WARNING if choice.ambiguous else logging.INFO,
+                    "this machine has several addresses; peers are told %s (%s), not %s: if they cannot reach "
+                    "it there, set --announce-host to the address they can", choice.host, choice.why,
+                    ", ".join(others), extra={"event": "announce_host", "host": choice.host, "others": others})
+        return choice.host
 
     def _announce(self, metrics_port: int) -> None:
         maddrs = self.multiaddrs
-        reachable = join_multiaddr(maddrs, self._announce_host()) if maddrs else ""
+        reachable = join_multiaddr(maddrs, self.announce_host) if maddrs else ""
         if not maddrs:
             join_line = ""
         elif self._injected_trainer is not None:  # a lowcomm.Swarm: its peers run the same script
