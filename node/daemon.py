@@ -46,6 +46,7 @@ from lowcomm.protocol.rpc import (
     StateServicer,
     create_server,
 )
+from lowcomm.protocol.reachability import DialBacker
 from lowcomm.protocol.state import StateDonor
 
 from . import restore
@@ -65,6 +66,7 @@ from .gossip_mode import GossipHost, GossipMode
 from .grpc_metrics import HandledCounter
 from .metrics import NodeMetrics, serve_metrics
 from .ports import ReplicaEvaluating, TrainerPort
+from .reachability import ReachabilityCheck
 from .reconnect import Reconnector
 from .reports import ReportQueue
 from .runstats import RunStats
@@ -227,6 +229,7 @@ class Node:
             self.donor.publish(await self.in_codec_pool(self.state.snapshot))
             self._announce(metrics_port)
             heartbeat = asyncio.create_task(link.heartbeat(), name="heartbeat")
+            reachability = asyncio.create_task(self._check_reachable(link), name="reachability")
             training = False
             saved = True
             try:
@@ -241,7 +244,7 @@ class Node:
                     if not self.force_stop.is_set():
                         raise  # cancelled from outside, not by a second signal
             finally:
-                await cancel_and_wait(heartbeat, link.reconnecting)
+                await cancel_and_wait(heartbeat, reachability, link.reconnecting)
                 if training:  # also after a failure: what the node learnt is saved
                     await self._stop_rounds()
                     await self._reports_written()
@@ -292,7 +295,7 @@ class Node:
                 cfg.host, cfg.grpc_port,
                 AveragingServicer(self.matchmaker, self.registry) if serve_peers else None,
                 StateServicer(self.donor) if serve_peers else None,
-                NodeInfoServicer(self.status), self.health,
+                NodeInfoServicer(self.status, DialBacker(self.tls)), self.health,
                 interceptors=[HandledCounter(self.metrics.grpc_handled)] + ([ServerAuthInterceptor(
                     self.auth, lambda reason, *_: self.metrics.rejected_contributions.labels(reason=reason).inc())]
                     if self.auth else []),
@@ -363,6 +366,18 @@ class Node:
                     "it there, set --announce-host to the address they can", choice.host, choice.why,
                     ", ".join(others), extra={"event": "announce_host", "host": choice.host, "others": others})
         return choice.host
+
+    async def _check_reachable(self, link: SwarmLink) -> None:
+        """Ask peers whether they reach our gRPC server (node/reachability.py); a client-mode
+        node serves none."""
+        if not self.address:
+            return
+        check = ReachabilityCheck(self.peer_id, self.address, link.last_view, self.channels,
+                                  self.metrics.grpc_reachable.set)
+        try:
+            await check.run()
+        except Exception:  # noqa: BLE001 - a hint for the volunteer: never a reason to stop training
+            log.debug("reachability check failed", exc_info=True)
 
     def _announce(self, metrics_port: int) -> None:
         maddrs = self.multiaddrs

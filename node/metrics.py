@@ -114,6 +114,11 @@ class NodeMetrics:
             "lowcomm_consensus_distance", "Relative L2 distance of this node's global parameters to its gossip partners.",
             registry=r,
         )
+        self.grpc_reachable = Gauge(
+            "lowcomm_grpc_reachable",
+            "1 when a peer reached this node's gRPC server by dialling it back, 0 when peers tried and could not "
+            "(a firewall, NAT without a forwarded port, a wrong --announce-host), NaN until a peer answered.",
+            registry=r)
         self.round_waits = Counter(
             "lowcomm_round_waits", "Times the training thread had to wait for a background round (overlap mode).",
             registry=r,
@@ -131,7 +136,8 @@ class NodeMetrics:
         )
         # Label values known in advance are created up front so that rates start at zero, not absent.
         # Unknown until measured: NaN renders as a gap in Grafana instead of a misleading 0.
-        for gauge in (self.train_loss, self.eval_loss, self.compression_ratio, self.consensus_distance):
+        for gauge in (self.train_loss, self.eval_loss, self.compression_ratio, self.consensus_distance,
+                      self.grpc_reachable):
             gauge.set(float("nan"))
         for op in ("store", "get"):
             self.dht_requests.labels(op=op)

@@ -32,6 +32,7 @@ from .grpc_transport import abort
 from .handshake import IncompatiblePeer
 from .matchmaking import Matchmaker
 from .missed_rounds import MissedRoundsError, RoundLog
+from .reachability import DialBackBusy, DialBacker
 from .slots import SlotsBusy
 from .state import StateDonor, StateError
 from .transport import Refused
@@ -127,11 +128,21 @@ class StateServicer(state_pb2_grpc.StateTransferServicer):
 
 
 class NodeInfoServicer(node_pb2_grpc.NodeInfoServicer):
-    def __init__(self, status: Callable[[], Awaitable[node_pb2.NodeStatus]]) -> None:
+    def __init__(self, status: Callable[[], Awaitable[node_pb2.NodeStatus]],
+                 dial_backer: DialBacker | None = None) -> None:
+        """``dial_backer``: None dials back without TLS (a run that uses TLS passes its own)."""
         self.status = status
+        self.dial_backer = dial_backer or DialBacker()
 
     async def GetStatus(self, request: node_pb2.StatusRequest, context: grpc.aio.ServicerContext) -> node_pb2.NodeStatus:
         return await self.status()
+
+    async def DialBack(self, request: node_pb2.DialBackRequest,
+                       context: grpc.aio.ServicerContext) -> node_pb2.DialBackReply:
+        try:
+            return await self.dial_backer.dial_back(request.address, context.peer())
+        except DialBackBusy as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
 
 
 def add_averaging_service(servicer: AveragingServicer, server: grpc.aio.Server) -> None:

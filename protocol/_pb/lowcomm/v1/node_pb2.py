@@ -24,19 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15lowcomm/v1/node.proto\x12\nlowcomm.v1\"\x0f\n\rStatusRequest\"\x9f\x01\n\tSwarmPeer\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nouter_step\x18\x03 \x01(\x03\x12\x15\n\rparams_sha256\x18\x04 \x01(\t\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x13\n\x0b\x63lient_mode\x18\x06 \x01(\x08\x12\x15\n\rbandwidth_bps\x18\x07 \x01(\x01\"\xb6\x03\n\nNodeStatus\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x12\n\nouter_step\x18\x02 \x01(\x03\x12\x15\n\rparams_sha256\x18\x03 \x01(\t\x12\x13\n\x0bswarm_peers\x18\x04 \x01(\x05\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x11\n\teval_loss\x18\x06 \x01(\x01\x12\x14\n\x0ctokens_total\x18\x07 \x01(\x03\x12\r\n\x05phase\x18\x08 \x01(\t\x12\x1c\n\x14swarm_outer_step_max\x18\t \x01(\x03\x12\x18\n\x10rounds_completed\x18\n \x01(\x03\x12\x19\n\x11tokens_per_second\x18\x0b \x01(\x01\x12$\n\x05swarm\x18\x0c \x03(\x0b\x32\x15.lowcomm.v1.SwarmPeer\x12\x12\n\nmultiaddrs\x18\r \x03(\t\x12\r\n\x05\x63odec\x18\x0e \x01(\t\x12\x0c\n\x04mode\x18\x0f \x01(\t\x12\x1a\n\x12\x63onsensus_distance\x18\x10 \x01(\x01\x12\x0f\n\x07version\x18\x11 \x01(\t\x12\x1a\n\x12\x63heckpoint_failure\x18\x12 \x01(\t\x12\x1e\n\x16\x63heckpoint_failed_step\x18\x13 \x01(\x03\x32J\n\x08NodeInfo\x12>\n\tGetStatus\x12\x19.lowcomm.v1.StatusRequest\x1a\x16.lowcomm.v1.NodeStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15lowcomm/v1/node.proto\x12\nlowcomm.v1\"\"\n\x0f\x44ialBackRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"Y\n\rDialBackReply\x12\x0f\n\x07\x63hecked\x18\x01 \x01(\x08\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x15\n\robserved_host\x18\x04 \x01(\t\"\x0f\n\rStatusRequest\"\x9f\x01\n\tSwarmPeer\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nouter_step\x18\x03 \x01(\x03\x12\x15\n\rparams_sha256\x18\x04 \x01(\t\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x13\n\x0b\x63lient_mode\x18\x06 \x01(\x08\x12\x15\n\rbandwidth_bps\x18\x07 \x01(\x01\"\xb6\x03\n\nNodeStatus\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x12\n\nouter_step\x18\x02 \x01(\x03\x12\x15\n\rparams_sha256\x18\x03 \x01(\t\x12\x13\n\x0bswarm_peers\x18\x04 \x01(\x05\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x11\n\teval_loss\x18\x06 \x01(\x01\x12\x14\n\x0ctokens_total\x18\x07 \x01(\x03\x12\r\n\x05phase\x18\x08 \x01(\t\x12\x1c\n\x14swarm_outer_step_max\x18\t \x01(\x03\x12\x18\n\x10rounds_completed\x18\n \x01(\x03\x12\x19\n\x11tokens_per_second\x18\x0b \x01(\x01\x12$\n\x05swarm\x18\x0c \x03(\x0b\x32\x15.lowcomm.v1.SwarmPeer\x12\x12\n\nmultiaddrs\x18\r \x03(\t\x12\r\n\x05\x63odec\x18\x0e \x01(\t\x12\x0c\n\x04mode\x18\x0f \x01(\t\x12\x1a\n\x12\x63onsensus_distance\x18\x10 \x01(\x01\x12\x0f\n\x07version\x18\x11 \x01(\t\x12\x1a\n\x12\x63heckpoint_failure\x18\x12 \x01(\t\x12\x1e\n\x16\x63heckpoint_failed_step\x18\x13 \x01(\x03\x32\x8e\x01\n\x08NodeInfo\x12>\n\tGetStatus\x12\x19.lowcomm.v1.StatusRequest\x1a\x16.lowcomm.v1.NodeStatus\x12\x42\n\x08\x44ialBack\x12\x1b.lowcomm.v1.DialBackRequest\x1a\x19.lowcomm.v1.DialBackReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lowcomm.v1.node_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STATUSREQUEST']._serialized_start=37
-  _globals['_STATUSREQUEST']._serialized_end=52
-  _globals['_SWARMPEER']._serialized_start=55
-  _globals['_SWARMPEER']._serialized_end=214
-  _globals['_NODESTATUS']._serialized_start=217
-  _globals['_NODESTATUS']._serialized_end=655
-  _globals['_NODEINFO']._serialized_start=657
-  _globals['_NODEINFO']._serialized_end=731
+  _globals['_DIALBACKREQUEST']._serialized_start=37
+  _globals['_DIALBACKREQUEST']._serialized_end=71
+  _globals['_DIALBACKREPLY']._serialized_start=73
+  _globals['_DIALBACKREPLY']._serialized_end=162
+  _globals['_STATUSREQUEST']._serialized_start=164
+  _globals['_STATUSREQUEST']._serialized_end=179
+  _globals['_SWARMPEER']._serialized_start=182
+  _globals['_SWARMPEER']._serialized_end=341
+  _globals['_NODESTATUS']._serialized_start=344
+  _globals['_NODESTATUS']._serialized_end=782
+  _globals['_NODEINFO']._serialized_start=785
+  _globals['_NODEINFO']._serialized_end=927
 # @@protoc_insertion_point(module_scope)

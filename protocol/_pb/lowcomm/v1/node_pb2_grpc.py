@@ -40,6 +40,11 @@ class NodeInfoStub:
                 request_serializer=lowcomm_dot_v1_dot_node__pb2.StatusRequest.SerializeToString,
                 response_deserializer=lowcomm_dot_v1_dot_node__pb2.NodeStatus.FromString,
                 _registered_method=True)
+        self.DialBack = channel.unary_unary(
+                '/lowcomm.v1.NodeInfo/DialBack',
+                request_serializer=lowcomm_dot_v1_dot_node__pb2.DialBackRequest.SerializeToString,
+                response_deserializer=lowcomm_dot_v1_dot_node__pb2.DialBackReply.FromString,
+                _registered_method=True)
 
 
 class NodeInfoServicer:
@@ -53,6 +58,16 @@ class NodeInfoServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DialBack(self, request, context):
+        """Dials the caller back at the gRPC address it announces and calls its health check, so that
+        a node learns whether other peers can reach it (a firewall, NAT without a forwarded port, a
+        wrong --announce-host) instead of being left out of rounds without a word. Only an address
+        of the host the call came from is dialled: no peer can make another one probe third parties.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeInfoServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +75,11 @@ def add_NodeInfoServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=lowcomm_dot_v1_dot_node__pb2.StatusRequest.FromString,
                     response_serializer=lowcomm_dot_v1_dot_node__pb2.NodeStatus.SerializeToString,
+            ),
+            'DialBack': grpc.unary_unary_rpc_method_handler(
+                    servicer.DialBack,
+                    request_deserializer=lowcomm_dot_v1_dot_node__pb2.DialBackRequest.FromString,
+                    response_serializer=lowcomm_dot_v1_dot_node__pb2.DialBackReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +110,33 @@ class NodeInfo:
             '/lowcomm.v1.NodeInfo/GetStatus',
             lowcomm_dot_v1_dot_node__pb2.StatusRequest.SerializeToString,
             lowcomm_dot_v1_dot_node__pb2.NodeStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DialBack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lowcomm.v1.NodeInfo/DialBack',
+            lowcomm_dot_v1_dot_node__pb2.DialBackRequest.SerializeToString,
+            lowcomm_dot_v1_dot_node__pb2.DialBackReply.FromString,
             options,
             channel_credentials,
             insecure,
