@@ -500,6 +500,7 @@ def status_dict(status) -> dict[str, Any]:
         "multiaddrs": list(status.multiaddrs),
         "checkpoint_failure": ({"outer_step": status.checkpoint_failed_step, "reason": status.checkpoint_failure}
                                if status.checkpoint_failure else None),
+        "unreachable": status.unreachable or None,
         "swarm": [
             {"peer_id": p.peer_id, "address": p.address, "outer_step": p.outer_step,
              "params_sha256": p.params_sha256, "tokens_per_second": p.tokens_per_second,
@@ -520,6 +521,8 @@ def _print_status(info: dict[str, Any]) -> None:
     failure = info["checkpoint_failure"]
     if failure is not None:
         print(f"checkpoint NOT WRITTEN at step {failure['outer_step']}: {failure['reason']}")
+    if info["unreachable"]:
+        print(f"gRPC      NOT REACHABLE by peers at {info['unreachable']}")
     print(f"swarm     {info['swarm_peers']} peer(s)")
     top = info["swarm_outer_step_max"]
     for peer in info["swarm"]:

@@ -144,6 +144,7 @@ class Node:
         self._must_download = False  # checkpoints exist but none is usable (node/restore.py)
         self.unsaved: str | None = None  # why the stop's checkpoint could not be written, if it could not
         self.checkpoint_failure: tuple[int, str] | None = None  # (step, why) of the last write, if it failed
+        self.unreachable = ""  # what peers that tried to dial us back found, when none could (status)
         self.gossip: GossipMode | None = None  # when [sync] mode = "gossip"
         self.link: SwarmLink | None = None  # our record and the swarm view, once the state is known
         self.driver: RoundDriver | None = None  # built once the server runs (_build_rounds)
@@ -375,9 +376,13 @@ class Node:
         check = ReachabilityCheck(self.peer_id, self.address, link.last_view, self.channels,
                                   self.metrics.grpc_reachable.set)
         try:
-            await check.run()
+            answers = await check.run()
         except Exception:  # noqa: BLE001 - a hint for the volunteer: never a reason to stop training
             log.debug("reachability check failed", exc_info=True)
+            return
+        if answers.failed and not answers.reached_by:
+            peer, why = next(iter(answers.failed.items()))
+            self.unreachable = f"{self.address}: {peer} could not connect ({why})"
 
     def _announce(self, metrics_port: int) -> None:
         maddrs = self.multiaddrs
@@ -483,7 +488,7 @@ class Node:
             rounds_completed=self.stats.rounds_completed, tokens_per_second=self.stats.tokens_per_second, swarm=swarm,
             multiaddrs=self.multiaddrs, codec=self.config.sync.codec,
             mode=self.config.sync.mode, consensus_distance=self.stats.consensus_distance, version=__version__,
-            **self._checkpoint_failure_fields(),
+            unreachable=self.unreachable, **self._checkpoint_failure_fields(),
         )
 
     def _checkpoint_failure_fields(self) -> dict[str, Any]:

@@ -100,3 +100,20 @@ def test_status_says_when_the_nodes_newest_checkpoint_was_not_written(capsys) ->
     assert cli.status_dict(failed)["checkpoint_failure"] is None
     cli._print_status(cli.status_dict(failed))
     assert "checkpoint" not in capsys.readouterr().out
+
+
+def test_status_says_when_peers_could_not_dial_the_node_back(capsys) -> None:
+    from lowcomm.node import cli
+    from lowcomm.protocol._pb.lowcomm.v1 import node_pb2
+
+    why = "10.0.0.2:7701: QmPeer could not connect (no answer within 5 s (a firewall that drops connections?))"
+    status = node_pb2.NodeStatus(peer_id="QmNode", outer_step=5, params_sha256="ab" * 32, phase="averaging",
+                                 version="1", mode="allreduce", codec="int8", unreachable=why)
+    info = cli.status_dict(status)
+    assert info["unreachable"] == why
+    cli._print_status(info)
+    assert f"gRPC      NOT REACHABLE by peers at {why}\n" in capsys.readouterr().out
+    status.ClearField("unreachable")  # reached, or nobody answered yet: nothing said
+    assert cli.status_dict(status)["unreachable"] is None
+    cli._print_status(cli.status_dict(status))
+    assert "REACHABLE" not in capsys.readouterr().out

@@ -47,7 +47,7 @@ class SwarmPeer(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., outer_step: _Optional[int] = ..., params_sha256: _Optional[str] = ..., tokens_per_second: _Optional[float] = ..., client_mode: _Optional[bool] = ..., bandwidth_bps: _Optional[float] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("peer_id", "outer_step", "params_sha256", "swarm_peers", "loss", "eval_loss", "tokens_total", "phase", "swarm_outer_step_max", "rounds_completed", "tokens_per_second", "swarm", "multiaddrs", "codec", "mode", "consensus_distance", "version", "checkpoint_failure", "checkpoint_failed_step")
+    __slots__ = ("peer_id", "outer_step", "params_sha256", "swarm_peers", "loss", "eval_loss", "tokens_total", "phase", "swarm_outer_step_max", "rounds_completed", "tokens_per_second", "swarm", "multiaddrs", "codec", "mode", "consensus_distance", "version", "checkpoint_failure", "checkpoint_failed_step", "unreachable")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
     PARAMS_SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class NodeStatus(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FAILURE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FAILED_STEP_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     outer_step: int
     params_sha256: str
@@ -86,4 +87,5 @@ class NodeStatus(_message.Message):
     version: str
     checkpoint_failure: str
     checkpoint_failed_step: int
-    def __init__(self, peer_id: _Optional[str] = ..., outer_step: _Optional[int] = ..., params_sha256: _Optional[str] = ..., swarm_peers: _Optional[int] = ..., loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., tokens_total: _Optional[int] = ..., phase: _Optional[str] = ..., swarm_outer_step_max: _Optional[int] = ..., rounds_completed: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., swarm: _Optional[_Iterable[_Union[SwarmPeer, _Mapping]]] = ..., multiaddrs: _Optional[_Iterable[str]] = ..., codec: _Optional[str] = ..., mode: _Optional[str] = ..., consensus_distance: _Optional[float] = ..., version: _Optional[str] = ..., checkpoint_failure: _Optional[str] = ..., checkpoint_failed_step: _Optional[int] = ...) -> None: ...
+    unreachable: str
+    def __init__(self, peer_id: _Optional[str] = ..., outer_step: _Optional[int] = ..., params_sha256: _Optional[str] = ..., swarm_peers: _Optional[int] = ..., loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., tokens_total: _Optional[int] = ..., phase: _Optional[str] = ..., swarm_outer_step_max: _Optional[int] = ..., rounds_completed: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., swarm: _Optional[_Iterable[_Union[SwarmPeer, _Mapping]]] = ..., multiaddrs: _Optional[_Iterable[str]] = ..., codec: _Optional[str] = ..., mode: _Optional[str] = ..., consensus_distance: _Optional[float] = ..., version: _Optional[str] = ..., checkpoint_failure: _Optional[str] = ..., checkpoint_failed_step: _Optional[int] = ..., unreachable: _Optional[str] = ...) -> None: ...
