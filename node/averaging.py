@@ -39,7 +39,7 @@ from lowcomm.protocol.state import params_sha256
 from . import decisions
 from .apply import applied_averages, apply_averages
 from .config import Config
-from .errors import FatalError
+from .errors import refused_by_the_swarm
 from .faults import Faults
 from .globalstate import GlobalState
 from .metrics import NodeMetrics
@@ -261,7 +261,7 @@ class Averager:
             self.metrics.round_failures.labels(reason="matchmaking").inc()
             return None
         except IncompatiblePeer as err:
-            raise FatalError(f"refused by the swarm: {err}") from None
+            raise refused_by_the_swarm(str(err), self.peer_id) from None
         matchmaking_seconds = time.monotonic() - started
         self.metrics.matchmaking_duration.observe(matchmaking_seconds)
         self.stats.rounds_attempted += 1

@@ -33,7 +33,7 @@ from . import decisions, joincheck
 from .averaging import Averager
 from .cancel import cancel_and_wait
 from .config import Config
-from .errors import FatalError
+from .errors import FatalError, refused_by_the_swarm
 from .globalstate import GlobalState
 from .gossip_mode import STEP_WINDOW as GOSSIP_STEP_WINDOW
 from .metrics import NodeMetrics
@@ -145,7 +145,7 @@ class CatchUp:
             await stub.GetStateInfo(state_pb2.StateInfoRequest(hello=self.identity.hello()), timeout=10)
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise FatalError(f"refused by the swarm: {err.details()}") from None
+                raise refused_by_the_swarm(err.details() or "", me) from None
             if err.code() == grpc.StatusCode.UNAUTHENTICATED:
                 raise FatalError(
                     f"refused by the swarm: peer {peer.peer_id} refused this node ({err.details()}) and no peer "
@@ -169,7 +169,7 @@ class CatchUp:
                         "again at the next round boundary", step, err, self.state.step)
             return
         except IncompatiblePeer as err:
-            raise FatalError(f"refused by the swarm: {err}") from None
+            raise refused_by_the_swarm(str(err), self.identity.peer_id) from None
         state_hashes = await self._adopt(got.step, got.params, got.momentum, got.optimizer)
         self.metrics.state_downloads.inc()
         self.metrics.state_download_bytes.inc(got.bytes_downloaded)

@@ -120,3 +120,22 @@ def test_a_preset_config_against_an_hf_checkpoint_stays_short(tmp_path):
     # Was every [hf_config] key against None: 1.3 KB that buried the point.
     assert difference.startswith("[hf_config]: only checkpoint has this section; [model] ")
     assert "hidden_size" not in difference and difference.endswith(" more") and len(difference) < 600, difference
+
+
+def test_a_node_refused_for_its_run_config_is_told_which_side_it_is_and_what_to_change():
+    # The handshake names both sides by peer id (the other peer gets the same words); a volunteer
+    # who pasted the join line without the swarm's --set flags could not tell which one was theirs.
+    from lowcomm.node.errors import refused_by_the_swarm
+    from lowcomm.protocol.handshake import Identity
+
+    ours = Identity("QmMe", "f1", json.dumps({"data": {"seq_len": 128}}))
+    theirs = Identity("QmThem", "f2", json.dumps({"data": {"seq_len": 64}}))
+    with pytest.raises(Exception) as info:
+        ours.check(theirs.hello())
+    error = refused_by_the_swarm(str(info.value), "QmMe")
+    assert str(error) == ("refused by the swarm: peer QmThem runs a different run config than peer QmMe: [data] "
+                          "seq_len: QmMe 128, QmThem 64 (this node is QmMe: start it with the swarm's run config, "
+                          "the same config file and overrides as its peers)")
+    other = refused_by_the_swarm("peer QmThem speaks protocol version 3, this node speaks 4; run the same lowcomm "
+                                 "release on both", "QmMe")
+    assert "this node is" not in str(other)
