@@ -92,9 +92,10 @@ class CatchUp:
             else:
                 # Records are kept under the run's name: a mistyped [run] name trained alone
                 # beside the swarm it was pointed at, without a word.
-                log.warning("no peer of run %r is in the DHT joined through --peers: to join a running swarm, give "
-                            "the [run] name of its run config (the DHT holds each run's records under its name); "
-                            "training alone until a peer of this run comes", self.config.run.name)
+                log.warning("no peer of run %r is in the DHT joined through --peers: either the peers there run "
+                            "another run (give the [run] name of its run config: the DHT holds each run's records "
+                            "under its name) or they have all left; training alone until a peer of this run "
+                            "comes", self.config.run.name)
         if initial:
             await self._refuse_a_swarm_out_of_reach(view)
             await self._handshake(view)

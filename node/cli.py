@@ -17,7 +17,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from lowcomm import __version__
 
@@ -639,6 +639,18 @@ def cmd_init_config(args: argparse.Namespace) -> int:
 # -- entry point ---------------------------------------------------------------------------------
 
 
+def default_target(environ: Mapping[str, str]) -> str:
+    """Where `status` and `healthcheck` look by default: the node that ``LOWCOMM_HOST`` and
+    ``LOWCOMM_GRPC_PORT`` configure in this environment (a container's health check, a shell that
+    exported them), on loopback where it listens on every interface."""
+    host = environ.get("LOWCOMM_HOST", "").strip() or "127.0.0.1"
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    port = environ.get("LOWCOMM_GRPC_PORT", "").strip()
+    if not (port.isdigit() and 1 <= int(port) <= 65535):  # unset, or 0 (any free port): not knowable here
+        port = "7701"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def grpc_target(value: str) -> str:
     """``--target`` as HOST:PORT (an IPv6 host in brackets). gRPC would take a missing port as
     443 and a port above 65535 modulo 65536, and then report a refused connection elsewhere."""
@@ -708,8 +720,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, help_text in (("status", cmd_status, "show a running node and its swarm"),
                                   ("healthcheck", cmd_healthcheck, "exit 0 if the node at --target is serving")):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--target", type=grpc_target, default="127.0.0.1:7701", metavar="HOST:PORT",
-                       help="the node's gRPC address: its --grpc-port (default: %(default)s)")
+        p.add_argument("--target", type=grpc_target, default=default_target(os.environ), metavar="HOST:PORT",
+                       help="the node's gRPC address: its --grpc-port (default: %(default)s, from LOWCOMM_HOST and "
+                            "LOWCOMM_GRPC_PORT where they are set, as for the node)")
         p.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for an answer")
         p.add_argument("--tls-cert", metavar="PEM", help="the node serves TLS: trust this certificate "
                                                          "(default: LOWCOMM_TLS_CERT if set)")

@@ -53,6 +53,9 @@ def unreachable_hint(err: "grpc.aio.AioRpcError", target: str, tls: "TLSConfig |
                 f"the node's --grpc-port (default 7701)")
     if tls is None and "Socket closed" in details:  # a TLS server hangs up on a plaintext HTTP/2 preface
         return "the node may serve TLS: pass --tls-cert with the run's certificate (or set LOWCOMM_TLS_CERT)"
+    if "Connection refused" in details:  # a node on one address (--host) or another port listens elsewhere
+        return ("is the node running? One started with --host ADDRESS or --grpc-port P listens there: give "
+                "--target ADDRESS:P")
     return None
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -62,13 +63,40 @@ def test_a_target_with_a_scheme_is_a_usage_error_asking_for_host_port(capsys, ta
 
 
 @pytest.mark.parametrize("command", ["status", "healthcheck"])
-def test_help_shows_the_default_target(capsys, command: str) -> None:
+def test_help_shows_the_default_target(capsys, monkeypatch, command: str) -> None:
     from lowcomm.node import cli
 
+    monkeypatch.delenv("LOWCOMM_HOST", raising=False)
+    monkeypatch.delenv("LOWCOMM_GRPC_PORT", raising=False)
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args([command, "--help"])
     help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
-    assert "--target HOST:PORT the node's gRPC address: its --grpc-port (default: 127.0.0.1:7701)" in help_text
+    assert "--target HOST:PORT the node's gRPC address: its --grpc-port (default: 127.0.0.1:7701," in help_text
+
+
+def test_the_default_target_is_the_node_this_environment_configures() -> None:
+    # A container's health check ran `--target 127.0.0.1:$LOWCOMM_GRPC_PORT` and failed for a
+    # node that LOWCOMM_HOST put on one address.
+    from lowcomm.node.cli import default_target
+
+    assert default_target({}) == "127.0.0.1:7701"
+    assert default_target({"LOWCOMM_HOST": "10.0.0.5", "LOWCOMM_GRPC_PORT": "7711"}) == "10.0.0.5:7711"
+    assert default_target({"LOWCOMM_HOST": "0.0.0.0"}) == "127.0.0.1:7701"  # every interface: loopback too
+    assert default_target({"LOWCOMM_HOST": "::"}) == "[::1]:7701"
+    assert default_target({"LOWCOMM_HOST": "fd00::5", "LOWCOMM_GRPC_PORT": "0"}) == "[fd00::5]:7701"  # 0: unknowable
+
+
+def test_a_refused_connection_says_where_a_node_on_another_address_or_port_is(capsys) -> None:
+    from lowcomm.node import cli
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for command in ("status", "healthcheck"):
+        assert cli.main([command, "--target", f"127.0.0.1:{port}", "--timeout", "5"]) == 1
+        err = capsys.readouterr().err
+        assert f"no node answered at 127.0.0.1:{port}: is the node running? One started with --host ADDRESS or " \
+               f"--grpc-port P listens there: give --target ADDRESS:P" in err, err
 
 
 def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_a_usage_error(capsys) -> None:
