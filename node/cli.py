@@ -373,6 +373,10 @@ def _client_tls(args: argparse.Namespace):
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    # gRPC's C core writes INFO lines of its own ("Got goaway ... ping_timeout" when a peer's link
+    # stalls) into the node's output, between its JSON lines; its errors still show. It reads the
+    # variable when grpc is first imported, below. A GRPC_VERBOSITY of the user's is kept.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     try:
         layers = read_layers(args.config, _join_flags(args), args.overrides)
         config = validate_layers(layers)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -145,3 +146,40 @@ def test_status_says_when_peers_could_not_dial_the_node_back(capsys) -> None:
     assert cli.status_dict(status)["unreachable"] is None
     cli._print_status(cli.status_dict(status))
     assert "REACHABLE" not in capsys.readouterr().out
+
+
+CORE_INFO = """
+import asyncio, sys
+from lowcomm.node import cli
+if sys.argv[1] == "join":
+    cli.main(["join", "--set", "nosuch.key=1"])  # a usage error: join returns before it starts anything
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+async def main():  # a TLS call to a plaintext server: the core logs the failed handshake at INFO
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async with grpc.aio.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials()) as channel:
+        try:
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=30)
+        except grpc.aio.AioRpcError as err:
+            print("refused", err.code().name, flush=True)
+    await server.stop(None)
+
+asyncio.run(main())
+"""
+
+
+def test_join_keeps_grpcs_own_info_lines_out_of_the_nodes_output() -> None:
+    # An audit saw "I1207 ... chttp2_transport.cc:1403] ... Got goaway ... ping_timeout" between
+    # a node's JSON lines: grpcio's core logs at INFO unless GRPC_VERBOSITY says otherwise.
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    lines = {}
+    for before in ("nothing", "join"):  # without join first the line shows: the check can fail
+        proc = subprocess.run([sys.executable, "-c", CORE_INFO, before], capture_output=True, text=True, timeout=120,
+                              env=env)
+        assert "refused UNAVAILABLE" in proc.stdout, proc.stdout + proc.stderr
+        lines[before] = [line for line in proc.stderr.splitlines() if "ssl_transport_security" in line]
+    assert lines["nothing"] and not lines["join"], lines
