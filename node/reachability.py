@@ -24,7 +24,7 @@ from .swarm import SwarmView
 
 log = logging.getLogger("lowcomm.node")
 
-RETRY_SECONDS = 15.0  # no peer to ask yet, or none answered: ask again after this
+RETRY_SECONDS = 5.0  # no peer to ask yet (no call: a look at the view), or none answered: ask again after this
 PEERS_PER_TRY = 3
 ASK_TIMEOUT_SECONDS = DIAL_TIMEOUT_SECONDS + 5.0
 

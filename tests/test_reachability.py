@@ -206,3 +206,21 @@ def test_the_gauge_is_unknown_until_a_peer_answered():
     from lowcomm.node.metrics import NodeMetrics
 
     assert math.isnan(NodeMetrics().grpc_reachable._value.get())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # three CLI nodes, about 30 s: make test-slow
+def test_through_the_cli_nodes_check_each_other_and_a_wrong_announce_host_is_pointed_out(swarm):
+    first = swarm.start(0)
+    second = swarm.start(1, [first.multiaddr])
+    ids = {node.ready()["peer_id"]: node for node in (first, second)}
+    for node in (first, second):  # each asks the other, who dials it back
+        reached = node.wait_for(lambda e: e.get("event") == "reachable", 120)
+        assert reached["address"] == node.ready()["grpc_address"]
+        assert [ids[peer] for peer in reached["reached_by"]] == [second if node is first else first]
+    # 127.0.0.2 is on loopback too, but the node listens on 127.0.0.1 and calls from there: as a
+    # node that announces an address of another machine. (The others cannot ask it anything.)
+    stray = swarm.start(2, [first.multiaddr], extra=["--announce-host", "127.0.0.2"])
+    unchecked = stray.wait_for(lambda e: e.get("event") == "reachability_unchecked", 120)
+    assert unchecked["address"].startswith("127.0.0.2:") and set(unchecked["observed"].values()) == {"127.0.0.1"}
+    assert set(unchecked["observed"]) <= set(ids) and "correct --announce-host" in unchecked["msg"]

@@ -27,7 +27,7 @@ def node_after_its_first_round(link) -> SimpleNamespace:
         view=view, link=link, peer_id="QmMe", state=SimpleNamespace(published=lambda: (1, "11" * 32)),
         stats=SimpleNamespace(last_loss=math.nan, last_eval=math.nan, tokens_total=10, phase="training",
                               rounds_completed=1, tokens_per_second=100.0, consensus_distance=0.0),
-        multiaddrs=[], config=load_config(environ={}), _checkpoint_failure_fields=lambda: {})
+        multiaddrs=[], config=load_config(environ={}), _checkpoint_failure_fields=lambda: {}, unreachable="")
 
 
 def test_the_nodes_own_line_shows_its_step_now_not_its_last_heartbeats(capsys) -> None:
