@@ -380,9 +380,7 @@ class Node:
         except Exception:  # noqa: BLE001 - a hint for the volunteer: never a reason to stop training
             log.debug("reachability check failed", exc_info=True)
             return
-        if answers.failed and not answers.reached_by:
-            peer, why = next(iter(answers.failed.items()))
-            self.unreachable = f"{self.address}: {peer} could not connect ({why})"
+        self.unreachable = answers.why_unreachable(self.address)
 
     def _announce(self, metrics_port: int) -> None:
         maddrs = self.multiaddrs

@@ -42,6 +42,13 @@ class Answers:
     def done(self) -> bool:
         return bool(self.reached_by or self.failed)
 
+    def why_unreachable(self, address: str) -> str:
+        """For ``status``: our address and the first failure, when no peer reached us; else ""."""
+        if self.reached_by or not self.failed:
+            return ""
+        peer, why = next(iter(self.failed.items()))
+        return f"{address}: {peer} could not connect ({why})"
+
 
 class ReachabilityCheck:
     def __init__(self, peer_id: str, address: str, view: Callable[[], SwarmView],

@@ -130,7 +130,7 @@ def run_check(view_calls, our_address: str = "") -> tuple[object, list[float]]:
 def test_a_node_that_peers_reach_says_so_once(caplog):
     caplog.set_level(logging.INFO, logger="lowcomm.node")
     answers, gauge = run_check(lambda peer: lambda: view_of(record("me", "x"), record("peer", peer)))
-    assert answers.reached_by == ["peer"] and gauge == [1.0]
+    assert answers.reached_by == ["peer"] and gauge == [1.0] and answers.why_unreachable("x:1") == ""
     events = [r for r in caplog.records if getattr(r, "event", "") == "reachable"]
     assert len(events) == 1 and "peer dialled it back" in events[0].getMessage()
 
@@ -140,6 +140,7 @@ def test_a_node_that_peers_cannot_reach_is_told_the_address_and_the_fixes(caplog
     ours = f"127.0.0.1:{closed_port()}"
     answers, gauge = run_check(lambda peer: lambda: view_of(record("peer", peer)), ours)
     assert answers.failed and not answers.reached_by and gauge == [0.0]
+    assert answers.why_unreachable(ours).startswith(f"{ours}: peer could not connect (UNAVAILABLE")
     (warning,) = [r for r in caplog.records if getattr(r, "event", "") == "unreachable"]
     message = warning.getMessage()
     assert warning.levelno == logging.WARNING
