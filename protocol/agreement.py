@@ -43,6 +43,10 @@ round trip after the slowest member's reduce phase.
   decide without it; when it reports later, their answers carry the decision, and it applies the
   same shards if it holds them. Only if it lacks a shard the others applied does it end up alone
   with other parameters (and downloads): a fault of one member then costs that member alone.
+  A member whose calls to every other owner (two at least) ran out of time counts its own link
+  as the cause and asks to skip none of those shards (member.py ``own_link_at_fault``): a
+  volunteer on a line far too slow for the deadline used to make the whole group skip them,
+  round after round.
 - A member that abandons the round (cancelled, shutting down) answers ABORTED and reports
   nothing: leaving never vetoes a shard, it only stops the others from waiting.
 

@@ -92,6 +92,25 @@ class AllReduceResult:
         return ranked[math.ceil(0.75 * len(ranked)) - 1]
 
 
+def own_link_at_fault(owners: list[averaging_pb2.Member], peer_id: str, timed_out: set[int], held: list[bool]) -> set[int]:
+    """The shards this member lacks through its own slow link: all the other owners' shards,
+    when there are at least two and every one of their calls ran out of time here (the owners
+    are not at fault all at once; this member's link is, e.g. a volunteer on a far slower line
+    than the round's deadline allows). It then asks nobody to skip them: the others apply what
+    they hold, and this member alone ends with other parameters (and downloads the state), as
+    after a refused contribution. Its veto used to cost the whole group those shards round
+    after round."""
+    remote = {i for i, owner in enumerate(owners) if owner.peer_id != peer_id}
+    lacking = {i for i in remote if not held[i]}
+    if len(remote) < 2 or not remote <= timed_out or not lacking:
+        return set()
+    log.warning("no other owner's average of this round reached this peer in time (shards %s), so its own link is "
+                "the likely cause: it asks nobody to skip them and will take the swarm's state instead (on a "
+                "slow line raise [sync] reduce_timeout, or use a smaller codec such as int4)",
+                sorted(lacking), extra={"event": "own_link_too_slow", "shards": sorted(lacking)})
+    return lacking
+
+
 async def run_allreduce(
     group: averaging_pb2.Group,
     peer_id: str,
@@ -148,6 +167,7 @@ async def run_allreduce(
     order = upload_order(group, peer_id)
     stages = StageChain(order if staggered else [], stage_budget(group, len(order)), clock)
     refused: set[int] = set()  # shards whose owner refused our contribution: our fault, we ask no skip
+    timed_out: set[int] = set()  # other owners' shards whose call ran out of time here
 
     # The agreement first: a member that is done before us may report to us at any moment.
     me = next(m for m in members if m.peer_id == peer_id)
@@ -244,6 +264,8 @@ async def run_allreduce(
                 log.warning("shard %d (owner %s) failed for this peer: %s", index, owner.peer_id, detail)
                 if isinstance(err, CallFailed) and err.code == Code.INVALID_ARGUMENT:
                     refused.add(index)
+                if isinstance(err, CallFailed) and err.code == Code.DEADLINE_EXCEEDED:
+                    timed_out.add(index)
                 if isinstance(err, CallFailed) and err.code == Code.UNAVAILABLE:
                     for acc in mine:  # an owner we cannot reach will not send us its part either
                         acc.unreachable(owner.peer_id)
@@ -290,6 +312,7 @@ async def run_allreduce(
 
         # Which shards every member may apply: only those nobody lacks through no fault of its own.
         held = [average is not None for average in averages]
+        refused |= own_link_at_fault(owners, peer_id, timed_out, held)
         skip = [not h and i not in refused for i, h in enumerate(held)]
 
         reachable = {m.peer_id: m.address for m in members if m.address and m.peer_id != peer_id}

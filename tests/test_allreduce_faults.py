@@ -466,6 +466,65 @@ def test_owners_stop_waiting_for_a_straggler_soon_after_a_quorum():
     run(scenario(), long_timeout / 2)
 
 
+class OutOfTimeHere:
+    """A member's transport whose reduce calls run out of time at once (a real gRPC deadline),
+    as on a volunteer's line far slower than the round's deadline allows."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def reduce(self, address, requests, timeout):
+        return self.inner.reduce(address, requests, 0.001)
+
+    def report_shards(self, address, report, timeout):
+        return self.inner.report_shards(address, report, timeout)
+
+
+def test_a_member_whose_every_upload_runs_out_of_time_costs_only_itself():
+    """Found with a 100 kbit/s volunteer among fast peers: its calls to every other owner ran
+    out of time, it asked the group to skip those shards, and the fast peers barely moved the
+    model round after round. Now it takes the fault as its own: the others apply what they hold."""
+    from lowcomm.protocol.grpc_transport import GrpcReduceTransport
+    from lowcomm.protocol.member import run_allreduce
+
+    async def scenario():
+        peers = await start_peers(3, NUMEL, "fp32", reduce_timeout=REDUCE_TIMEOUT)
+        try:
+            expected = {p.peer_id for p in peers}
+            groups = await asyncio.gather(*(p.form(0, expected) for p in peers))
+            group = groups[0]
+            assert len(group.shard_owners) == 3
+            slow = peers[2]
+            owners = [group.members[i].peer_id for i in group.shard_owners]
+            slows_shard = owners.index(slow.peer_id)
+            others_shards = [i for i in range(3) if i != slows_shard]
+            deltas = random_deltas(3)
+            old = seed_residuals(peers)
+            slow_call = run_allreduce(group, slow.peer_id, deltas[2], slow.residual, slow.owner_residual,
+                                      slow.registry, None, slow.executor,
+                                      transport=OutOfTimeHere(GrpcReduceTransport(slow.channels)))
+            async with asyncio.timeout(group.reduce_timeout_s * 3 + 5.0):
+                fast, slow_result = await asyncio.gather(
+                    asyncio.gather(*(p.reduce(group, d) for p, d in zip(peers[:2], deltas[:2]))), slow_call)
+
+            mean_of_fast = (deltas[0] + old[0] + deltas[1] + old[1]) / 2  # the slow one's parts came too late
+            for i in others_shards:
+                sl = fast[0].slices[i]
+                assert slow_result.averages[i] is None and not slow_result.held[i]
+                assert torch.equal(slow.residual[sl], (deltas[2] + old[2])[sl])  # its part stays with it
+                for result in fast:  # applied by those who hold it
+                    assert torch.allclose(result.averages[i], mean_of_fast[sl], atol=1e-7, rtol=1e-6)
+            # Its own shard: all three parts reached it, and all three apply it.
+            for result in (*fast, slow_result):
+                assert torch.equal(result.averages[slows_shard], fast[0].averages[slows_shard])
+            updated = new_params(torch.zeros(NUMEL), fast)
+            assert digest(updated[0]) == digest(updated[1])
+        finally:
+            await stop_peers(peers)
+
+    run(scenario(), 30)
+
+
 # -- self-reported weights ------------------------------------------------------------------------
 
 def _members(*weights: float) -> list[averaging_pb2.Member]:
