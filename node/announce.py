@@ -51,6 +51,7 @@ class Choice:
     host: str
     why: str  # for the log line: how it was chosen
     ambiguous: bool  # several addresses and no route chose among them: worth a warning
+    others: tuple[str, ...] = ()  # the other addresses not on loopback, passed over
 
 
 def choose_announce_host(local_multiaddrs: list[str], peer_multiaddrs: list[str],
@@ -63,11 +64,14 @@ def choose_announce_host(local_multiaddrs: list[str], peer_multiaddrs: list[str]
         return Choice("127.0.0.1", "no address but loopback", ambiguous=False)
     if len(candidates) == 1:
         return Choice(candidates[0], "the only address not on loopback", ambiguous=False)
+    def chosen(host: str, why: str, ambiguous: bool = False) -> Choice:
+        return Choice(host, why, ambiguous, tuple(h for h in candidates if h != host))
+
     for peer in ipv4_hosts(peer_multiaddrs):
         source = route(peer)
         if source in candidates:
-            return Choice(source, f"the address routed towards the peer at {peer}", ambiguous=False)
+            return chosen(source, f"the address routed towards the peer at {peer}")
     source = route(DEFAULT_ROUTE_PROBE)
     if source in candidates:
-        return Choice(source, "the address on the default route", ambiguous=False)
-    return Choice(candidates[0], "the first, since no route chose one", ambiguous=True)
+        return chosen(source, "the address on the default route")
+    return chosen(candidates[0], "the first, since no route chose one", ambiguous=True)

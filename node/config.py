@@ -192,14 +192,17 @@ class ConfigLayers:
                 raise ConfigError(f"{source}: unknown section [{section}] (known: {_known_sections()})")
             for key, value in body.items():
                 if not isinstance(key, str):
-                    known = ", ".join(Config.model_fields[section].annotation.model_fields)
                     raise ConfigError(f"{source}: {key!r} in [{section}] is not a key name ({type(key).__name__}, "
-                                      f"not a string); its keys are: {known}")
+                                      f"not a string); its keys are: {_known_keys(section)}")
                 self.set(section, key, value, source)
 
 
 def _known_sections() -> str:
     return ", ".join(f"[{name}]" for name in Config.model_fields)
+
+
+def _known_keys(section: str) -> str:
+    return ", ".join(Config.model_fields[section].annotation.model_fields)
 
 
 def _not_a_table(source: str, name: str, value: Any) -> str:
@@ -318,8 +321,7 @@ def describe_validation_error(err: ValidationError, layers: ConfigLayers) -> str
                 lines.append(f"{_sources_of(layers, {section})}: unknown section [{section}] (known: "
                              f"{_known_sections()})")
             else:
-                known = ", ".join(Config.model_fields[section].annotation.model_fields)
-                lines.append(f"{source}: unknown key '{key}' in [{section}] (known keys: {known})")
+                lines.append(f"{source}: unknown key '{key}' in [{section}] (known keys: {_known_keys(section)})")
             continue
         if key is None and isinstance(problem.get("input"), Mapping):  # a rule across keys of one section
             message = problem["msg"].removeprefix("Value error, ")

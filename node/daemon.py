@@ -50,7 +50,7 @@ from lowcomm.protocol.reachability import DialBacker
 from lowcomm.protocol.state import StateDonor
 
 from . import restore
-from .announce import choose_announce_host, ipv4_hosts
+from .announce import choose_announce_host
 from .averaging import Averager
 from .cancel import cancel_and_wait
 from .catchup import CatchUp
@@ -360,12 +360,12 @@ class Node:
         if cfg.host not in ("0.0.0.0", "::", ""):
             return cfg.host
         choice = choose_announce_host(self.multiaddrs, cfg.peers)
-        others = [h for h in ipv4_hosts(self.multiaddrs) if h != choice.host and not h.startswith("127.")]
-        if others:
+        if choice.others:
             log.log(logging.WARNING if choice.ambiguous else logging.INFO,
                     "this machine has several addresses; peers are told %s (%s), not %s: if they cannot reach "
                     "it there, set --announce-host to the address they can", choice.host, choice.why,
-                    ", ".join(others), extra={"event": "announce_host", "host": choice.host, "others": others})
+                    ", ".join(choice.others),
+                    extra={"event": "announce_host", "host": choice.host, "others": list(choice.others)})
         return choice.host
 
     async def _check_reachable(self, link: SwarmLink) -> None:

@@ -18,7 +18,7 @@ from typing import Callable
 
 import grpc
 
-from lowcomm.protocol.reachability import DIAL_TIMEOUT_SECONDS, ask_dial_back
+from lowcomm.protocol.reachability import DIAL_TIMEOUT_SECONDS, ask_dial_back, split_address
 
 from .swarm import SwarmView
 
@@ -103,7 +103,7 @@ class ReachabilityCheck:
             return
         self.set_reachable(0.0)
         peer, why = next(iter(answers.failed.items()))
-        _, _, port = self.address.rpartition(":")
+        _, port = split_address(self.address)
         log.warning(
             "peers cannot reach this node's gRPC server at %s (%s could not: %s), so rounds will wait for it until "
             "their deadline and leave its part out: accept inbound TCP connections on port %s (firewall; behind "

@@ -166,7 +166,9 @@ async def run_allreduce(
     # Stage k's upload waits for stage k-1's (or its budget): each owner's downlink gets one sender at a time.
     order = upload_order(group, peer_id)
     stages = StageChain(order if staggered else [], stage_budget(group, len(order)), clock)
-    refused: set[int] = set()  # shards whose owner refused our contribution: our fault, we ask no skip
+    # Shards we lack through our own fault, for which we ask no skip: the owner refused our
+    # contribution, or (own_link_at_fault) every other owner's call ran out of time here.
+    refused: set[int] = set()
     timed_out: set[int] = set()  # other owners' shards whose call ran out of time here
 
     # The agreement first: a member that is done before us may report to us at any moment.
