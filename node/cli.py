@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from lowcomm import __version__
 
+from . import peerbook
 from .checkpoint_dir import first_missing, lock_checkpoint_dir, remove_if_never_used
 from .config import (NODE_KEYS, Config, ConfigError, NodeSection, load_config, read_layers, validate_layers,
                      warn_ignored_settings)
@@ -115,37 +116,77 @@ _UNANSWERED_PINGS = "none of the initial_peers responded to a ping"
 _sleep = time.sleep  # a seam for the tests
 
 
+class NoPeerAnswered(RuntimeError):
+    """None of the peers a DHT start was given answered (the message says which and how)."""
+
+
 def start_dht(config: Config, sources: dict[tuple[str, str], str] | None = None):
     """Create the hivemind DHT before any event loop or gRPC object exists (it forks).
 
     On the way the DHT process measures this machine's clock offset from the bootstrap peers and
     adopts it (node/clock.py); a warning says so here. When the bootstrap peers are reachable
     but none answers the DHT's ping in time, the start is tried again (``BOOTSTRAP_RETRY_PAUSES``).
+    The peers this node saw on its last run (node/peerbook.py) are its way in when it was given
+    no ``--peers`` (else it starts alone, as the first peer) and when none of its ``--peers`` answers.
     ``sources``: where each config key came from (config.ConfigLayers), for the messages.
     """
+    # Here, the first step of a node's start that follows the logging setup of both `join` and
+    # lowcomm.Swarm (which prints the "lowcomm" logger's records): each key the config sets in
+    # vain is said once, as the node starts.
+    warn_ignored_settings(config, sources)
+    node = config.node
+    peers_source = (sources or {}).get(("node", "peers"), _PEERS_FLAG)
+    _check_peer_multiaddrs(node.peers, peers_source)
+    _check_identity_path(config.identity_path)
+    _check_dht_address(node.host, node.dht_port)
+    given = {peerbook.peer_id_of(m) for m in node.peers}
+    book = peerbook.book_path(node.checkpoint_dir)
+    remembered = [m for m in peerbook.load(book) if peerbook.peer_id_of(m) not in given]
+    say = logging.getLogger("lowcomm.node")
+    if not node.peers:
+        if remembered:
+            try:
+                dht = _start_dht_through(config, remembered, peers_source, retry=False)
+                say.info("joined the swarm through the peers this node saw on its last run (%s)", book,
+                         extra={"event": "joined_through_remembered_peers", "peers": len(remembered)})
+                return dht
+            except NoPeerAnswered:
+                say.info("none of the %d peer(s) this node saw on its last run answered (%s); starting as the "
+                         "first peer", len(remembered), book)
+        return _start_dht_through(config, [], peers_source)
+    try:
+        return _start_dht_through(config, node.peers, peers_source)
+    except NoPeerAnswered as err:
+        if not remembered:
+            raise
+        say.warning("%s; trying the %d peer(s) this node saw on its last run (%s)", err, len(remembered), book,
+                    extra={"event": "peers_did_not_answer"})
+        try:
+            return _start_dht_through(config, remembered, peers_source, retry=False)
+        except NoPeerAnswered:
+            raise RuntimeError(f"{err}; nor did any of the {len(remembered)} peer(s) this node saw on its last "
+                               f"run ({book})") from None
+
+
+def _start_dht_through(config: Config, peers: list[str], peers_source: str, retry: bool = True):
+    """``start_dht`` with ``peers`` as the bootstrap peers; ``NoPeerAnswered`` when none answered
+    (after the retries, with ``retry``), any other failure as the error the user reads."""
     from hivemind.dht.protocol import ValidationError
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
     from .clock import ClockOffsetError
     from .dht import SupervisedDHT
 
-    # Here, the first step of a node's start that follows the logging setup of both `join` and
-    # lowcomm.Swarm (which prints the "lowcomm" logger's records): each key the config sets in
-    # vain is said once, as the node starts.
-    warn_ignored_settings(config, sources)
     node = config.node
     host = node.host
     proto = "ip6" if ":" in host else "ip4"
-    peers_source = (sources or {}).get(("node", "peers"), _PEERS_FLAG)
-    _check_peer_multiaddrs(node.peers, peers_source)
-    _check_identity_path(config.identity_path)
-    _check_dht_address(host, node.dht_port)
     began = time.monotonic()
+    pauses = BOOTSTRAP_RETRY_PAUSES if retry else ()
     try:
-        for attempt, pause in enumerate((*BOOTSTRAP_RETRY_PAUSES, None), start=1):
+        for attempt, pause in enumerate((*pauses, None), start=1):
             try:
                 dht = SupervisedDHT(
-                    initial_peers=node.peers,
+                    initial_peers=peers,
                     host_maddrs=[f"/{proto}/{host}/tcp/{node.dht_port}"],
                     identity_path=str(config.identity_path),
                     start=True,
@@ -156,14 +197,14 @@ def start_dht(config: Config, sources: dict[tuple[str, str], str] | None = None)
                 if _UNANSWERED_PINGS not in str(err):
                     raise
                 if pause is None:  # the DHT process has exited, and its p2pd with it
-                    raise RuntimeError(
-                        f"none of the peers answered the DHT's ping in {attempt} tries over "
-                        f"{time.monotonic() - began:.0f} s: {' '.join(node.peers)}; they accept connections but "
+                    raise NoPeerAnswered(
+                        f"none of the peers answered the DHT's ping in {attempt} tr{'y' if attempt == 1 else 'ies'} "
+                        f"over {time.monotonic() - began:.0f} s: {' '.join(peers)}; they accept connections but "
                         f"may be overloaded, or run another DHT protocol: try again later or join through "
                         f"another peer") from None
                 logging.getLogger("lowcomm.node").warning(
                     "none of the peers answered the DHT's ping (try %d of %d); trying again in %.0f s",
-                    attempt, len(BOOTSTRAP_RETRY_PAUSES) + 1, pause)
+                    attempt, len(pauses) + 1, pause)
                 _sleep(pause)
     except ClockOffsetError as err:
         raise RuntimeError(str(err)) from None
@@ -172,8 +213,8 @@ def start_dht(config: Config, sources: dict[tuple[str, str], str] | None = None)
     except P2PDaemonError as err:
         text = str(err)
         if "bootstrap" in text:
-            raise RuntimeError(
-                f"none of the peers answered: {' '.join(node.peers)}; check the multiaddr "
+            raise NoPeerAnswered(
+                f"none of the peers answered: {' '.join(peers)}; check the multiaddr "
                 f"(it must end in /p2p/<peer id>) and that the peer is running and reachable"
             ) from None
         if "address already in use" in text:  # taken since _check_dht_address's probe

@@ -67,6 +67,7 @@ from .grpc_metrics import HandledCounter
 from .metrics import NodeMetrics, serve_metrics
 from .ports import ReplicaEvaluating, TrainerPort
 from .reachability import ReachabilityCheck
+from .peerbook import PeerBook, book_path
 from .reconnect import Reconnector
 from .reports import ReportQueue
 from .runstats import RunStats
@@ -153,7 +154,8 @@ class Node:
         # Asked once: DHT calls block on another process, never on the event loop.
         self.multiaddrs = [str(m) for m in dht.get_visible_maddrs()]
         # After a partition heals, hivemind alone never reintroduces the two sides (node/reconnect.py).
-        self.reconnector = Reconnector(dht, self.peer_id, config.node.peers,
+        # It pings the peers the DHT started with: --peers, or those the node remembered (node/peerbook.py).
+        self.reconnector = Reconnector(dht, self.peer_id, list(getattr(dht, "initial_peers", None) or config.node.peers),
                                        interval=max(10.0, 3 * config.node.heartbeat_interval))
         self.trainer: TrainerPort
         # Eval of θ_global in the report thread; NaN for a trainer that offers no replica.
@@ -224,6 +226,7 @@ class Node:
                 return 0
             link = self.link = SwarmLink(self.config, self.identity, self.state, dht_client=self.dht_client,
                                          reconnector=self.reconnector, metrics=self.metrics, stats=self.stats)
+            link.peerbook = PeerBook(book_path(self.config.node.checkpoint_dir), self.peer_id)
             server = await self._start_server(link)
             self.driver = self._build_rounds(link)
             metrics_server, metrics_port = self._start_metrics()
@@ -317,6 +320,7 @@ class Node:
         if serve_peers:
             self.address = f"{self.announce_host}:{port}"
             self.matchmaker.address = link.address = self.address
+            link.dht_address = join_multiaddr(self.multiaddrs, self.announce_host) if self.multiaddrs else ""
         self.grpc_port = port
         return server
 

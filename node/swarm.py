@@ -139,6 +139,9 @@ class PeerRecord:
     # The peer serves gRPC over TLS (and calls its peers over TLS): a run is all TLS or all
     # plaintext, and a joiner on the other side is told so instead of failing every call.
     tls: bool = False
+    # The multiaddr of the peer's DHT (its join line's), "" for client-mode peers: peers remember
+    # it so that a restart finds the swarm without its --peers (node/peerbook.py).
+    dht_address: str = ""
 
     @classmethod
     def parse(cls, peer_id: str, value: dict) -> "PeerRecord | None":
@@ -150,7 +153,7 @@ class PeerRecord:
                 protocol_version=int(value.get("protocol_version", 0)),
                 config_fingerprint=str(value.get("config_fingerprint", "")), phase=str(value.get("phase", "")),
                 leaving=bool(value.get("leaving", False)), plan_peers=max(0, int(value.get("plan_peers", 0))),
-                tls=value.get("tls") is True,
+                tls=value.get("tls") is True, dht_address=_short_text(value.get("dht_address")),
             )
         except (KeyError, TypeError, ValueError):
             return None  # a malformed record from a stranger must not break the view
@@ -159,6 +162,11 @@ class PeerRecord:
         value = asdict(self)
         del value["peer_id"]
         return value
+
+
+def _short_text(value: object, limit: int = 512) -> str:
+    """A string field of a stranger's record: "" unless it is a string of at most ``limit`` characters."""
+    return value if isinstance(value, str) and len(value) <= limit else ""
 
 
 def peers_key(run: str) -> str:

@@ -22,6 +22,7 @@ from . import decisions, swarmpace
 from .config import Config
 from .globalstate import GlobalState
 from .metrics import NodeMetrics
+from .peerbook import PeerBook
 from .reconnect import Reconnector
 from .runstats import RunStats
 from .swarm import HivemindDHT, PeerRecord, SignedDHT, SwarmView, peers_key, read_swarm
@@ -44,6 +45,8 @@ class SwarmLink:
         self.metrics = metrics
         self.stats = stats
         self.address = address  # "" in client mode: peers cannot call us
+        self.dht_address = ""  # our join multiaddr, set with ``address`` (peers remember it)
+        self.peerbook: PeerBook | None = None  # where we remember the peers we saw (node/peerbook.py)
         self.view = SwarmView({}, {}, 0.0)
         self.has_view = False  # a full read of the table succeeded once
         self.reconnecting: asyncio.Task | None = None
@@ -68,6 +71,7 @@ class SwarmLink:
             tokens_per_second=self.stats.tokens_per_second, protocol_version=PROTOCOL_VERSION,
             config_fingerprint=self.identity.config_fingerprint, phase=self.stats.phase, leaving=leaving,
             plan_peers=self.plan_behind(step), tls=self.config.node.tls_cert is not None,
+            dht_address=self.dht_address,
         )
 
     @staticmethod
@@ -157,6 +161,8 @@ class SwarmLink:
                 if self.pace.full_read_due(len(self.view.peers), self.has_view, me, self.stats.phase, marks,
                                            same) is not None:
                     view = await self.refresh_view()
+                    if self.peerbook is not None:
+                        self.peerbook.remember([p.dht_address for p in view.peers.values()], view.left)
                     missing = self.reconnector.missing(view.peers.keys(), view.left)
                     # In a task of its own: pinging unreachable peers must never delay our record
                     # past its TTL (the others would think we left).
