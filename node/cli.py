@@ -144,7 +144,9 @@ def start_dht(config: Config, sources: dict[tuple[str, str], str] | None = None)
     remembered = [m for m in peerbook.load(book) if peerbook.peer_id_of(m) not in given]
     say = logging.getLogger("lowcomm.node")
     if not node.peers:
-        if remembered:
+        if remembered:  # said first: an address that drops connections costs p2pd's start-up timeout
+            say.info("looking for the swarm through the %d peer(s) this node saw on its last run (%s)",
+                     len(remembered), book)
             try:
                 dht = _start_dht_through(config, remembered, peers_source, retry=False)
                 say.info("joined the swarm through the peers this node saw on its last run (%s)", book,
