@@ -624,6 +624,14 @@ class NodeSection(ConfigSection):
             raise _wrong_type(f"expected a list of multiaddrs, got the string {given}: write peers = [{example}]")
         return value
 
+    @field_validator("identity", "checkpoint_dir", "run_secret_file", "tls_cert", "tls_key")
+    @classmethod
+    def _expand_home(cls, value: Path | None) -> Path | None:
+        # A shell expands ~ in a flag, but not in a config file, an environment variable or
+        # systemd's EnvironmentFile: "~/ckpt" made a folder named "~" in the current directory
+        # while every message said "~/ckpt" (the data and model paths were expanded already).
+        return value.expanduser() if value is not None else None
+
     @model_validator(mode="after")
     def _ports_differ(self) -> "NodeSection":
         # The second server to bind a shared port failed with "is it already in use?", which

@@ -82,6 +82,18 @@ def test_env_values_are_typed_and_empty_is_unset():
     assert cfg.node.max_rounds is None
 
 
+def test_a_home_folder_in_node_paths_is_expanded_from_a_file_and_the_environment(tmp_path, monkeypatch):
+    # No shell expands ~ there: "~/ckpt" made a folder named "~" in the current directory.
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    home = tmp_path / "home"
+    path = write(tmp_path, '[node]\ncheckpoint_dir = "~/ckpt"\nidentity = "~/id.key"\nrun_secret_file = "~/secret"\n'
+                           'tls_cert = "~/c.pem"\ntls_key = "~/k.pem"\n')
+    node = load_config(path).node
+    assert (node.checkpoint_dir, node.identity, node.run_secret_file, node.tls_cert, node.tls_key) == (
+        home / "ckpt", home / "id.key", home / "secret", home / "c.pem", home / "k.pem")
+    assert load_config(environ={"LOWCOMM_CHECKPOINT_DIR": "~/elsewhere"}).node.checkpoint_dir == home / "elsewhere"
+
+
 @pytest.mark.parametrize("value", ["/ip4/1.2.3.4/tcp/1/p2p/A,/ip4/5.6.7.8/tcp/2/p2p/B",
                                    "/ip4/1.2.3.4/tcp/1/p2p/A /ip4/5.6.7.8/tcp/2/p2p/B",
                                    " /ip4/1.2.3.4/tcp/1/p2p/A ,\n\t/ip4/5.6.7.8/tcp/2/p2p/B , "])
