@@ -115,8 +115,27 @@ class _Body(io.RawIOBase):
 
 def save(directory: PathLike, step: int, payload: dict[str, Any]) -> Path:
     """Write ``payload`` as the checkpoint of ``step``; a CheckpointWriteError when the system
-    refuses (the earlier checkpoints stay)."""
+    refuses (the earlier checkpoints stay).
+
+    A new checkpoint is written beside the last KEEP before the oldest goes, so a disk needs room
+    for KEEP + 1 of them. When it is full, the checkpoints older than the newest are removed and
+    the write is tried once more: a disk with room for two would otherwise never save again after
+    its second checkpoint (every round failed, and a restart went back to that step)."""
     directory = Path(directory)
+    try:
+        return _save(directory, step, payload)
+    except CheckpointWriteError as err:
+        older = list_checkpoints(directory)[:-1] if err.errno in (errno.ENOSPC, errno.EDQUOT) else []
+        if not older:
+            raise
+        for old in older:
+            old.unlink(missing_ok=True)
+        log.warning("%s: removed the older checkpoint(s) %s to make room, keeping the newest", err,
+                    ", ".join(old.name for old in older))
+        return _save(directory, step, payload)
+
+
+def _save(directory: Path, step: int, payload: dict[str, Any]) -> Path:
     final = _path(directory, step)
     tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,6 +224,33 @@ def test_a_full_disk_is_one_clear_error_and_leaves_the_earlier_checkpoint_and_no
     loaded, where = checkpoint.load_latest(directory)
     assert where.name == "step-000000001.ckpt"
     assert_payload_equal(loaded, payload(1))
+
+
+def test_a_disk_with_room_for_two_checkpoints_keeps_saving_the_newest(tmp_path, monkeypatch, caplog):
+    # A new checkpoint is written beside the last two: on a disk with room for two, every write
+    # after the second failed, and the node never saved again (audit: a 25 MB tmpfs, 10.7 MB each).
+    directory = tmp_path / "ck"
+    size = checkpoint.save(tmp_path / "probe", 1, payload(1)).stat().st_size
+    budget = int(2.5 * size)
+    write = checkpoint._HashingWriter.write
+
+    def bounded(self, data) -> int:
+        used = sum(p.stat().st_size for p in directory.iterdir() if p.name != Path(self.fh.name).name)
+        if used + self.fh.tell() + len(data) > budget:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(self, data)
+
+    monkeypatch.setattr(checkpoint._HashingWriter, "write", bounded)
+    with caplog.at_level(logging.WARNING, logger=checkpoint.__name__):
+        for step in range(1, 6):
+            checkpoint.save(directory, step, payload(step))
+    assert [p.name for p in checkpoint.list_checkpoints(directory)] == ["step-000000004.ckpt", "step-000000005.ckpt"]
+    loaded, where = checkpoint.load_latest(directory)
+    assert where.name == "step-000000005.ckpt"
+    assert_payload_equal(loaded, payload(5))
+    made_room = [r.getMessage() for r in caplog.records]
+    assert len(made_room) == 3 and made_room[0].endswith(
+        "removed the older checkpoint(s) step-000000001.ckpt to make room, keeping the newest"), made_room
 
 
 def test_an_error_that_is_not_the_systems_is_not_called_a_write_failure(tmp_path):
