@@ -27,11 +27,12 @@ from lowcomm.protocol._pb.lowcomm.v1 import state_pb2, state_pb2_grpc
 from lowcomm.protocol.handshake import Identity, IncompatiblePeer
 from lowcomm.protocol.rpc import ChannelPool
 from lowcomm.protocol.missed_rounds import KEPT_ROUNDS, MissedRoundsError, apply_missed_rounds, fetch_missed_rounds
-from lowcomm.protocol.state import Donor, OptimizerStates, Snapshot, StateDonor, StateError, download_state
+from lowcomm.protocol.state import Donor, OptimizerStates, Snapshot, StateDonor, StateError, download_state, state_bytes
 
 from . import decisions, joincheck
 from .averaging import Averager
 from .cancel import cancel_and_wait
+from .commit import human_bytes
 from .config import Config
 from .errors import FatalError, refused_by_the_swarm
 from .globalstate import GlobalState
@@ -45,6 +46,43 @@ from .train_thread import TrainThread
 
 T = TypeVar("T")
 log = logging.getLogger("lowcomm.node")
+
+
+# Catch-ups in a row after a download that the swarm outpaced (CatchUp._catch_up).
+MORE_CATCH_UPS = 2
+# How often a state download in progress says how far it is.
+PROGRESS_EVERY_SECONDS = 15.0
+
+
+class DownloadProgress:
+    """Says how a state download goes: a line as it starts, then one every
+    PROGRESS_EVERY_SECONDS with the bytes, the rate and the time left; counts the bytes into
+    ``counter`` as they arrive (a download of minutes was silent, its metric still at 0)."""
+
+    def __init__(self, step: int, total: int, donors: int, counter, clock=time.monotonic) -> None:
+        self.step, self.total, self.counter, self.clock = step, total, counter, clock
+        self.started = self.last_said = clock()
+        self.received = 0
+        log.info("downloading the swarm's state of step %d (%s) from %d donor(s)", step, human_bytes(total), donors,
+                 extra={"event": "state_download_started", "outer_step": step, "total_bytes": total,
+                        "donors": donors})
+
+    def __call__(self, received: int, total: int) -> None:
+        self.counter.inc(max(0, received - self.received))
+        self.received, self.total = max(self.received, received), total
+        now = self.clock()
+        if now - self.last_said >= PROGRESS_EVERY_SECONDS and self.received < total:
+            self.last_said = now
+            rate = self.received / max(now - self.started, 1e-9)
+            log.info("downloading step %d: %s, %s/s, about %.0f s left", self.step, self.said(), human_bytes(rate),
+                     (total - self.received) / max(rate, 1e-9),
+                     extra={"event": "state_download_progress", "outer_step": self.step,
+                            "bytes_received": self.received, "total_bytes": total, "bytes_per_second": rate})
+
+    def said(self) -> str:
+        """What came so far, as in "3.2MB of 26.1MB (12 %)"."""
+        share = 100.0 * min(self.received, self.total) / self.total if self.total else 0.0
+        return f"{human_bytes(self.received)} of {human_bytes(self.total)} ({share:.0f} %)"
 
 
 class CatchUp:
@@ -111,12 +149,35 @@ class CatchUp:
         if plan.because_minority:
             log.warning("our params at step %d differ from the majority of the swarm; re-downloading", plan.step)
         self.stats.phase = "catching_up"
-        donors = [Donor(p.peer_id, p.address) for p in plan.donors]
-        # The missed rounds come from one donor: the one with the fastest declared link first.
-        fastest = [Donor(p.peer_id, p.address) for p in sorted(plan.donors, key=lambda p: -p.bandwidth_bps)]
-        if not plan.because_minority and await self._apply_missed_rounds(plan.step, plan.params_hash, fastest):
-            return
-        await self._download(plan.step, plan.params_hash, donors)
+        await self._catch_up(plan)
+
+    async def _catch_up(self, plan: decisions.CatchUp) -> None:
+        """Reach ``plan``'s step by the missed rounds or a download. A download long enough for
+        the swarm to go on meanwhile is followed at once by the next catch-up (at most
+        MORE_CATCH_UPS times): a joiner on a slow link trained a whole phase from the state it
+        had just got, found itself behind again at the boundary, and chased the swarm for ever."""
+        for attempt in range(1 + MORE_CATCH_UPS):
+            started = time.monotonic()
+            # The missed rounds come from one donor: the one with the fastest declared link first.
+            fastest = [Donor(p.peer_id, p.address) for p in sorted(plan.donors, key=lambda p: -p.bandwidth_bps)]
+            if not plan.because_minority and await self._apply_missed_rounds(plan.step, plan.params_hash, fastest):
+                return
+            donors = [Donor(p.peer_id, p.address) for p in plan.donors]
+            if not await self._download(plan.step, plan.params_hash, donors) or self.stop_requested.is_set():
+                return
+            view = await self.swarm.refresh_view()
+            later = decisions.catch_up_target(view, self.swarm.position(),
+                                              gossip_window=GOSSIP_STEP_WINDOW if self.gossip else None)
+            if later is None or later.because_minority or attempt == MORE_CATCH_UPS:
+                return
+            gap = later.step - self.state.step
+            if gap > KEPT_ROUNDS:
+                log.warning("the swarm made %d step(s) during this %.0f s state download, more than the %d rounds a "
+                            "donor keeps for a peer that fell behind: downloading again. This node takes part only "
+                            "once a download is shorter than about %d of the swarm's steps (a faster link, or a "
+                            "smaller model)", gap, time.monotonic() - started, KEPT_ROUNDS, KEPT_ROUNDS,
+                            extra={"event": "download_outpaced", "outer_step": later.step, "steps_behind": gap})
+            plan = later
 
     async def _refuse_a_swarm_out_of_reach(self, view: SwarmView) -> None:
         """End the node (one line saying which flag to change) when the swarm it joined serves
@@ -153,27 +214,31 @@ class CatchUp:
                     f"of the run it can average with is in sight: start it with the swarm's secret in "
                     f"--run-secret-file") from None
 
-    async def _download(self, step: int, digest: str | None, donors: list[Donor]) -> None:
+    async def _download(self, step: int, digest: str | None, donors: list[Donor]) -> bool:
+        """Download and adopt the state of ``step``; whether it was adopted."""
         started = time.monotonic()
+        states = served_state_names(self.config)
+        progress = DownloadProgress(step, state_bytes(self.trainer.numel, states), len(donors),
+                                    self.metrics.state_download_bytes)
         download = await self._unless_stopped(download_state(
             donors, step, digest, self.identity, self.channels, timeout=max(60.0, self.config.sync.reduce_timeout),
             expected_numel=self.trainer.numel,  # the run config's size, not a donor's
-            expected_states=served_state_names(self.config)))
+            expected_states=states, progress=progress))
         if download is None:
             log.info("stop requested: the state download of step %d is abandoned (staying at step %d)", step,
                      self.state.step)
-            return
+            return False
         try:
             got = download.result()
         except StateError as err:
-            log.warning("state download of step %d failed: %s; training on from our state at step %d and trying "
-                        "again at the next round boundary", step, err, self.state.step)
-            return
+            log.warning("state download of step %d failed after %s in %.0f s: %s; training on from our state at "
+                        "step %d and trying again at the next round boundary", step, progress.said(),
+                        time.monotonic() - started, err, self.state.step)
+            return False
         except IncompatiblePeer as err:
             raise refused_by_the_swarm(str(err), self.identity.peer_id) from None
         state_hashes = await self._adopt(got.step, got.params, got.momentum, got.optimizer)
         self.metrics.state_downloads.inc()
-        self.metrics.state_download_bytes.inc(got.bytes_downloaded)
         log.info("caught up: downloaded step %d (%d bytes from %d donor(s) in %.1fs)%s", got.step, got.bytes_downloaded,
                  got.donors_used, time.monotonic() - started,
                  f", with the inner optimizer's {', '.join(state_hashes)}" if state_hashes else "",
@@ -181,6 +246,7 @@ class CatchUp:
                         "bytes_downloaded": got.bytes_downloaded, "state_sha256": state_hashes,
                         "optimizer_step": got.optimizer.step if got.optimizer is not None else None})
         await self.swarm.publish_record()
+        return True
 
     async def _apply_missed_rounds(self, step: int, digest: str | None, donors: list[Donor]) -> bool:
         """Catch up with the swarm at (``step``, ``digest``) by the averages of the rounds we

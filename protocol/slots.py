@@ -2,8 +2,8 @@
 
 A donor serves at most ``limit`` ranges at a time. Each range holds its slot for at most
 ``lease_seconds``: a downloader that reads too slowly (or not at all) stops counting against the
-limit then, so it cannot keep honest joiners out, and its stream is ended at the next chunk
-(``expired``). Streams past their lease still hold a chunk in memory until they end, so there
+limit then, so it cannot keep honest joiners out, and once another range took its place
+(``crowded``) its stream is ended at the next chunk (``expired``). Streams past their lease still hold a chunk in memory until they end, so there
 may be at most ``overdue_limit`` of them; beyond that, and when no slot frees up within
 ``wait_seconds``, a new request is refused at once and the downloader asks another donor.
 """
@@ -43,6 +43,13 @@ class DownloadSlots:
         now = time.monotonic() if now is None else now
         overdue = sum(lease.expired(now) for lease in self._open)
         return len(self._open) - overdue, overdue
+
+    def crowded(self) -> bool:
+        """Whether more ranges are open than the limit: a stream past its lease must then end, as
+        it holds a slot another downloader took. While nobody else needs it, a slow reader goes
+        on (a joiner on a 1.5 Mbit/s link needs more than the lease for a range; ended, it was
+        told that its slot went to another downloader when there was none)."""
+        return len(self._open) > self.limit
 
     @contextlib.asynccontextmanager
     async def lease(self) -> AsyncIterator[Lease]:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grpc
 import torch
@@ -47,19 +48,35 @@ RANGE_BYTES = 16 * 2**20  # one download request; several run in parallel across
 
 class StateDonor:
     """Serves the last two committed snapshots, and the averages of the last rounds for peers
-    that missed them (missed_rounds.py); limits how many downloads run at once."""
+    that missed them (missed_rounds.py); limits how many downloads run at once.
+
+    A snapshot older than those two stays while a download reads it (a range asked for within
+    ``PIN_SECONDS``), one such at most: a joiner on a slow link asks for its ranges over minutes,
+    and once the swarm had moved two steps on, every range it still lacked was refused ("not held
+    here") and the whole download was lost."""
+
+    KEEP = 2
+    PIN_SECONDS = 120.0
 
     def __init__(self, identity: Identity, max_concurrent: int = 4, lease_seconds: float = 120.0,
-                 wait_seconds: float = 10.0) -> None:
+                 wait_seconds: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.identity = identity
         self._snapshots: dict[int, Snapshot] = {}
+        self._read_at: dict[int, float] = {}  # step -> when a range of it was last asked for
+        self._clock = clock
         self.rounds = RoundLog()
         self._slots = DownloadSlots(max_concurrent, lease_seconds, wait_seconds)
 
     def publish(self, snapshot: Snapshot) -> None:
         self._snapshots[snapshot.step] = snapshot
-        for step in sorted(self._snapshots)[:-2]:
-            del self._snapshots[step]
+        now = self._clock()
+        older = sorted(self._snapshots)[:-self.KEEP]
+        being_read = [step for step in older if now - self._read_at.get(step, -float("inf")) < self.PIN_SECONDS]
+        pinned = set(being_read[-1:])  # the newest one a download reads: bounded memory
+        for step in older:
+            if step not in pinned:
+                del self._snapshots[step]
+                self._read_at.pop(step, None)
 
     def latest(self) -> Snapshot | None:
         return self._snapshots[max(self._snapshots)] if self._snapshots else None
@@ -75,6 +92,7 @@ class StateDonor:
         snap = self._snapshots.get(step)
         if snap is None:
             raise StateError(f"step {step} is not held here (have {sorted(self._snapshots)})")
+        self._read_at[step] = self._clock()
         end = len(snap.blob) if length == 0 else offset + length
         if offset < 0 or length < 0 or offset > end or end > len(snap.blob):  # offset past the end with length 0
             raise StateError(f"range [{offset}, {end}) outside the {len(snap.blob)}-byte state")
@@ -114,11 +132,17 @@ async def download_state(
     *,
     expected_numel: int,
     expected_states: tuple[str, ...] = (),
+    progress: Callable[[int, int], None] | None = None,
 ) -> DownloadedState:
     """Fetch the snapshot of ``expected_step`` from ``donors`` in parallel ranges.
 
     ``channel_for(address)`` returns a grpc.aio channel. A range that fails on one donor is
-    retried on the next; the result is checked against ``expected_params_sha256``.
+    retried on the next from the first byte it lacks; the result is checked against
+    ``expected_params_sha256``. ``timeout`` bounds each call for the state's description and
+    the wait for each chunk of a range, never a whole range: a slow link takes as long as it
+    needs while bytes keep coming (a 16 MiB range at 2 Mbit/s takes 67 s, and every range ran
+    out of a 60 s deadline, so such a joiner could never get in). ``progress(received, total)``
+    is called as bytes arrive.
 
     ``expected_numel`` is the parameter count the run's config implies (the joiner's own model):
     a donor that declares another size is not used, so nothing a donor says makes this node
@@ -197,28 +221,40 @@ async def download_state(
     total = reference.total_bytes
     downloaded = 0
 
-    async def fetch(donor: Donor, blob: bytearray, start: int, length: int) -> bool:
+    async def fetch(donor: Donor, blob: bytearray, start: int, length: int) -> int:
+        """Bytes of the range received, from its start on (``length`` when all of it came)."""
         nonlocal downloaded
         stub = state_pb2_grpc.StateTransferStub(channel_for(donor.address))
         request = state_pb2.StateRequest(hello=hello, step=expected_step, offset=start, length=length)
         received = 0
+        call = stub.DownloadState(request)  # no deadline: the wait for each chunk is bounded instead
         try:
-            async for chunk in stub.DownloadState(request, timeout=timeout):
-                if not (start <= chunk.offset and chunk.offset + len(chunk.data) <= start + length):
+            while True:
+                try:
+                    async with asyncio.timeout(timeout):
+                        chunk = await call.read()
+                except TimeoutError:
+                    raise StateError(f"no data for {timeout:.3g} s after {received} of {length} bytes") from None
+                if chunk is grpc.aio.EOF:
+                    break
+                if chunk.offset != start + received or received + len(chunk.data) > length:
                     raise StateError(f"donor {donor.peer_id} sent a chunk outside the asked range")
                 if hashlib.sha256(chunk.data).hexdigest() != chunk.sha256:
                     raise StateError(f"donor {donor.peer_id} sent a chunk whose hash does not match")
                 blob[chunk.offset:chunk.offset + len(chunk.data)] = chunk.data
                 received += len(chunk.data)
                 downloaded += len(chunk.data)
+                if progress is not None:
+                    progress(downloaded, total)
             if received != length:
                 raise StateError(f"donor {donor.peer_id} sent {received} of {length} bytes")
-            return True
         except grpc.aio.AioRpcError as err:
             log.warning("state range %d+%d from %s failed: %s", start, length, donor.peer_id, err.details())
         except StateError as err:
             log.warning("state range %d+%d from %s failed: %s", start, length, donor.peer_id, err)
-        return False
+        finally:
+            call.cancel()  # a range given up on (or done) holds nothing on the donor
+        return received
 
     async def fetch_from(sources: list[Donor]) -> bytearray | None:
         """The whole blob from ``sources``; None when every one of them failed on some range."""
@@ -231,13 +267,14 @@ async def download_state(
             assignment = [(alive[i % len(alive)], start, length) for i, (start, length) in enumerate(remaining)]
             limit = asyncio.Semaphore(2 * len(alive))  # a few ranges in flight per donor
 
-            async def limited(donor: Donor, start: int, length: int) -> bool:
+            async def limited(donor: Donor, start: int, length: int) -> int:
                 async with limit:
                     return await fetch(donor, blob, start, length)
 
             results = await asyncio.gather(*(limited(d, s, n) for d, s, n in assignment))
-            failed_donors = {d for (d, _, _), ok in zip(assignment, results) if not ok}
-            remaining = [(s, n) for (_, s, n), ok in zip(assignment, results) if not ok]
+            failed_donors = {d for (d, _, n), got in zip(assignment, results) if got < n}
+            # What a failed range lacks goes to the next donor; what it brought stays.
+            remaining = [(s + got, n - got) for (_, s, n), got in zip(assignment, results) if got < n]
             alive = [d for d in alive if d not in failed_donors]
         return None if remaining else blob
 

@@ -7,9 +7,10 @@ import asyncio
 import logging
 from types import SimpleNamespace
 
-from lowcomm.node import catchup
+from lowcomm.node import catchup, decisions
 from lowcomm.node.config import load_config
 from lowcomm.node.decisions import Position
+from lowcomm.node.metrics import NodeMetrics
 from lowcomm.node.swarm import PeerRecord, SwarmView
 
 OWN_RECORD = {"address": "127.0.0.1:7701", "outer_step": 0, "params_sha256": "h0"}
@@ -34,7 +35,7 @@ def catch_up_of(state, stop: asyncio.Event) -> catchup.CatchUp:
     """A CatchUp with nothing behind it but ``state`` and the stop event."""
     return catchup.CatchUp(
         load_config(environ={}), None, SimpleNamespace(numel=10), state, swarm=None, averager=None, channels=None,
-        donor=None, train_thread=None, codec_executor=None, metrics=None, stats=None, gossip=False,
+        donor=None, train_thread=None, codec_executor=None, metrics=NodeMetrics(), stats=None, gossip=False,
         must_download=False, stop_requested=stop)
 
 
@@ -119,3 +120,86 @@ def test_a_node_that_finds_no_peer_of_its_run_through_its_peers_says_to_check_th
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "no peer of run 'mistyped' is in the DHT joined through --peers" in warnings[0]
     assert "[run] name" in warnings[0]
+
+
+class MovingSwarm:
+    """A swarm whose one other peer is at the next of ``steps`` at each read."""
+
+    def __init__(self, state, steps: list[int]) -> None:
+        self.state, self.steps = state, list(steps)
+
+    def view_at(self, step: int) -> SwarmView:
+        other = PeerRecord("other", "127.0.0.1:1", step, f"h{step}", 1.0, 1.0, 1, "f", "training")
+        return SwarmView({"other": other}, {}, 0.0)
+
+    async def refresh_view(self):
+        return self.view_at(self.steps.pop(0))
+
+    def position(self):
+        return Position("me", self.state.step, f"h{self.state.step}")
+
+
+def test_a_download_the_swarm_outpaced_is_followed_at_once_by_the_next_catch_up(caplog):
+    # A joiner on a slow link trained a whole phase from the state it had just downloaded, found
+    # itself behind again at the boundary and downloaded again: it chased the swarm for ever.
+    state = SimpleNamespace(step=0)
+    swarm = MovingSwarm(state, [15, 16])  # during the download of step 10 the swarm got to 15, then 16
+    catch_up = catch_up_of(state, asyncio.Event())
+    catch_up.swarm = swarm
+    downloads, missed = [], []
+
+    async def download(step, digest, donors):
+        downloads.append(step)
+        state.step = step
+        return True
+
+    async def apply_missed_rounds(step, digest, donors):
+        if 0 < step - state.step <= catchup.KEPT_ROUNDS:
+            missed.append(step)
+            state.step = step
+            return True
+        return False
+
+    catch_up._download, catch_up._apply_missed_rounds = download, apply_missed_rounds
+    plan = decisions.catch_up_target(swarm.view_at(10), swarm.position())
+    caplog.set_level("INFO", logger="lowcomm.node")
+    asyncio.run(catch_up._catch_up(plan))
+    assert downloads == [10, 15] and missed == [16] and state.step == 16
+    outpaced = [r for r in caplog.records if getattr(r, "event", "") == "download_outpaced"]
+    assert len(outpaced) == 1 and "the swarm made 5 step(s) during this" in outpaced[0].getMessage()
+
+
+def test_catch_ups_in_a_row_are_bounded():
+    state = SimpleNamespace(step=0)
+    swarm = MovingSwarm(state, [20, 30, 40, 50])
+    catch_up = catch_up_of(state, asyncio.Event())
+    catch_up.swarm = swarm
+    downloads = []
+
+    async def download(step, digest, donors):
+        downloads.append(step)
+        state.step = step
+        return True
+
+    async def no_missed_rounds(step, digest, donors):
+        return False
+
+    catch_up._download, catch_up._apply_missed_rounds = download, no_missed_rounds
+    asyncio.run(catch_up._catch_up(decisions.catch_up_target(swarm.view_at(10), swarm.position())))
+    assert downloads == [10, 20, 30][:1 + catchup.MORE_CATCH_UPS]
+
+
+def test_a_download_says_when_it_starts_how_far_it_is_and_counts_its_bytes_as_they_come(caplog):
+    now = [0.0]
+    metrics = NodeMetrics()
+    caplog.set_level("INFO", logger="lowcomm.node")
+    progress = catchup.DownloadProgress(7, 26_000_000, 2, metrics.state_download_bytes, clock=lambda: now[0])
+    now[0] = 5.0
+    progress(2_000_000, 26_000_000)  # too soon for a line
+    now[0] = catchup.PROGRESS_EVERY_SECONDS + 1.0
+    progress(6_500_000, 26_000_000)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["downloading the swarm's state of step 7 (26.0MB) from 2 donor(s)",
+                     "downloading step 7: 6.5MB of 26.0MB (25 %), 406.2KB/s, about 48 s left"]
+    assert metrics.state_download_bytes._value.get() == 6_500_000
+    assert progress.said() == "6.5MB of 26.0MB (25 %)"

@@ -545,3 +545,118 @@ def test_parse_blob_checks_the_expected_size():
     assert parse_blob(bytearray(blob), expected_numel=1000)[0] == STEP
     with pytest.raises(StateError, match="the run's model has 999"):
         parse_blob(blob, expected_numel=999)
+
+
+# -- slow links ---------------------------------------------------------------------------------
+
+
+class SlowServicer(StateServicer):
+    """Sends each chunk ``pause`` seconds after the last; with ``stall_after`` chunks of a range,
+    stops sending (holds the stream) until the server stops. Records the ranges asked for."""
+
+    def __init__(self, donor: StateDonor, pause: float, stall_after: int | None = None) -> None:
+        super().__init__(donor)
+        self.pause, self.stall_after = pause, stall_after
+        self.asked: list[tuple[int, int]] = []
+
+    async def DownloadState(self, request, context):
+        self.asked.append((request.offset, request.length))
+        sent = 0
+        async for chunk in super().DownloadState(request, context):
+            if self.stall_after is not None and sent == self.stall_after:
+                await asyncio.Event().wait()
+            await asyncio.sleep(self.pause)
+            sent += 1
+            yield chunk
+
+
+def test_a_range_that_keeps_coming_is_not_cut_by_a_deadline_and_progress_is_told():
+    # A 16 MiB range at 2 Mbit/s takes 67 s: a 60 s deadline on the whole range cut every one,
+    # and a joiner on such a link could never get in. Here a range takes 4 x 0.15 s, the wait
+    # for each chunk is bounded by 0.4 s.
+    params, momentum = make_state(300_000)  # 2.4 MB: 3 ranges of 4 chunks
+    snap = Snapshot.build(STEP, params, momentum)
+    told: list[tuple[int, int]] = []
+
+    async def scenario():
+        swarm = Swarm()
+        try:
+            slow = SlowServicer(donor_with(snap, "slow"), pause=0.15)
+            await swarm.add(slow.donor, slow)
+            got = await download_state(swarm.donors, STEP, snap.params_sha256, identity("joiner"), swarm.channels,
+                                       0.4, expected_numel=snap.numel, progress=lambda r, t: told.append((r, t)))
+            assert_same_state(got, params, momentum)
+        finally:
+            await swarm.close()
+
+    run(scenario())
+    total = len(snap.blob)
+    assert told[-1] == (total, total) and [r for r, _ in told] == sorted(r for r, _ in told)
+
+
+def test_a_range_whose_donor_stalls_is_taken_up_by_another_from_its_first_missing_byte():
+    params, momentum = make_state(300_000)
+    snap = Snapshot.build(STEP, params, momentum)
+
+    async def scenario():
+        swarm = Swarm()
+        try:
+            stalling = SlowServicer(donor_with(snap, "stalling"), pause=0.0, stall_after=2)
+            steady = SlowServicer(donor_with(snap, "steady"), pause=0.0)
+            await swarm.add(stalling.donor, stalling)
+            await swarm.add(steady.donor, steady)
+            got = await download_state(swarm.donors, STEP, snap.params_sha256, identity("joiner"), swarm.channels,
+                                       0.5, expected_numel=snap.numel)
+            assert_same_state(got, params, momentum)
+            return stalling.asked, steady.asked
+        finally:
+            await swarm.close()
+
+    stalled, resumed = run(scenario())
+    chunk = state.CHUNK_BYTES
+    # Every range the stalling donor was asked for is asked again from the steady one from the
+    # byte after its two chunks, not from its start.
+    cut = [(offset, length) for offset, length in stalled if length > 2 * chunk]
+    assert cut
+    for offset, length in cut:
+        assert (offset + 2 * chunk, length - 2 * chunk) in resumed
+
+
+def test_a_donor_keeps_the_snapshot_a_download_reads_one_at_most():
+    now = [0.0]
+    params, momentum = make_state(1000)
+    donor = StateDonor(identity("d"), clock=lambda: now[0])
+    for step in (1, 2):
+        donor.publish(Snapshot.build(step, params + step, momentum))
+    next(donor.chunks(1, 0, 0))  # a joiner reads step 1
+    for step in (3, 4):
+        now[0] += 10.0
+        donor.publish(Snapshot.build(step, params + step, momentum))
+    assert next(donor.chunks(1, 0, 0)).data  # still served: a download reads it
+    with pytest.raises(StateError, match="step 2 is not held"):  # one pinned snapshot, no more
+        next(donor.chunks(2, 0, 0))
+    now[0] += StateDonor.PIN_SECONDS
+    donor.publish(Snapshot.build(5, params + 5, momentum))
+    with pytest.raises(StateError, match=r"step 1 is not held here \(have \[4, 5\]\)"):
+        next(donor.chunks(1, 0, 0))
+
+
+def test_a_slow_reader_past_its_lease_goes_on_while_nobody_else_needs_the_slot():
+    # Ended at its lease, a joiner on a 1.5 Mbit/s link was told that "the slot went to another
+    # downloader" when there was none, and lost its download.
+    params, momentum = make_state(300_000)
+    snap = Snapshot.build(STEP, params, momentum)
+
+    async def scenario():
+        swarm = Swarm()
+        try:
+            # Two slots: the joiner's own two ranges in flight. A range takes 4 x 0.1 s, its lease 0.2 s.
+            slow = SlowServicer(donor_with(snap, "d0", max_concurrent=2, lease_seconds=0.2), pause=0.1)
+            await swarm.add(slow.donor, slow)
+            got = await download_state(swarm.donors, STEP, snap.params_sha256, identity("joiner"),
+                                       swarm.channels, 5.0, expected_numel=snap.numel)
+            assert_same_state(got, params, momentum)
+        finally:
+            await swarm.close()
+
+    run(scenario())
