@@ -198,8 +198,12 @@ class CatchUp:
         the difference. Only when no peer this node can average with is in sight: it would
         otherwise train alone, of no use to anyone, with nothing but a warning to say why."""
         me = self.identity.peer_id
-        candidates = [p for p in (*view.peers.values(), *view.foreign.values()) if p.address and p.peer_id != me]
-        if not candidates or view.peers.keys() - {me}:
+        # A record still "starting" is no peer to average with: a joiner refused a moment ago
+        # leaves one in the DHT for a few heartbeats, and the same command run again (a launcher
+        # that restarts it) then skipped this check and trained alone, with no word, exit code 0.
+        settled = [p for p in (*view.peers.values(), *view.foreign.values()) if p.peer_id != me and p.phase != "starting"]
+        candidates = [p for p in settled if p.address]
+        if not candidates or view.peers.keys() & {p.peer_id for p in settled}:
             return
         peer = candidates[0]
         stub = state_pb2_grpc.StateTransferStub(self.channels(peer.address))

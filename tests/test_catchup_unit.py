@@ -1,5 +1,6 @@
 """The node's catch-up without sockets: a stop abandons a state download or a fetch of the
-missed rounds in flight."""
+missed rounds in flight; catch-ups follow a download the swarm outpaced; the handshake with a
+swarm of another run config."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ import asyncio
 import logging
 from types import SimpleNamespace
 
+import grpc
+import pytest
+
 from lowcomm.node import catchup, decisions
 from lowcomm.node.config import load_config
 from lowcomm.node.decisions import Position
+from lowcomm.node.errors import FatalError
 from lowcomm.node.metrics import NodeMetrics
 from lowcomm.node.swarm import PeerRecord, SwarmView
 
@@ -203,3 +208,34 @@ def test_a_download_says_when_it_starts_how_far_it_is_and_counts_its_bytes_as_th
                      "downloading step 7: 6.5MB of 26.0MB (25 %), 406.2KB/s, about 48 s left"]
     assert metrics.state_download_bytes._value.get() == 6_500_000
     assert progress.said() == "6.5MB of 26.0MB (25 %)"
+
+
+def test_a_refused_joiners_leftover_record_does_not_let_the_same_command_skip_the_handshake(monkeypatch):
+    # The same command run again after a refusal found the first attempt's record ("starting",
+    # same run config as its own) and took it for a peer to average with: no handshake, and it
+    # trained alone with exit code 0 while the swarm's peer waited.
+    asked = []
+
+    class RefusingStub:
+        def __init__(self, channel) -> None:
+            pass
+
+        async def GetStateInfo(self, request, timeout):
+            asked.append(request)
+            raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details="peer QmThem runs a different run config than peer QmMe: [train] lr")
+
+    monkeypatch.setattr(catchup.state_pb2_grpc, "StateTransferStub", RefusingStub)
+    leftover = PeerRecord("QmEarlier", "127.0.0.1:2", 0, "h0", 0.0, 0.0, 1, "f", "starting")
+    swarm_peer = PeerRecord("QmThem", "127.0.0.1:3", 0, "h9", 0.0, 0.0, 1, "other", "waiting")
+    view = SwarmView({"QmEarlier": leftover}, {"QmThem": swarm_peer}, 0.0)
+    catch_up = catch_up_of(SimpleNamespace(step=0), asyncio.Event())
+    catch_up.identity = SimpleNamespace(peer_id="QmMe", hello=lambda: None)
+    catch_up.channels = lambda address: None
+    with pytest.raises(FatalError, match=r"refused by the swarm: .*\[train\] lr"):
+        asyncio.run(catch_up._handshake(view))
+    assert len(asked) == 1
+    # A settled peer of our own run: nothing to check.
+    settled = PeerRecord("QmFriend", "127.0.0.1:4", 0, "h0", 0.0, 0.0, 1, "f", "training")
+    asyncio.run(catch_up._handshake(SwarmView({"QmFriend": settled}, {"QmThem": swarm_peer}, 0.0)))
+    assert len(asked) == 1
