@@ -48,8 +48,11 @@ T = TypeVar("T")
 log = logging.getLogger("lowcomm.node")
 
 
-# Catch-ups in a row after a download that the swarm outpaced (CatchUp._catch_up).
+# Catch-ups in a row after a download that the swarm outpaced (CatchUp._catch_up), and the
+# pause before the next try when every one was outpaced: doubling from the first to the most.
 MORE_CATCH_UPS = 2
+OUTPACED_PAUSE_FIRST = 60.0
+OUTPACED_PAUSE_MAX = 900.0
 # How often a state download in progress says how far it is.
 PROGRESS_EVERY_SECONDS = 15.0
 
@@ -109,6 +112,8 @@ class CatchUp:
         # A stop abandons a download in flight (a large model's takes minutes): the node then
         # stops from the state it had, which its checkpoint already holds.
         self.stop_requested = stop_requested
+        self.outpaced = 0  # catch-up chains in a row that the swarm outpaced (``_give_way``)
+        self.retry_at = 0.0  # monotonic time before which an outpaced node tries no catch-up
 
     async def run(self, initial: bool = False) -> None:
         """Download the swarm's state when it is ahead of us or we are in a minority at our step.
@@ -146,6 +151,8 @@ class CatchUp:
                                          gossip_window=GOSSIP_STEP_WINDOW if self.gossip else None)
         if plan is None:
             return
+        if not initial and not self.must_download and time.monotonic() < self.retry_at:
+            return  # outpaced: said once with the time of the next try (``_give_way``)
         if plan.because_minority:
             log.warning("our params at step %d differ from the majority of the swarm; re-downloading", plan.step)
         self.stats.phase = "catching_up"
@@ -154,9 +161,13 @@ class CatchUp:
     async def _catch_up(self, plan: decisions.CatchUp) -> None:
         """Reach ``plan``'s step by the missed rounds or a download. A download long enough for
         the swarm to go on meanwhile is followed at once by the next catch-up (at most
-        MORE_CATCH_UPS times): a joiner on a slow link trained a whole phase from the state it
-        had just got, found itself behind again at the boundary, and chased the swarm for ever."""
-        for attempt in range(1 + MORE_CATCH_UPS):
+        MORE_CATCH_UPS times): a joiner on a slow link trained a whole phase from the state it had
+        just got and found itself behind again at the boundary. A node the swarm outpaces every
+        time says so and waits before it tries again (``outpaced_pause``): it cannot take part
+        until a download is shorter than about KEPT_ROUNDS of the swarm's steps, and downloading
+        on and on only kept its donors busy."""
+        downloads = 0
+        while True:
             started = time.monotonic()
             # The missed rounds come from one donor: the one with the fastest declared link first.
             fastest = [Donor(p.peer_id, p.address) for p in sorted(plan.donors, key=lambda p: -p.bandwidth_bps)]
@@ -165,19 +176,35 @@ class CatchUp:
             donors = [Donor(p.peer_id, p.address) for p in plan.donors]
             if not await self._download(plan.step, plan.params_hash, donors) or self.stop_requested.is_set():
                 return
+            downloads += 1
+            took = time.monotonic() - started
             view = await self.swarm.refresh_view()
             later = decisions.catch_up_target(view, self.swarm.position(),
                                               gossip_window=GOSSIP_STEP_WINDOW if self.gossip else None)
-            if later is None or later.because_minority or attempt == MORE_CATCH_UPS:
+            if later is None or later.because_minority:
+                self.outpaced = 0
                 return
             gap = later.step - self.state.step
+            if gap > KEPT_ROUNDS and downloads > MORE_CATCH_UPS:
+                self._give_way(gap, took)
+                return
             if gap > KEPT_ROUNDS:
                 log.warning("the swarm made %d step(s) during this %.0f s state download, more than the %d rounds a "
-                            "donor keeps for a peer that fell behind: downloading again. This node takes part only "
-                            "once a download is shorter than about %d of the swarm's steps (a faster link, or a "
-                            "smaller model)", gap, time.monotonic() - started, KEPT_ROUNDS, KEPT_ROUNDS,
+                            "donor keeps for a peer that fell behind: downloading again", gap, took, KEPT_ROUNDS,
                             extra={"event": "download_outpaced", "outer_step": later.step, "steps_behind": gap})
             plan = later
+
+    def _give_way(self, gap: int, took: float) -> None:
+        """The swarm outpaced every download of a chain: say why and until when no more is tried."""
+        self.outpaced += 1
+        pause = min(OUTPACED_PAUSE_MAX, OUTPACED_PAUSE_FIRST * 2 ** (self.outpaced - 1))
+        self.retry_at = time.monotonic() + pause
+        log.warning("this node cannot keep up with the swarm: a state download takes about %.0f s, in which the swarm "
+                    "makes %d steps, and a donor keeps only the last %d rounds for a peer that fell behind; it can "
+                    "take part with a link about %.0fx faster (or in a swarm with longer inner phases, [train] "
+                    "inner_steps). Training on alone and trying again in %.0f s", took, gap, KEPT_ROUNDS,
+                    gap / KEPT_ROUNDS, pause,
+                    extra={"event": "download_outpaced", "steps_behind": gap, "retry_in_seconds": pause})
 
     async def _refuse_a_swarm_out_of_reach(self, view: SwarmView) -> None:
         """End the node (one line saying which flag to change) when the swarm it joined serves

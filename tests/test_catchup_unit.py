@@ -174,24 +174,41 @@ def test_a_download_the_swarm_outpaced_is_followed_at_once_by_the_next_catch_up(
     assert len(outpaced) == 1 and "the swarm made 5 step(s) during this" in outpaced[0].getMessage()
 
 
-def test_catch_ups_in_a_row_are_bounded():
+def test_a_node_the_swarm_outpaces_every_time_says_why_and_pauses_before_it_tries_again(caplog, monkeypatch):
+    # Downloading on and on kept the donors busy for nothing (26 MB every 45 s at 5 Mbit/s).
+    now = [1000.0]
+    monkeypatch.setattr(catchup.time, "monotonic", lambda: now[0])
     state = SimpleNamespace(step=0)
-    swarm = MovingSwarm(state, [20, 30, 40, 50])
+    swarm = MovingSwarm(state, [20, 30, 40, 50, 60, 70, 80, 90])
     catch_up = catch_up_of(state, asyncio.Event())
-    catch_up.swarm = swarm
+    catch_up.swarm, catch_up.stats = swarm, SimpleNamespace(phase="training")
+    swarm.current_view = swarm.refresh_view
     downloads = []
 
     async def download(step, digest, donors):
         downloads.append(step)
         state.step = step
+        now[0] += 45.0
         return True
 
     async def no_missed_rounds(step, digest, donors):
         return False
 
     catch_up._download, catch_up._apply_missed_rounds = download, no_missed_rounds
+    caplog.set_level("INFO", logger="lowcomm.node")
     asyncio.run(catch_up._catch_up(decisions.catch_up_target(swarm.view_at(10), swarm.position())))
     assert downloads == [10, 20, 30][:1 + catchup.MORE_CATCH_UPS]
+    said = [r.getMessage() for r in caplog.records if getattr(r, "event", "") == "download_outpaced"]
+    assert len(said) == 1 + catchup.MORE_CATCH_UPS, said  # every download of the chain, the last with the pause
+    assert said[-1].startswith("this node cannot keep up with the swarm: a state download takes about 45 s, in "
+                               "which the swarm makes 10 steps") and "5x faster" in said[-1]
+    assert said[-1].endswith(f"trying again in {catchup.OUTPACED_PAUSE_FIRST:.0f} s")
+    # Until then a round boundary tries nothing; after it, the next chain, paused twice as long.
+    asyncio.run(catch_up.run())
+    assert len(downloads) == 3
+    now[0] += catchup.OUTPACED_PAUSE_FIRST
+    asyncio.run(catch_up.run())
+    assert len(downloads) == 6 and catch_up.retry_at == now[0] + 2 * catchup.OUTPACED_PAUSE_FIRST
 
 
 def test_a_download_says_when_it_starts_how_far_it_is_and_counts_its_bytes_as_they_come(caplog):
