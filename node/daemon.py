@@ -320,7 +320,7 @@ class Node:
         if serve_peers:
             self.address = f"{self.announce_host}:{port}"
             self.matchmaker.address = link.address = self.address
-            link.dht_address = join_multiaddr(self.multiaddrs, self.announce_host) if self.multiaddrs else ""
+            link.dht_address = self.join_address
         self.grpc_port = port
         return server
 
@@ -353,6 +353,11 @@ class Node:
             raise kind(f"cannot serve metrics on {cfg.host}:{cfg.metrics_port} ({err.strerror}): "
                        f"choose another port with --metrics-port (or LOWCOMM_METRICS_PORT), or 0 for any free port"
                        ) from None
+
+    @functools.cached_property
+    def join_address(self) -> str:
+        """The DHT multiaddr the join line shows and the peer record carries ("" without any)."""
+        return join_multiaddr(self.multiaddrs, self.announce_host) if self.multiaddrs else ""
 
     @functools.cached_property
     def announce_host(self) -> str:
@@ -388,7 +393,7 @@ class Node:
 
     def _announce(self, metrics_port: int) -> None:
         maddrs = self.multiaddrs
-        reachable = join_multiaddr(maddrs, self.announce_host) if maddrs else ""
+        reachable = self.join_address
         if not maddrs:
             join_line = ""
         elif self._injected_trainer is not None:  # a lowcomm.Swarm: its peers run the same script
